@@ -1,0 +1,32 @@
+"""ckpttools: consolidate, inspect and reshard DeepSpeed ZeRO checkpoints."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .consolidate import ConsolidateResult, consolidate
+from .errors import (
+    CheckpointNotFoundError,
+    CkptError,
+    CorruptCheckpointError,
+    OutputError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+)
+from .inspect import inspect_checkpoint
+from .reader import ZeroCheckpoint, read_checkpoint
+
+__all__ = [
+    "CheckpointNotFoundError",
+    "CkptError",
+    "ConsolidateResult",
+    "CorruptCheckpointError",
+    "OutputError",
+    "UnsafeCheckpointError",
+    "UnsupportedCheckpointError",
+    "ZeroCheckpoint",
+    "__version__",
+    "consolidate",
+    "inspect_checkpoint",
+    "read_checkpoint",
+]

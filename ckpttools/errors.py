@@ -1,0 +1,35 @@
+"""Every error ckpttools raises on purpose. The CLI turns these into one line and an exit code."""
+
+from __future__ import annotations
+
+
+class CkptError(Exception):
+    """Base class: a problem with the user's input or environment, shown as one line, not a traceback."""
+
+    exit_code = 1
+
+
+class CheckpointNotFoundError(CkptError, FileNotFoundError):
+    """A path, tag, `latest` file or rank file that should exist does not."""
+
+
+class CorruptCheckpointError(CkptError, ValueError):
+    """Files exist but disagree with each other or with their own checksums."""
+
+
+class UnsupportedCheckpointError(CkptError, ValueError):
+    """A layout ckpttools recognises but cannot convert (pipeline, tensor parallel, MoE, NVMe offload)."""
+
+
+class UnsafeCheckpointError(CkptError, ValueError):
+    """A pickle asks for code outside the allowlist, or a path escapes its folder."""
+
+
+class OutputError(CkptError, OSError):
+    """The output folder exists, lies inside the input, or the disk is too small."""
+
+
+class UsageError(CkptError):
+    """Options that contradict each other or the checkpoint."""
+
+    exit_code = 2

@@ -1,0 +1,101 @@
+"""Hugging Face side of the output: what keys the model expects, config.json, the companion files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """The state-dict keys a transformers model class expects, and which of them it ties on load."""
+
+    architecture: str
+    expected: frozenset[str]
+    tied: dict[str, str]  # target -> source, as transformers v5 declares them
+
+
+def read_config(path: Path) -> dict[str, Any] | None:
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def model_keys(config_path: Path) -> ModelKeys | str:
+    """Build the model from config.json on the meta device (no memory) and list its keys.
+
+    Returns a ModelKeys, or a one-line reason why the model could not be built (keys then go unchecked).
+    """
+    import logging
+
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    transformers.logging.set_verbosity_error()
+    try:
+        config = transformers.AutoConfig.from_pretrained(config_path.parent, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure only means we cannot check
+        return f"config.json could not be read by transformers ({type(e).__name__}: {e})"
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        return f"architecture {archs[0] if archs else '(none)'} is not a transformers class"
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as e:  # noqa: BLE001
+        return f"{cls.__name__} could not be built from config.json ({type(e).__name__}: {e})"
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+    return ModelKeys(cls.__name__, frozenset(model.state_dict().keys()), {str(k): str(v) for k, v in tied.items()})
+
+
+def key_problems(keys: ModelKeys, written: Iterable[str], omitted_aliases: dict[str, str]) -> tuple[list[str], list[str]]:
+    """(missing, unexpected) keys of the output against the model, tied targets allowed to be absent."""
+    written = set(written)
+    missing = sorted(k for k in keys.expected - written if k not in keys.tied)
+    unexpected = sorted(written - keys.expected)
+    untied = sorted(a for a in omitted_aliases if a not in keys.tied and a in keys.expected)
+    return missing + [f"{a} (tied during training, but {keys.architecture} does not tie it on load)" for a in untied], unexpected
+
+
+def write_config(src: Path, dst: Path, dtype: torch.dtype) -> None:
+    """Copy config.json with its dtype set to the dtype written (v5 loads with dtype="auto")."""
+    config = json.loads(src.read_text())
+    name = DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    if "torch_dtype" in config or "dtype" not in config:
+        config["torch_dtype"] = name
+    config["dtype"] = name
+    dst.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def copy_side_files(root: Path, names: Iterable[str], out: Path) -> list[str]:
+    copied = []
+    for name in names:
+        if name == "config.json":
+            continue
+        shutil.copy2(root / name, out / name)
+        copied.append(name)
+    return copied
+
+
+def existing_weight_files(root: Path) -> list[Path]:
+    """The 16-bit weights a Trainer saved next to the ZeRO shards (safetensors only)."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError):
+            return []
+        return sorted({root / f for f in weight_map.values() if "/" not in f and ".." not in f})
+    single = root / "model.safetensors"
+    return [single] if single.is_file() else []

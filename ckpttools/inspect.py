@@ -1,0 +1,64 @@
+"""A summary of a ZeRO checkpoint without reading any tensor bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import hf
+from .consolidate import DTYPES, plan_tensors, source_summary
+from .reader import ZeroCheckpoint, read_checkpoint
+
+
+def _trainer_state(root: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((root / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    losses = [e["loss"] for e in state.get("log_history", []) if isinstance(e, dict) and "loss" in e]
+    return {
+        "global_step": state.get("global_step"),
+        "epoch": state.get("epoch"),
+        "last_loss": losses[-1] if losses else None,
+        "best_model_checkpoint": state.get("best_model_checkpoint"),
+    }
+
+
+def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    """Everything `ckpt inspect` reports, as plain JSON-able values."""
+    loc = ckpt.location
+    hf_folder = (loc.root / "config.json").is_file()
+    trainable = [s for s in ckpt.masters.values()]
+    frozen = [ckpt.bit16[n] for n in ckpt.frozen_names]
+    sizes = {}
+    for name, dtype in DTYPES.items():
+        tensors, _ = plan_tensors(ckpt, dtype, hf_folder=hf_folder)
+        sizes[name] = sum(t.nbytes for t in tensors)
+    tags = sorted(p.name for p in loc.root.iterdir() if p.is_dir() and any(p.glob("*_model_states.pt")))
+    existing = hf.existing_weight_files(loc.root)
+    return {
+        **source_summary(ckpt),
+        "optimizer": ckpt.optimizer_kind,
+        "tags": tags,
+        "trainer_output_dir": str(loc.output_dir) if loc.output_dir else None,
+        "num_parameters": sum(s.numel() for s in trainable + frozen),
+        "trainable_parameters": sum(s.numel() for s in trainable),
+        "frozen_parameters": sum(s.numel() for s in frozen),
+        "num_trainable": len(trainable),
+        "num_frozen": len(frozen),
+        "num_buffers": len(ckpt.buffers),
+        "tied": dict(ckpt.shared_params),
+        "frozen_excluded": ckpt.frozen_excluded,
+        "gathered_16bit_weights": [p.name for p in existing],
+        "hf_files": loc.side_files,
+        "trainer_state": _trainer_state(loc.root),
+        "output_bytes": sizes,
+        "fp32_master_bytes": sum(s.numel() for s in trainable) * torch.float32.itemsize,
+    }
+
+
+def inspect_checkpoint(path: Path | str, **kwargs: Any) -> dict[str, Any]:
+    return summarize(read_checkpoint(path, **kwargs))

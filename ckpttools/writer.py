@@ -1,0 +1,210 @@
+"""Stream tensors from checkpoint shards into safetensors files with bounded memory.
+
+The header is written first (every shape and dtype is known up front), then each tensor's bytes in
+order. A background thread reads (and casts) fixed-size chunks while the main thread writes, so at
+most a few chunk buffers exist at once, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import struct
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .reader import Segment, TensorSource
+from .torchfile import RecordReader
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+CHUNK_BYTES = 32 << 20
+BUFFERS_IN_FLIGHT = 3
+
+ProgressFn = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """A tensor to write: its name in the file, output dtype and where its values come from."""
+
+    name: str
+    source: TensorSource
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.source.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel() * self.dtype.itemsize
+
+
+def output_dtype(source: TensorSource, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is written in.
+
+    Integer and bool tensors keep theirs. Floating params take `dtype`. Floating buffers are upcast for
+    fp32 output (as zero_to_fp32 does) but otherwise keep the dtype the engine held them in (an fp32
+    buffer in a bf16 model stays fp32 in the engine's 16-bit state dict), unless that is another 16-bit type.
+    """
+    if not source.dtype.is_floating_point:
+        return source.dtype
+    if source.kind == "buffer" and dtype != torch.float32 and source.dtype not in (torch.bfloat16, torch.float16):
+        return source.dtype
+    return dtype
+
+
+def safetensors_header(tensors: Sequence[OutputTensor], metadata: dict[str, str]) -> bytes:
+    """The length-prefixed JSON header, padded to 8 bytes as the safetensors reader expects."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for t in tensors:
+        header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def _segment_chunks(seg: Segment, chunk_elems: int) -> Iterator[tuple[Segment, int, int]]:
+    """(segment, element offset, element count) pieces of at most `chunk_elems`."""
+    done = 0
+    while done < seg.count:
+        n = min(chunk_elems, seg.count - done)
+        yield seg, seg.start + done, n
+        done += n
+
+
+def _chunk_plan(tensors: Sequence[OutputTensor], chunk_bytes: int) -> Iterator[tuple[OutputTensor, Segment, int, int]]:
+    for t in tensors:
+        item = max(t.source.dtype.itemsize, t.dtype.itemsize)
+        for seg in t.source.segments:
+            for s, start, n in _segment_chunks(seg, max(1, chunk_bytes // item)):
+                yield t, s, start, n
+
+
+class _ChunkPump:
+    """Reads and casts chunks on a background thread into a small pool of reusable buffers."""
+
+    def __init__(self, tensors: Sequence[OutputTensor], reader: RecordReader, chunk_bytes: int) -> None:
+        self.reader = reader
+        self.free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(BUFFERS_IN_FLIGHT):
+            self.free.put(bytearray(chunk_bytes))
+        self.scratch = bytearray(chunk_bytes)  # source bytes before a cast
+        self.ready: queue.Queue[Any] = queue.Queue(maxsize=BUFFERS_IN_FLIGHT)
+        self.plan = _chunk_plan(tensors, chunk_bytes)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ckpt-reader", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            for t, seg, start, n in self.plan:
+                if self.stop.is_set():
+                    return
+                buf = self.free.get()
+                self.ready.put((buf, self._fill(buf, t, seg, start, n)))
+            self.ready.put(None)
+        except BaseException as e:  # handed to the writer thread, which re-raises it
+            self.ready.put(e)
+
+    def _fill(self, buf: bytearray, t: OutputTensor, seg: Segment, start: int, n: int) -> int:
+        src_dtype = seg.tensor.dtype
+        base, _ = seg.tensor.byte_span()
+        src_bytes = n * src_dtype.itemsize
+        if src_dtype == t.dtype:
+            self.reader.readinto(seg.tensor.record, base + start * src_dtype.itemsize, memoryview(buf)[:src_bytes])
+            return src_bytes
+        self.reader.readinto(seg.tensor.record, base + start * src_dtype.itemsize, memoryview(self.scratch)[:src_bytes])
+        src = torch.frombuffer(self.scratch, dtype=src_dtype, count=n)
+        dst = torch.frombuffer(buf, dtype=t.dtype, count=n)
+        dst.copy_(src)  # round-to-nearest-even, as the engine's fp32 -> 16-bit copy
+        return n * t.dtype.itemsize
+
+    def __iter__(self) -> Iterator[memoryview]:
+        self.thread.start()
+        try:
+            while True:
+                item = self.ready.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                buf, nbytes = item
+                yield memoryview(buf)[:nbytes]
+                self.free.put(buf)
+        finally:
+            self.stop.set()
+            while self.thread.is_alive():  # unblock the pump if the writer stopped early
+                try:
+                    self.ready.get_nowait()
+                except queue.Empty:
+                    pass
+                self.free.put(bytearray(0))
+                self.thread.join(timeout=0.05)
+
+
+def write_safetensors(
+    path: Path,
+    tensors: Sequence[OutputTensor],
+    reader: RecordReader,
+    *,
+    metadata: dict[str, str] | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+    on_progress: ProgressFn | None = None,
+) -> int:
+    """Write `tensors` into one safetensors file, streaming from the checkpoint. Returns bytes written."""
+    header = safetensors_header(tensors, metadata or {"format": "pt"})
+    written = 0
+    with open(path, "wb") as fh:
+        fh.write(header)
+        written += len(header)
+        for chunk in _ChunkPump(tensors, reader, chunk_bytes):
+            fh.write(chunk)
+            written += len(chunk)
+            if on_progress:
+                on_progress(len(chunk))
+    return written
+
+
+def read_tensor(source: TensorSource, reader: RecordReader, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Materialise one source tensor in memory (for checks and small tensors)."""
+    out = torch.empty(source.numel(), dtype=source.dtype)
+    pos = 0
+    for seg in source.segments:
+        base, _ = seg.tensor.byte_span()
+        isz = seg.tensor.dtype.itemsize
+        chunk = bytearray(seg.count * isz)
+        reader.readinto(seg.tensor.record, base + seg.start * isz, memoryview(chunk))
+        if seg.count:
+            out[pos : pos + seg.count] = torch.frombuffer(chunk, dtype=seg.tensor.dtype)
+        pos += seg.count
+    out = out.view(source.shape)
+    return out.to(dtype) if dtype is not None and dtype != out.dtype else out
+
+
+def write_pt(path: Path, tensors: Sequence[OutputTensor], reader: RecordReader, on_progress: ProgressFn | None = None) -> int:
+    """Write a `torch.save` state dict (`--to pt`); holds one shard in memory, as torch.save must."""
+    state = {}
+    for t in tensors:
+        state[t.name] = read_tensor(t.source, reader, t.dtype)
+        if on_progress:
+            on_progress(t.nbytes)
+    torch.save(state, path)
+    return path.stat().st_size
