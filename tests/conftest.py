@@ -1,0 +1,41 @@
+"""Shared test helpers: the real DeepSpeed fixtures under fixtures/ and a hermetic environment."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+FIXTURES = Path(os.environ.get("CKPT_FIXTURES") or Path(__file__).resolve().parent.parent / "fixtures")
+
+
+def fixture_names(kind: str | None = None) -> list[str]:
+    names = json.loads((FIXTURES / "index.json").read_text())
+    if kind is None:
+        return names
+    return [n for n in names if json.loads((FIXTURES / n / "meta.json").read_text()).get("kind", "engine") == kind]
+
+
+def fixture_meta(name: str) -> dict:
+    return json.loads((FIXTURES / name / "meta.json").read_text())
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    """sha256 of every file under `path`, to prove an input was not modified."""
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(autouse=True)
+def _hermetic_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("CKPT_DEBUG", raising=False)
+    monkeypatch.setenv("CI", os.environ.get("CI", "1"))
