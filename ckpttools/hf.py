@@ -75,7 +75,7 @@ def write_config(src: Path, dst: Path, dtype: torch.dtype) -> None:
     if "torch_dtype" in config or "dtype" not in config:
         config["torch_dtype"] = name
     config["dtype"] = name
-    dst.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    dst.write_text(json.dumps(config, indent=2) + "\n")
 
 
 def copy_side_files(root: Path, names: Iterable[str], out: Path) -> list[str]:

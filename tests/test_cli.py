@@ -1,0 +1,188 @@
+"""The command line: results, JSON, exit codes, and one clear line for every bad input."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from ckpttools.cli import main
+from ckpttools.torchfile import load_pickle
+
+from .conftest import FIXTURES, fixture_names, tree_digest
+
+ENGINE = fixture_names("engine")
+Z3 = next(n for n in ENGINE if n.startswith("z3_dp3"))
+Z2 = next(n for n in ENGINE if n.startswith("z2_dp2"))
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture
+def z3(tmp_path):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / Z3 / "checkpoint", dst)
+    return dst
+
+
+def _tag_dir(ckpt: Path) -> Path:
+    return ckpt / (ckpt / "latest").read_text().strip()
+
+
+def test_consolidate_json_reports_the_result(tmp_path):
+    res = run("consolidate", FIXTURES / Z3 / "checkpoint", "--out", tmp_path / "o", "--json", "--dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["output_dir"] == str(tmp_path / "o") and data["dtype"] == "bf16" and data["files"] == ["model.safetensors"]
+    assert data["source"]["zero_stage"] == 3 and data["source"]["dp_world_size"] == 3
+
+
+def test_inspect_json_and_text():
+    res = run("inspect", FIXTURES / Z2 / "checkpoint", "--json")
+    data = json.loads(res.stdout)
+    assert res.exit_code == 0 and data["zero_stage"] == 2 and data["num_frozen"] == 2 and data["num_buffers"] == 2
+    text = run("inspect", FIXTURES / Z2 / "checkpoint").stdout
+    assert "ZeRO-2, DP 2" in text and "head.weight -> emb.weight" in text
+
+
+def _assert_one_line_error(res, match, code=1):
+    assert res.exit_code == code, res.output
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), res.stderr
+    assert match in lines[0], lines[0]
+    assert "Traceback" not in res.output
+
+
+def _break_missing_rank(ckpt):
+    (_tag_dir(ckpt) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+
+
+def _break_extra_rank(ckpt):
+    tag = _tag_dir(ckpt)
+    shutil.copy(tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt")
+
+
+def _break_world_size(ckpt):
+    other = next(n for n in ENGINE if n.startswith("z3_dp2_bf16"))
+    src = _tag_dir(FIXTURES / other / "checkpoint") / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(src, _tag_dir(ckpt) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+
+def _break_stage(ckpt):
+    other = next(n for n in ENGINE if n.startswith("z2_dp3_bf16"))
+    src = _tag_dir(FIXTURES / other / "checkpoint") / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    shutil.copy(src, _tag_dir(ckpt) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+
+def _break_truncate(ckpt):
+    f = _tag_dir(ckpt) / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _break_tensor_bytes(ckpt):
+    f = _tag_dir(ckpt) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    record = load_pickle(f)["optimizer_state_dict"]["fp32_flat_groups"][0].record
+    data = bytearray(f.read_bytes())
+    data[record.offset + 5] ^= 0x40
+    f.write_bytes(bytes(data))
+
+
+def _break_pipeline(ckpt):
+    (_tag_dir(ckpt) / "layer_01-model_00-model_states.pt").write_bytes(b"")
+
+
+def _break_moe(ckpt):
+    (_tag_dir(ckpt) / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b"")
+
+
+def _break_nvme(ckpt):
+    (_tag_dir(ckpt) / "offloaded_tensors" / "rank00").mkdir(parents=True)
+
+
+def _break_latest(ckpt):
+    (ckpt / "latest").unlink()
+
+
+def _break_unknown_tag(ckpt):
+    (ckpt / "latest").write_text("global_step99")
+
+
+def _break_escaping_tag(ckpt):
+    (ckpt / "latest").write_text("../../etc")
+
+
+def _break_unsafe_pickle(ckpt):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("true",))
+
+    torch.save({"optimizer_state_dict": Evil()}, _tag_dir(ckpt) / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+
+
+BAD = {
+    "missing rank": (_break_missing_rank, "rank 1 missing"),
+    "extra rank": (_break_extra_rank, "rank 3 do not belong"),
+    "world size disagrees": (_break_world_size, "files from different runs are mixed"),
+    "stage disagrees": (_break_stage, "disagree on the ZeRO stage"),
+    "truncated file": (_break_truncate, "damaged"),
+    "damaged tensor bytes": (_break_tensor_bytes, "fails its CRC-32 check"),
+    "pipeline": (_break_pipeline, "pipeline-parallel"),
+    "moe": (_break_moe, "MoE"),
+    "nvme": (_break_nvme, "NVMe"),
+    "no latest": (_break_latest, "no `latest` file; pass --tag"),
+    "unknown tag": (_break_unknown_tag, "tag 'global_step99' has no folder"),
+    "escaping tag": (_break_escaping_tag, "not a plain folder name"),
+    "unsafe pickle": (_break_unsafe_pickle, "refusing to unpickle"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoint_gets_one_line_exit_1_and_nothing_written(case, z3, tmp_path):
+    breaker, match = BAD[case]
+    breaker(z3)
+    before = tree_digest(z3)
+    out = tmp_path / "out"
+    res = run("consolidate", z3, "--out", out)
+    _assert_one_line_error(res, match)
+    assert tree_digest(z3) == before
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_missing_path(tmp_path):
+    _assert_one_line_error(run("consolidate", tmp_path / "nope"), "does not exist")
+
+
+def test_existing_output_and_output_inside_input(z3, tmp_path):
+    (tmp_path / "out").mkdir()
+    _assert_one_line_error(run("consolidate", z3, "--out", tmp_path / "out"), "already exists; pass --overwrite")
+    _assert_one_line_error(run("consolidate", z3, "--out", z3 / "hf"), "inside the checkpoint")
+
+
+def test_too_little_disk_space_is_refused_before_writing(z3, tmp_path, monkeypatch):
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9, 1000))
+    _assert_one_line_error(run("consolidate", z3, "--out", tmp_path / "out"), "not enough free disk space")
+    assert not (tmp_path / "out").exists()
+
+
+def test_usage_errors_exit_2(z3):
+    res = run("consolidate", z3, "--dtype", "int3")
+    assert res.exit_code == 2 and "Traceback" not in res.output
+
+
+def test_real_process_prints_no_traceback_and_no_progress_in_ci(z3, tmp_path):
+    _break_tensor_bytes(z3)
+    env = {**os.environ, "CI": "true"}
+    proc = subprocess.run([sys.executable, "-m", "ckpttools.cli", "consolidate", str(z3), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, env=env)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and "CRC-32" in proc.stderr
