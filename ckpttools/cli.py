@@ -82,6 +82,13 @@ class _Progress:
         sys.stderr.write("\n")
 
 
+def human_size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
 def _emit(data: dict[str, Any], as_json: bool, human: Callable[[dict[str, Any]], str]) -> None:
     click.echo(json.dumps(data, indent=None, default=str) if as_json else human(data))
 
@@ -133,7 +140,7 @@ def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard
     if not quiet:
         _notes(data)
     _emit(data, as_json, lambda d: (
-        f"Wrote {d['num_tensors']} tensors ({d['num_parameters']:,} parameters, {d['total_size'] / 1e6:,.1f} MB, "
+        f"Wrote {d['num_tensors']} tensors ({d['num_parameters']:,} parameters, {human_size(d['total_size'])}, "
         f"{d['dtype']}) to {d['output_dir']}: {', '.join(d['files'])}"
     ))
 
@@ -163,7 +170,7 @@ def _human_inspect(d: dict[str, Any]) -> str:
         f"buffers        {d['num_buffers']}",
         f"tied           {', '.join(f'{a} -> {o}' for a, o in d['tied'].items()) or 'none'}",
         f"16-bit weights {', '.join(d['gathered_16bit_weights']) or 'none saved beside the shards'}",
-        "output size    " + ", ".join(f"{k} {v / 1e6:,.1f} MB" for k, v in d["output_bytes"].items()),
+        "output size    " + ", ".join(f"{k} {human_size(v)}" for k, v in d["output_bytes"].items()),
     ]
     if ts:
         lines.append(f"trainer        step {ts.get('global_step')}, epoch {ts.get('epoch')}, last loss {ts.get('last_loss')}")
