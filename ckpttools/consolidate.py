@@ -14,15 +14,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from . import hf
+from . import dtypes, hf
+from .dtypes import DType
 from .errors import CkptError, OutputError, UsageError
 from .reader import TensorSource, ZeroCheckpoint, read_checkpoint
 from .torchfile import RecordReader
 from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, write_pt, write_safetensors
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = dtypes.SHORT
 FORMATS = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
 SPACE_MARGIN = 64 << 20
 
@@ -49,7 +48,7 @@ def default_output_dir(ckpt: ZeroCheckpoint) -> Path:
     return root.parent / f"hf-{root.name}"
 
 
-def plan_tensors(ckpt: ZeroCheckpoint, dtype: torch.dtype, *, hf_folder: bool) -> tuple[list[OutputTensor], dict[str, str]]:
+def plan_tensors(ckpt: ZeroCheckpoint, dtype: DType, *, hf_folder: bool) -> tuple[list[OutputTensor], dict[str, str]]:
     """Output tensors in model order, and the tied aliases left out.
 
     In a Hugging Face folder a tied alias (lm_head.weight -> wte.weight) is stored once, under its owner,
@@ -190,11 +189,11 @@ def consolidate(
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     ckpt = read_checkpoint(path, tag=tag, step=step, best=best)
     out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt, overwrite)
-    torch_dtype = DTYPES[dtype]
+    out_dtype = DTYPES[dtype]
     config = ckpt.location.root / "config.json"
     hf_folder = config.is_file()
     keycheck = _KeyCheck(config if hf_folder else None)
-    tensors, omitted = plan_tensors(ckpt, torch_dtype, hf_folder=hf_folder)
+    tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=hf_folder)
     shards = _shard(tensors, to, max_shard_size)
     total = sum(t.nbytes for t in tensors)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -211,7 +210,7 @@ def consolidate(
         with RecordReader() as reader:
             files = _write_shards(tmp, shards, to, reader, on_progress)
             keycheck.problems(ckpt, [t.name for t in tensors], omitted, notes)
-            files += _write_hf_files(tmp, ckpt, shards, tensors, to, torch_dtype)
+            files += _write_hf_files(tmp, ckpt, shards, tensors, to, out_dtype)
             if check_existing and hf_folder:
                 notes += compare_with_existing(ckpt, reader)
             reader.finish()  # CRC-32 of every record read; raises before anything is published
@@ -243,7 +242,7 @@ def source_summary(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         "tag": ckpt.location.tag,
         "zero_stage": ckpt.zero_stage,
         "dp_world_size": ckpt.dp_world_size,
-        "train_dtype": hf.DTYPE_NAMES.get(ckpt.train_dtype, str(ckpt.train_dtype)),
+        "train_dtype": ckpt.train_dtype.name,
         "ds_version": ckpt.ds_version,
         "global_steps": ckpt.global_steps,
     }
@@ -264,7 +263,7 @@ def _write_hf_files(
     shards: dict[str, list[OutputTensor]],
     tensors: list[OutputTensor],
     to: str,
-    dtype: torch.dtype,
+    dtype: DType,
 ) -> list[str]:
     files = []
     if len(shards) > 1:
@@ -305,6 +304,8 @@ def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader) -> list[st
     files = hf.existing_weight_files(ckpt.location.root)
     if not files:
         return []
+    import torch
+
     notes = []
     differing: list[str] = []
     seen: set[str] = set()
@@ -318,9 +319,10 @@ def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader) -> list[st
                     differing.append(f"{key} (not in the shards)")
                     continue
                 saved = f.get_tensor(key)
-                if src.kind == "trainable" and name in ckpt.bit16 and ckpt.bit16[name].dtype == saved.dtype:
+                saved_dtype = dtypes.from_torch(saved.dtype)
+                if src.kind == "trainable" and name in ckpt.bit16 and ckpt.bit16[name].dtype is saved_dtype:
                     src = ckpt.bit16[name]
-                ours = read_tensor(src, reader, saved.dtype if saved.dtype.is_floating_point else None)
+                ours = read_tensor(src, reader, saved_dtype if saved_dtype.is_floating_point else None)
                 if ours.shape != saved.shape or not torch.equal(ours, saved):
                     differing.append(key)
     absent = [k for k in ckpt.keys if k not in seen and k not in ckpt.shared_params]

@@ -9,9 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+from .dtypes import DType
 
 
 @dataclass(frozen=True)
@@ -38,6 +36,7 @@ def model_keys(config_path: Path) -> ModelKeys | str:
     """
     import logging
 
+    import torch
     import transformers
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -68,10 +67,10 @@ def key_problems(keys: ModelKeys, written: Iterable[str], omitted_aliases: dict[
     return missing + [f"{a} (tied during training, but {keys.architecture} does not tie it on load)" for a in untied], unexpected
 
 
-def write_config(src: Path, dst: Path, dtype: torch.dtype) -> None:
+def write_config(src: Path, dst: Path, dtype: DType) -> None:
     """Copy config.json with its dtype set to the dtype written (v5 loads with dtype="auto")."""
     config = json.loads(src.read_text())
-    name = DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+    name = dtype.name
     if "torch_dtype" in config or "dtype" not in config:
         config["torch_dtype"] = name
     config["dtype"] = name

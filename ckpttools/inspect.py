@@ -6,9 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from . import hf
+from . import dtypes, hf
 from .consolidate import DTYPES, plan_tensors, source_summary
 from .reader import ZeroCheckpoint, read_checkpoint
 
@@ -56,7 +54,7 @@ def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         "hf_files": loc.side_files,
         "trainer_state": _trainer_state(loc.root),
         "output_bytes": sizes,
-        "fp32_master_bytes": sum(s.numel() for s in trainable) * torch.float32.itemsize,
+        "fp32_master_bytes": sum(s.numel() for s in trainable) * dtypes.FLOAT32.itemsize,
     }
 
 

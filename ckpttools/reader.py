@@ -11,9 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from . import partition
+from . import dtypes, partition
+from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
 from .layout import CheckpointLocation, locate
 from .torchfile import LazyTensor, load_pickle
@@ -36,7 +35,7 @@ class TensorSource:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: DType
     segments: tuple[Segment, ...]
     kind: str  # "trainable" | "frozen" | "buffer"
 
@@ -54,7 +53,7 @@ class ZeroCheckpoint:
     location: CheckpointLocation
     zero_stage: int
     dp_world_size: int
-    train_dtype: torch.dtype
+    train_dtype: DType
     optimizer_kind: str  # "zero" (DeepSpeedZeroOptimizer / stage 3) or "bf16_optimizer"
     ds_version: str
     global_steps: int | None
@@ -71,7 +70,7 @@ class ZeroCheckpoint:
     def frozen_names(self) -> list[str]:
         return [k for k in self.keys if k in self.bit16 and k not in self.masters]
 
-    def sources(self, dtype: torch.dtype) -> list[TensorSource]:
+    def sources(self, dtype: DType) -> list[TensorSource]:
         """The source of every output tensor (aliases excluded) for output `dtype`, in `keys` order.
 
         fp32 output takes trainable params from the fp32 masters (what zero_to_fp32 writes). 16-bit output
@@ -84,7 +83,7 @@ class ZeroCheckpoint:
                 continue
             if name in self.masters:
                 module_copy = self.bit16.get(name)
-                use_module = dtype != torch.float32 and module_copy is not None and module_copy.dtype == dtype
+                use_module = dtype != dtypes.FLOAT32 and module_copy is not None and module_copy.dtype == dtype
                 out.append(module_copy if use_module else self.masters[name])
             elif name in self.bit16:
                 out.append(self.bit16[name])
@@ -93,7 +92,7 @@ class ZeroCheckpoint:
         return out
 
     def param_count(self) -> int:
-        return sum(s.numel() for s in self.sources(torch.float32) if s.kind != "buffer")
+        return sum(s.numel() for s in self.sources(dtypes.FLOAT32) if s.kind != "buffer")
 
 
 def strip_prefixes(name: str) -> str:
@@ -164,12 +163,12 @@ def _refuse_unsupported(model_state: Mapping[str, Any], path: Path) -> None:
         )
 
 
-def _train_dtype(module: Mapping[str, Any], names: Iterable[str]) -> torch.dtype:
+def _train_dtype(module: Mapping[str, Any], names: Iterable[str]) -> DType:
     for name in names:
         t = module.get(name)
         if isinstance(t, LazyTensor) and t.dtype.is_floating_point:
             return t.dtype
-    return torch.float32
+    return dtypes.FLOAT32
 
 
 def read_checkpoint(
@@ -275,7 +274,7 @@ def _read_zero12(loc: CheckpointLocation, model0: dict[str, Any], osds: list[dic
             )
         for name, numel, off in zip(names, numels, offsets):
             segs = tuple(Segment(parts[p.rank], p.start, p.count) for p in partition.split_range(off, numel, lengths))
-            masters[name] = TensorSource(name, shapes[name], torch.float32, segs, "trainable")
+            masters[name] = TensorSource(name, shapes[name], dtypes.FLOAT32, segs, "trainable")
     bit16 = {}
     for name, value in module.items():
         if isinstance(value, LazyTensor) and name not in common["buffers"] and name not in common["shared"]:
@@ -334,7 +333,7 @@ def _read_zero3(loc: CheckpointLocation, models: list[dict[str, Any]], osds: lis
             flats.append(groups[sg])
         for name, numel, off in zip(names, numels, offsets):
             segs = tuple(Segment(flats[p.rank], p.start, p.count) for p in partition.zero3_pieces(numel, dp, off))
-            masters[name] = TensorSource(name, shapes[name], torch.float32, segs, "trainable")
+            masters[name] = TensorSource(name, shapes[name], dtypes.FLOAT32, segs, "trainable")
     bit16 = _zero3_frozen(loc, models, dp)
     _check_sources(loc, masters, bit16)
     return ZeroCheckpoint(
@@ -374,7 +373,7 @@ def _zero3_frozen(loc: CheckpointLocation, models: list[dict[str, Any]], dp: int
             count = max(0, min(p, numel - rank * p))
             if count:
                 segs.append(Segment(frag, 0, count))
-        dtype = segs[0].tensor.dtype if segs else torch.float32
+        dtype = segs[0].tensor.dtype if segs else dtypes.FLOAT32
         out[name] = TensorSource(name, shape, dtype, tuple(segs), "frozen")
     return out
 

@@ -22,27 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from . import dtypes
+from .dtypes import DType
 from .errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
-
-STORAGE_DTYPES: dict[str, torch.dtype] = {
-    "DoubleStorage": torch.float64,
-    "FloatStorage": torch.float32,
-    "HalfStorage": torch.float16,
-    "BFloat16Storage": torch.bfloat16,
-    "LongStorage": torch.int64,
-    "IntStorage": torch.int32,
-    "ShortStorage": torch.int16,
-    "CharStorage": torch.int8,
-    "ByteStorage": torch.uint8,
-    "BoolStorage": torch.bool,
-    "ComplexFloatStorage": torch.complex64,
-    "ComplexDoubleStorage": torch.complex128,
-    "UntypedStorage": torch.uint8,
-}
-# Dtype objects pickle as `torch.float16` etc.; these are plain values.
-TORCH_DTYPES = {name: getattr(torch, name) for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
 
@@ -111,7 +93,7 @@ class Record:
 @dataclass(frozen=True)
 class StorageRef:
     record: Record
-    dtype: torch.dtype
+    dtype: DType
 
 
 @dataclass(frozen=True, eq=False)
@@ -125,7 +107,7 @@ class LazyTensor:
     attrs: dict[str, Any] = field(default_factory=dict)
 
     @property
-    def dtype(self) -> torch.dtype:
+    def dtype(self) -> DType:
         return self.storage.dtype
 
     @property
@@ -172,15 +154,18 @@ class LazyTensor:
                 f"but the record holds {self.record.nbytes}; the file is damaged, re-copy it from the source"
             )
 
-    def load(self, reader: RecordReader) -> torch.Tensor:
-        """Read the tensor into fresh memory (small tensors: buffers, fragments, scalars)."""
+    def load(self, reader: RecordReader) -> Any:
+        """Read the tensor into a fresh torch tensor (small tensors: buffers, fragments, scalars)."""
+        import torch
+
         start, length = self.byte_span()
         raw = bytearray(length)
         reader.readinto(self.record, start, memoryview(raw))
+        dtype = self.dtype.to_torch()
         if length == 0:
-            return torch.empty(self.shape, dtype=self.dtype)
-        flat = torch.frombuffer(raw, dtype=self.dtype)
-        return flat.as_strided(self.shape, self.stride).clone() if not self.is_contiguous() else flat.view(self.shape)
+            return torch.empty(self.shape, dtype=dtype)
+        flat = torch.frombuffer(raw, dtype=dtype)
+        return flat.view(self.shape) if self.is_contiguous() else flat.as_strided(self.shape, self.stride).clone()
 
 
 # --- The allowlisting unpickler -----------------------------------------------------------------------
@@ -204,7 +189,7 @@ def _rebuild_parameter(data: Any, *_: Any) -> Any:
 
 
 def _dtype_of_storage(name: str) -> Any:
-    return ("storage_type", STORAGE_DTYPES[name])
+    return ("storage_type", dtypes.BY_STORAGE[name])
 
 
 _TORCH_GLOBALS: dict[tuple[str, str], Any] = {
@@ -214,8 +199,8 @@ _TORCH_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch", "Tensor"): "tensor_type",
     ("torch.nn.parameter", "Parameter"): "tensor_type",
-    ("torch", "Size"): torch.Size,
-    ("torch", "device"): torch.device,
+    ("torch", "Size"): lambda dims=(): tuple(dims),
+    ("torch", "device"): lambda *args: ("device", *args),
     ("collections", "OrderedDict"): OrderedDict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
@@ -239,10 +224,10 @@ class _AllowlistUnpickler(pickle.Unpickler):
             return _TORCH_GLOBALS[key]
         if key in DEEPSPEED_STUBS:
             return DEEPSPEED_STUBS[key]
-        if module == "torch" and name in STORAGE_DTYPES:
+        if module == "torch" and name in dtypes.BY_STORAGE:
             return _dtype_of_storage(name)
-        if module == "torch" and name in TORCH_DTYPES:
-            return TORCH_DTYPES[name]
+        if module == "torch" and name in dtypes.BY_NAME:
+            return dtypes.BY_NAME[name]  # a dtype value, e.g. DynamicLossScaler.dtype
         raise UnsafeCheckpointError(
             f"{self.path}: refusing to unpickle '{module}.{name}', which is not a tensor or DeepSpeed "
             "checkpoint class; ckpttools never runs code from checkpoint files"

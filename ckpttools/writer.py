@@ -16,24 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from . import dtypes
+from .dtypes import DType
 from .reader import Segment, TensorSource
 from .torchfile import RecordReader
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-CHUNK_BYTES = 32 << 20
+CHUNK_BYTES = 16 << 20
 BUFFERS_IN_FLIGHT = 3
 
 ProgressFn = Callable[[int], None]
@@ -45,7 +33,7 @@ class OutputTensor:
 
     name: str
     source: TensorSource
-    dtype: torch.dtype
+    dtype: DType
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -56,7 +44,7 @@ class OutputTensor:
         return self.source.numel() * self.dtype.itemsize
 
 
-def output_dtype(source: TensorSource, dtype: torch.dtype) -> torch.dtype:
+def output_dtype(source: TensorSource, dtype: DType) -> DType:
     """The dtype a tensor is written in.
 
     Integer and bool tensors keep theirs. Floating params take `dtype`. Floating buffers are upcast for
@@ -65,7 +53,7 @@ def output_dtype(source: TensorSource, dtype: torch.dtype) -> torch.dtype:
     """
     if not source.dtype.is_floating_point:
         return source.dtype
-    if source.kind == "buffer" and dtype != torch.float32 and source.dtype not in (torch.bfloat16, torch.float16):
+    if source.kind == "buffer" and dtype is not dtypes.FLOAT32 and source.dtype not in (dtypes.BFLOAT16, dtypes.FLOAT16):
         return source.dtype
     return dtype
 
@@ -75,7 +63,7 @@ def safetensors_header(tensors: Sequence[OutputTensor], metadata: dict[str, str]
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {"dtype": t.dtype.safetensors, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -132,9 +120,7 @@ class _ChunkPump:
             self.reader.readinto(seg.tensor.record, base + start * src_dtype.itemsize, memoryview(buf)[:src_bytes])
             return src_bytes
         self.reader.readinto(seg.tensor.record, base + start * src_dtype.itemsize, memoryview(self.scratch)[:src_bytes])
-        src = torch.frombuffer(self.scratch, dtype=src_dtype, count=n)
-        dst = torch.frombuffer(buf, dtype=t.dtype, count=n)
-        dst.copy_(src)  # round-to-nearest-even, as the engine's fp32 -> 16-bit copy
+        dtypes.cast(self.scratch, src_dtype, buf, t.dtype, n)  # round-to-nearest-even, as the engine's copy_
         return n * t.dtype.itemsize
 
     def __iter__(self) -> Iterator[memoryview]:
@@ -183,9 +169,11 @@ def write_safetensors(
     return written
 
 
-def read_tensor(source: TensorSource, reader: RecordReader, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Materialise one source tensor in memory (for checks and small tensors)."""
-    out = torch.empty(source.numel(), dtype=source.dtype)
+def read_tensor(source: TensorSource, reader: RecordReader, dtype: DType | None = None) -> Any:
+    """Materialise one source tensor as a torch tensor (for checks, `--to pt` and small tensors)."""
+    import torch
+
+    out = torch.empty(source.numel(), dtype=source.dtype.to_torch())
     pos = 0
     for seg in source.segments:
         base, _ = seg.tensor.byte_span()
@@ -193,10 +181,10 @@ def read_tensor(source: TensorSource, reader: RecordReader, dtype: torch.dtype |
         chunk = bytearray(seg.count * isz)
         reader.readinto(seg.tensor.record, base + seg.start * isz, memoryview(chunk))
         if seg.count:
-            out[pos : pos + seg.count] = torch.frombuffer(chunk, dtype=seg.tensor.dtype)
+            out[pos : pos + seg.count] = torch.frombuffer(chunk, dtype=seg.tensor.dtype.to_torch())
         pos += seg.count
     out = out.view(source.shape)
-    return out.to(dtype) if dtype is not None and dtype != out.dtype else out
+    return out.to(dtype.to_torch()) if dtype is not None and dtype is not source.dtype else out
 
 
 def write_pt(path: Path, tensors: Sequence[OutputTensor], reader: RecordReader, on_progress: ProgressFn | None = None) -> int:
@@ -206,5 +194,7 @@ def write_pt(path: Path, tensors: Sequence[OutputTensor], reader: RecordReader, 
         state[t.name] = read_tensor(t.source, reader, t.dtype)
         if on_progress:
             on_progress(t.nbytes)
+    import torch
+
     torch.save(state, path)
     return path.stat().st_size

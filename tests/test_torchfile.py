@@ -43,7 +43,7 @@ def test_views_dtypes_and_scalars_match_torch_load(tmp_path):
         ours = _materialise(load_pickle(tmp_path / "x.pt"), reader)
         reader.finish()
     _assert_same(ours, torch.load(tmp_path / "x.pt", weights_only=True))
-    assert ours["size"] == torch.Size([2, 3]) and ours["dtype"] is torch.float16
+    assert ours["size"] == (2, 3) and ours["dtype"].name == "float16"
 
 
 def _pt_files():
