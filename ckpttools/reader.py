@@ -297,7 +297,7 @@ def _read_zero12(loc: CheckpointLocation, model0: dict[str, Any], osds: list[dic
         bit16=bit16,
         buffers=common["buffers"],
         shared_params=common["shared"],
-        frozen_excluded=_frozen_excluded(model0, module, masters),
+        frozen_excluded=_frozen_excluded(loc, masters, bit16),
         ds_config=model0.get("ds_config") or {},
         model_state=model0,
     )
@@ -349,7 +349,7 @@ def _read_zero3(loc: CheckpointLocation, models: list[dict[str, Any]], osds: lis
         bit16=bit16,
         buffers=common["buffers"],
         shared_params=common["shared"],
-        frozen_excluded=_frozen_excluded(model0, common["module"], masters),
+        frozen_excluded=_frozen_excluded(loc, masters, bit16),
         ds_config=model0.get("ds_config") or {},
         model_state=model0,
     )
@@ -392,11 +392,9 @@ def _check_sources(loc: CheckpointLocation, masters: Mapping[str, TensorSource],
                 f"{loc.tag_dir}: {name} has shape {list(src.shape)} in the module but {list(masters[name].shape)} "
                 "in param_shapes; mixed files?"
             )
-        if name not in masters and src.numel() == 0:
-            continue
 
 
-def _frozen_excluded(model0: Mapping[str, Any], module: Mapping[str, Any], masters: Mapping[str, Any]) -> bool:
-    """True when the save skipped frozen params (PEFT/LoRA with exclude_frozen_parameters=True)."""
-    has_lora = any("lora_" in k for k in masters)
-    return has_lora and not model0.get("frozen_param_shapes") and len(module) <= len(masters) + len(model0.get("buffer_names") or [])
+def _frozen_excluded(loc: CheckpointLocation, masters: Mapping[str, Any], bit16: Mapping[str, Any]) -> bool:
+    """True when a PEFT/LoRA run saved without its frozen base weights (exclude_frozen_parameters=True)."""
+    peft = (loc.root / "adapter_config.json").is_file() or any("lora_" in k for k in masters)
+    return peft and not any(name not in masters for name in bit16)

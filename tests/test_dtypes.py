@@ -1,0 +1,34 @@
+import pytest
+import torch
+
+from ckpttools import dtypes
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-40, 3.4e38, 65504.0, 65520.0, 1e-8]
+
+
+def _values():
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randn(100_000, generator=g) * torch.logspace(-30, 30, 100_000)
+    # exact ties between two bf16 values: low 16 bits 0x8000
+    ties = (torch.randint(0, 2**15, (1000,), generator=g, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
+    return torch.cat([rand, ties, torch.tensor(SPECIAL)])
+
+
+@pytest.mark.parametrize("src,dst", [("float32", "bfloat16"), ("float32", "float16"), ("bfloat16", "float32"),
+                                     ("float16", "float32"), ("bfloat16", "float16"), ("float16", "bfloat16")])
+def test_cast_is_bit_identical_to_torch(src, dst):
+    x = _values().to(getattr(torch, src))
+    n = x.numel()
+    out = bytearray(n * dtypes.BY_NAME[dst].itemsize)
+    dtypes.cast(x.view(torch.uint8).numpy().tobytes(), dtypes.BY_NAME[src], out, dtypes.BY_NAME[dst], n)
+    ours = torch.frombuffer(out, dtype=getattr(torch, dst))
+    expected = x.to(getattr(torch, dst))
+    same = (ours.view(torch.int16 if ours.element_size() == 2 else torch.int32)
+            == expected.view(torch.int16 if expected.element_size() == 2 else torch.int32))
+    nan = expected.isnan()
+    assert bool((same | (nan & ours.isnan())).all())
+
+
+def test_names_round_trip_with_torch():
+    for name in ("float32", "bfloat16", "float16", "int64", "bool", "uint8"):
+        assert dtypes.from_torch(getattr(torch, name)).to_torch() is getattr(torch, name)
