@@ -283,24 +283,7 @@ def _read_zero12(loc: CheckpointLocation, model0: dict[str, Any], osds: list[dic
         name = strip_prefixes(name)
         if isinstance(value, LazyTensor) and name not in bit16:
             bit16[name] = _whole(name, value, "frozen")
-    _check_sources(loc, masters, bit16)
-    return ZeroCheckpoint(
-        location=loc,
-        zero_stage=stage,
-        dp_world_size=dp,
-        train_dtype=_train_dtype(module, masters),
-        optimizer_kind="bf16_optimizer" if bf16_optimizer else "zero",
-        ds_version=str(model0.get("ds_version", "")),
-        global_steps=model0.get("global_steps"),
-        keys=common["keys"],
-        masters=masters,
-        bit16=bit16,
-        buffers=common["buffers"],
-        shared_params=common["shared"],
-        frozen_excluded=_frozen_excluded(loc, masters, bit16),
-        ds_config=model0.get("ds_config") or {},
-        model_state=model0,
-    )
+    return _assemble(loc, model0, common, stage, dp, "bf16_optimizer" if bf16_optimizer else "zero", masters, bit16)
 
 
 def _read_zero3(loc: CheckpointLocation, models: list[dict[str, Any]], osds: list[dict[str, Any]], dp: int) -> ZeroCheckpoint:
@@ -335,13 +318,26 @@ def _read_zero3(loc: CheckpointLocation, models: list[dict[str, Any]], osds: lis
             segs = tuple(Segment(flats[p.rank], p.start, p.count) for p in partition.zero3_pieces(numel, dp, off))
             masters[name] = TensorSource(name, shapes[name], dtypes.FLOAT32, segs, "trainable")
     bit16 = _zero3_frozen(loc, models, dp)
+    return _assemble(loc, model0, common, 3, dp, "zero", masters, bit16)
+
+
+def _assemble(
+    loc: CheckpointLocation,
+    model0: dict[str, Any],
+    common: dict[str, Any],
+    stage: int,
+    dp: int,
+    optimizer_kind: str,
+    masters: dict[str, TensorSource],
+    bit16: dict[str, TensorSource],
+) -> ZeroCheckpoint:
     _check_sources(loc, masters, bit16)
     return ZeroCheckpoint(
         location=loc,
-        zero_stage=3,
+        zero_stage=stage,
         dp_world_size=dp,
         train_dtype=_train_dtype(common["module"], masters),
-        optimizer_kind="zero",
+        optimizer_kind=optimizer_kind,
         ds_version=str(model0.get("ds_version", "")),
         global_steps=model0.get("global_steps"),
         keys=common["keys"],

@@ -13,7 +13,11 @@ FIXTURES = Path(os.environ.get("CKPT_FIXTURES") or Path(__file__).resolve().pare
 
 
 def fixture_names(kind: str | None = None) -> list[str]:
+    """Fixture folders relative to fixtures/: the CPU matrix, then those written on a GPU (gpu/...)."""
     names = json.loads((FIXTURES / "index.json").read_text())
+    gpu_index = FIXTURES / "gpu" / "index.json"
+    if gpu_index.exists():
+        names += [f"gpu/{n}" for n in json.loads(gpu_index.read_text())]
     if kind is None:
         return names
     return [n for n in names if json.loads((FIXTURES / n / "meta.json").read_text()).get("kind", "engine") == kind]
