@@ -179,5 +179,18 @@ def _human_inspect(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _register_optional_commands() -> None:
+    """Commands living in their own modules (kept out of this file's import cost until used)."""
+    from .cli_hub import push_cmd, verify_cmd
+
+    main.add_command(verify_cmd)
+    main.add_command(push_cmd)
+
+
+try:
+    _register_optional_commands()
+except ImportError:  # the module is not there yet
+    pass
+
 if __name__ == "__main__":
     main()

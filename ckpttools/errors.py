@@ -33,3 +33,13 @@ class UsageError(CkptError):
     """Options that contradict each other or the checkpoint."""
 
     exit_code = 2
+
+
+class VerificationError(CkptError):
+    """A consolidated folder failed a check (missing keys, bad header, tensors differing from the shards)."""
+
+
+class RemoteError(CkptError):
+    """The Hub (or network, or auth) failed: retrying later may help, so CI gets its own exit code."""
+
+    exit_code = 3
