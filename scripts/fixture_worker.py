@@ -1,0 +1,590 @@
+"""Worker for scripts/make_fixtures.py.  Not meant to be run by hand.
+
+Three modes, each given a JSON fixture spec (built by make_fixtures.py):
+
+  engine   (under torchrun, N ranks)  train the toy model for 2 steps with a bare
+           DeepSpeed engine, save_checkpoint, write reference/bit16.safetensors,
+           reference/full_state.safetensors and meta.json (partial).
+  trainer  (under torchrun, N ranks)  train a tiny GPT-2 with the HF Trainer + DeepSpeed,
+           then write the same references from the live engine.
+  zero2fp32 (one process)  run DeepSpeed's get_fp32_state_dict_from_zero_checkpoint on
+           a finished checkpoint and write reference/zero_to_fp32.safetensors.
+
+Every rank computes the same thing; rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SEED = 1234
+VOCAB = 24
+DIM = 8
+STEPS = 2
+
+# --------------------------------------------------------------------------------------
+# The toy model used by every "engine" fixture.
+# --------------------------------------------------------------------------------------
+
+
+class ToyModel(nn.Module):
+    """Embedding(24, 8) tied to a Linear(8, 24, bias=False) head, LayerNorm(8),
+    Linear(8, 12), Linear(12, 7), a frozen Linear(8, 5) used in forward, a persistent
+    float buffer, a persistent int64 buffer (changes during training) and a
+    non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # persistent float buffer, persistent int64 buffer, non-persistent buffer
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, DIM))
+        self.register_buffer("counts", torch.tensor([7, 0, -3], dtype=torch.int64))
+        self.register_buffer("mask", torch.ones(DIM), persistent=False)
+        self.emb = nn.Embedding(VOCAB, DIM)
+        self.ln = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, 12)
+        self.fc2 = nn.Linear(12, 7)
+        self.frozen = nn.Linear(DIM, 5)
+        self.frozen.requires_grad_(False)
+        self.head = nn.Linear(DIM, VOCAB, bias=False)
+        self.head.weight = self.emb.weight  # tied: state_dict has both, named_parameters only emb.weight
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = self.ln(self.emb(ids))
+        h = h * self.scale.to(h.dtype) * self.mask.to(h.dtype)
+        a = self.fc2(torch.tanh(self.fc1(h)))  # (..., 7)
+        f = self.frozen(h)  # (..., 5)
+        z = h + 0.1 * F.pad(a, (0, DIM - 7)) + 0.1 * F.pad(f, (DIM - 5, 0))
+        logits = self.head(z)
+        if self.training:
+            with torch.no_grad():
+                self.counts[1] += 1
+        return F.cross_entropy(logits.reshape(-1, VOCAB).float(), targets.reshape(-1))
+
+
+def decay_groups(named_params):
+    """HF-Trainer-like split: weights decay 0.01, biases and LayerNorm 0.0.
+    Only trainable params, like Trainer.get_decay_parameter_names + requires_grad filter."""
+    decay, no_decay = [], []
+    for n, p in named_params:
+        if not p.requires_grad:
+            continue
+        if n.endswith(".bias") or ".ln" in "." + n or "ln_" in n or "layernorm" in n.lower():
+            no_decay.append((n, p))
+        else:
+            decay.append((n, p))
+    return decay, no_decay
+
+
+# --------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def quiet_loggers() -> None:
+    for name in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.ERROR)
+    except Exception:
+        pass
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+    except Exception:
+        pass
+
+
+def save_st(tensors: dict, path: Path) -> None:
+    """Store every tensor as an independent contiguous copy (safetensors cannot alias)."""
+    from safetensors.torch import save_file
+
+    out = {}
+    for k, v in tensors.items():
+        if not isinstance(v, torch.Tensor):  # lazy GatheredTensor etc.
+            v = v.contiguous()
+        out[k] = v.detach().cpu().clone().contiguous()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(path), metadata={"format": "pt"})
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    return str(dt).replace("torch.", "")
+
+
+def find_steps(obj, path="", out=None):
+    """Find every 'step' entry inside an optimizer state dict (path, type)."""
+    if out is None:
+        out = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            p = f"{path}[{k!r}]"
+            if k == "step" or k == "base_optimizer_state_step":
+                if isinstance(v, torch.Tensor):
+                    out.append((p, f"tensor(dim={v.dim()}, dtype={dtype_name(v.dtype)}, value={v.item() if v.numel() == 1 else '?'})"))
+                else:
+                    out.append((p, f"{type(v).__name__}({v})"))
+            else:
+                find_steps(v, p, out)
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            find_steps(v, f"{path}[{i}]", out)
+    return out
+
+
+def inspect_optim_file(tag_dir: Path) -> dict:
+    """Look at rank 0's optimizer shard (only for meta.json facts)."""
+    files = sorted(tag_dir.glob("*zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    if not files:
+        return {}
+    sd = torch.load(files[0], map_location="cpu", weights_only=False)
+    osd = sd["optimizer_state_dict"]
+    steps = find_steps(osd)
+    kinds = sorted({("tensor" if s.startswith("tensor") else "int") for _, s in steps})
+    info = {
+        "optim_file_rank0": files[0].name,
+        "optim_state_keys": sorted(osd.keys()),
+        "has_zero_stage_key": "zero_stage" in osd,
+        "step_type": kinds[0] if len(kinds) == 1 else "+".join(kinds),
+        "step_locations": [f"optimizer_state_dict{p}: {s}" for p, s in steps],
+    }
+    if "fp32_flat_groups" in osd:
+        info["num_sub_groups"] = len(osd["fp32_flat_groups"])
+        info["sub_group_numels_rank0"] = [int(t.numel()) for t in osd["fp32_flat_groups"]]
+        info["sub_groups_per_param_group"] = [list(g["params"]) for g in osd["optimizer_state_dict"]["param_groups"]]
+    if "partition_count" in osd:
+        pc = osd["partition_count"]
+        info["partition_count"] = pc if isinstance(pc, int) else list(pc)
+    return info
+
+
+def common_meta(engine) -> dict:
+    import deepspeed
+    import transformers
+
+    return {
+        "ds_version": deepspeed.__version__,
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+        "optimizer": type(engine.basic_optimizer).__name__ if engine.basic_optimizer is not None else None,
+        "optimizer_module": type(engine.basic_optimizer).__module__ if engine.basic_optimizer is not None else None,
+        "optimizer_wrapper": type(engine.optimizer).__name__,
+    }
+
+
+def engine_param_groups(engine) -> tuple[list, list | None]:
+    """Param names per optimizer param group, in DeepSpeed's flat-buffer order, read from
+    the live optimizer wrapper; for ZeRO-3 also the names per sub-group."""
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    opt = engine.optimizer
+    if hasattr(opt, "round_robin_bit16_groups"):  # ZeRO-1/2
+        return [[names[id(p)] for p in g] for g in opt.round_robin_bit16_groups], None
+    if hasattr(opt, "bf16_groups"):  # BF16_Optimizer
+        return [[names[id(p)] for p in g] for g in opt.bf16_groups], None
+    if hasattr(opt, "sub_group_to_group_id"):  # ZeRO-3
+        sub = [[names[id(p)] for p in g] for g in opt.fp16_groups]
+        groups: dict[int, list] = {}
+        for i, g in enumerate(sub):
+            groups.setdefault(opt.sub_group_to_group_id[i], []).extend(g)
+        return [groups[k] for k in sorted(groups)], sub
+    raise RuntimeError(f"unknown optimizer wrapper {type(opt).__name__}")
+
+
+def model_facts(module: nn.Module, param_groups_named) -> dict:
+    sd_keys = set(module.state_dict().keys())
+    named = dict(module.named_parameters())  # deduplicated (aliases dropped)
+    # tied: state_dict keys that are parameters but not in named_parameters
+    tied = {}
+    ptr_owner = {}
+    for n, p in module.named_parameters(remove_duplicate=False):
+        key = id(p)
+        if key in ptr_owner:
+            tied[n] = ptr_owner[key]
+        else:
+            ptr_owner[key] = n
+    frozen = [n for n, p in named.items() if not p.requires_grad]
+    buffers, nonpersistent = {}, []
+    for n, b in module.named_buffers():
+        if n in sd_keys:
+            buffers[n] = dtype_name(b.dtype)
+        else:
+            nonpersistent.append(n)
+    return {
+        "tied": tied,
+        "frozen": frozen,
+        "buffers": buffers,
+        "nonpersistent_buffers": nonpersistent,
+        "param_groups": param_groups_named,
+        "trainable": [n for n, p in named.items() if p.requires_grad],
+        "state_dict_keys": list(module.state_dict().keys()),
+        "param_shapes": {n: list(p.ds_shape if hasattr(p, "ds_shape") else p.shape) for n, p in named.items()},
+    }
+
+
+def relink_hp_optimizer_state(engine) -> bool:
+    """Work around a DeepSpeed 0.19.8 bug: ZeRO-1/2 (and BF16_Optimizer) link the per-param
+    optimizer-state fragments (used by safe_get_full_optimizer_state) lazily right after
+    stepping param group 0 only, so params of param groups >= 1 get an empty fragment and
+    safe_get_full_optimizer_state raises "exp_avg not found in optimizer state fragment".
+    Re-running DeepSpeed's own linking after the steps fixes it (pure bookkeeping; no
+    tensor values change)."""
+    opt = engine.optimizer
+    if hasattr(opt, "_hp_optimizer_states_linked") and hasattr(opt, "_lazy_init_hp_params_optimizer_state"):
+        opt._hp_optimizer_states_linked = False
+        opt._lazy_init_hp_params_optimizer_state()
+        return True
+    return False
+
+
+def write_engine_references(engine, ref_dir: Path, stage: int) -> None:
+    """bit16 + full_state from the live engine.  Collective for ZeRO-3: all ranks call."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    if stage == 3:
+        sd16 = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        sd16 = engine.module_state_dict() if rank() == 0 else None
+    relink_hp_optimizer_state(engine)
+    full = {}
+    for n, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        fp32 = safe_get_full_fp32_param(p)
+        m = safe_get_full_optimizer_state(p, "exp_avg")
+        v = safe_get_full_optimizer_state(p, "exp_avg_sq")
+        full[f"fp32/{n}"] = fp32
+        full[f"exp_avg/{n}"] = m
+        full[f"exp_avg_sq/{n}"] = v
+    if rank() == 0:
+        missing = [k for k, t in full.items() if t is None]
+        if missing:
+            raise RuntimeError(f"safe_get_full_* returned None for {missing}")
+        save_st(sd16, ref_dir / "bit16.safetensors")
+        save_st(full, ref_dir / "full_state.safetensors")
+
+
+# --------------------------------------------------------------------------------------
+# engine mode
+# --------------------------------------------------------------------------------------
+
+
+def ds_config_for(spec: dict) -> dict:
+    zero = {"stage": spec["zero_stage"]}
+    if spec["zero_stage"] == 3:
+        zero.update(
+            {
+                "sub_group_size": spec["sub_group_size"],
+                "stage3_gather_16bit_weights_on_model_save": True,
+                "stage3_param_persistence_threshold": 0,
+            }
+        )
+    if spec.get("elastic"):
+        zero["elastic_checkpoint"] = True
+    opt_params = {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+    if spec.get("torch_adam"):
+        opt_params["torch_adam"] = True
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        "optimizer": {"type": "AdamW", "params": opt_params},
+        "zero_optimization": zero,
+    }
+    if spec["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    elif spec["dtype"] == "fp16":
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if spec.get("bf16_optimizer"):
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}
+    return cfg
+
+
+def run_engine(spec: dict, out: Path) -> None:
+    import deepspeed
+
+    quiet_loggers()
+    deepspeed.init_distributed(dist_backend="gloo")
+    quiet_loggers()
+    r = rank()
+    torch.manual_seed(SEED)
+    model = ToyModel()
+    decay, no_decay = decay_groups(model.named_parameters())
+    groups = [
+        {"params": [p for _, p in decay], "weight_decay": 0.01},
+        {"params": [p for _, p in no_decay], "weight_decay": 0.0},
+    ]
+    groups_named = [[n for n, _ in decay], [n for n, _ in no_decay]]
+    cfg = ds_config_for(spec)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    quiet_loggers()
+
+    g = torch.Generator().manual_seed(SEED + 1000 * (r + 1))
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (4, 6), generator=g)
+        targets = torch.randint(0, VOCAB, (4, 6), generator=g)
+        loss = engine(ids, targets)
+        engine.backward(loss)
+        engine.step()
+
+    ckpt = out / "checkpoint"
+    engine.save_checkpoint(str(ckpt))
+    tag = f"global_step{engine.global_steps}"
+    write_engine_references(engine, out / "reference", spec["zero_stage"])
+
+    if r == 0:
+        meta = {
+            "name": spec["name"],
+            "kind": "engine",
+            "zero_stage": spec["zero_stage"],
+            "dp": spec["dp"],
+            "dtype": spec["dtype"],
+        }
+        meta.update(common_meta(engine))
+        if spec["zero_stage"] == 3:
+            meta["sub_group_size"] = spec["sub_group_size"]
+        eg, sub = engine_param_groups(engine)
+        if [sorted(g) for g in eg] != [sorted(g) for g in groups_named]:
+            raise RuntimeError(f"engine param groups {eg} differ from client groups {groups_named}")
+        meta.update(model_facts(engine.module, eg))
+        if sub is not None:
+            meta["sub_groups"] = sub
+        meta["param_group_weight_decay"] = [g["weight_decay"] for g in engine.optimizer.optimizer.param_groups]
+        meta["tag"] = tag
+        meta["global_steps"] = engine.global_steps
+        meta["elastic_checkpoint"] = bool(spec.get("elastic"))
+        meta["bf16_optimizer"] = type(engine.optimizer).__name__ == "BF16_Optimizer"
+        meta["ds_config"] = cfg
+        meta.update(inspect_optim_file(ckpt / tag))
+        meta["notes"] = spec.get("notes", "")
+        (out / "meta.partial.json").write_text(json.dumps(meta, indent=1))
+
+
+# --------------------------------------------------------------------------------------
+# trainer mode
+# --------------------------------------------------------------------------------------
+
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a small model learns to count one two three four",
+    "deepspeed saves partitioned optimizer states for every rank",
+    "the dog sleeps while the fox runs in the field",
+    "one two three four five six seven eight nine ten",
+    "checkpoints hold weights and moments and a step counter",
+    "a lazy cat watches the quick brown bird",
+    "every rank writes its own shard of the state",
+]
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[PAD]", "[UNK]", "[EOS]"]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]")
+
+
+class TinyDataset(torch.utils.data.Dataset):
+    def __init__(self, tokenizer, length=16):
+        self.items = []
+        for s in SENTENCES:
+            ids = tokenizer(s)["input_ids"] + [tokenizer.eos_token_id]
+            ids = ids[:length]
+            n = len(ids)
+            pad = length - n
+            self.items.append(
+                {
+                    "input_ids": torch.tensor(ids + [tokenizer.pad_token_id] * pad),
+                    "attention_mask": torch.tensor([1] * n + [0] * pad),
+                    "labels": torch.tensor(ids + [-100] * pad),
+                }
+            )
+
+    def __len__(self):
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+def run_trainer(spec: dict, out: Path) -> None:
+    import deepspeed
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    quiet_loggers()
+    tokenizer = build_tokenizer()
+    torch.manual_seed(SEED)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=len(tokenizer),
+        n_positions=32,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = GPT2LMHeadModel(config)
+    zero = {"stage": spec["zero_stage"]}
+    if spec["zero_stage"] == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = bool(spec["gather"])
+        zero["sub_group_size"] = spec["sub_group_size"]
+    ds_cfg = {
+        "zero_optimization": zero,
+        "bf16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+    }
+    if spec.get("ds_optimizer"):
+        ds_cfg["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        }
+    args = TrainingArguments(
+        output_dir=str(out / "out"),
+        use_cpu=True,
+        bf16=True,
+        deepspeed=ds_cfg,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=1,
+        report_to=[],
+        learning_rate=1e-2,
+        weight_decay=0.01,
+        seed=SEED,
+        data_seed=SEED,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=TinyDataset(tokenizer), processing_class=tokenizer)
+    quiet_loggers()
+    trainer.train()
+
+    engine = trainer.model_wrapped
+    write_engine_references(engine, out / "reference", spec["zero_stage"])
+    if rank() == 0:
+        import torch.distributed as dist
+
+        # With a DS "optimizer" block the Trainer hands DeepSpeed ONE group of all trainable
+        # params (no decay/no-decay split); without it, Trainer's own 2-group AdamW is used.
+        groups_named, sub = engine_param_groups(engine)
+        ckpts = sorted((out / "out").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        newest = ckpts[-1]
+        tag = (newest / "latest").read_text().strip()
+        meta = {
+            "name": spec["name"],
+            "kind": "trainer",
+            "trainer": True,
+            "checkpoint": newest.name,
+            "checkpoints": [p.name for p in ckpts],
+            "zero_stage": spec["zero_stage"],
+            "dp": dist.get_world_size(),
+            "dtype": "bf16",
+        }
+        meta.update(common_meta(engine))
+        if spec["zero_stage"] == 3:
+            meta["sub_group_size"] = spec["sub_group_size"]
+            meta["stage3_gather_16bit_weights_on_model_save"] = bool(spec["gather"])
+        meta.update(model_facts(engine.module, groups_named))
+        if sub is not None:
+            meta["sub_groups"] = sub
+        meta["param_group_weight_decay"] = [g["weight_decay"] for g in engine.optimizer.optimizer.param_groups] \
+            if hasattr(engine.optimizer, "optimizer") else None
+        meta["tag"] = tag
+        meta["global_steps"] = engine.global_steps
+        meta["ds_config"] = engine.config if isinstance(engine.config, dict) else None
+        meta["model_safetensors_present"] = {p.name: (p / "model.safetensors").exists() for p in ckpts}
+        meta.update(inspect_optim_file(newest / tag))
+        meta["notes"] = spec.get("notes", "")
+        (out / "meta.partial.json").write_text(json.dumps(meta, indent=1, default=str))
+
+
+# --------------------------------------------------------------------------------------
+# zero2fp32 mode
+# --------------------------------------------------------------------------------------
+
+
+def run_zero2fp32(ckpt_dir: Path, out_file: Path, info_file: Path) -> None:
+    quiet_loggers()
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    quiet_loggers()
+    info = {"checkpoint_dir": str(ckpt_dir)}
+    try:
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
+    except Exception as e:  # e.g. BF16_Optimizer checkpoints are rejected
+        info["ok"] = False
+        info["error"] = f"{type(e).__name__}: {e}"
+    else:
+        info["ok"] = True
+        info["keys"] = list(sd.keys())
+        info["dtypes"] = {k: dtype_name(v.dtype) for k, v in sd.items()}
+        aliases = {}
+        seen = {}
+        for k, v in sd.items():
+            if isinstance(v, torch.Tensor):
+                key = (v.data_ptr(), v.storage_offset(), tuple(v.shape))
+                if key in seen:
+                    aliases[k] = seen[key]
+                else:
+                    seen[key] = k
+        info["aliased_in_api_output"] = aliases
+        save_st(sd, out_file)
+    info_file.write_text(json.dumps(info, indent=1))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("mode", choices=["engine", "trainer", "zero2fp32"])
+    ap.add_argument("--spec", help="JSON fixture spec")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ckpt")
+    ap.add_argument("--info")
+    a = ap.parse_args(argv)
+    out = Path(a.out).resolve()
+    if a.mode == "zero2fp32":
+        run_zero2fp32(Path(a.ckpt), out, Path(a.info))
+        return 0
+    spec = json.loads(a.spec)
+    if a.mode == "engine":
+        run_engine(spec, out)
+    else:
+        run_trainer(spec, out)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
