@@ -23,6 +23,7 @@ Examples:
   ckpt inspect out/checkpoint-500
   ckpt consolidate out/checkpoint-500 --to safetensors --dtype bf16 --out out/model
   ckpt consolidate out/ --step 500 --json
+  ckpt reshard out/checkpoint-500 --dp 8 --out out/checkpoint-500-dp8
 
 \b
 Exit codes: 0 success, 1 bad checkpoint or failed check, 2 usage error,
@@ -109,7 +110,7 @@ quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress or 
 @click.group(cls=_Group, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckpt")
 def main() -> None:
-    """Inspect and consolidate DeepSpeed ZeRO checkpoints."""
+    """Inspect, consolidate and reshard DeepSpeed ZeRO checkpoints."""
 
 
 @main.command("consolidate", epilog=EPILOG)
@@ -142,6 +143,34 @@ def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard
     _emit(data, as_json, lambda d: (
         f"Wrote {d['num_tensors']} tensors ({d['num_parameters']:,} parameters, {human_size(d['total_size'])}, "
         f"{d['dtype']}) to {d['output_dir']}: {', '.join(d['files'])}"
+    ))
+
+
+@main.command("reshard", epilog=EPILOG)
+@checkpoint_path
+@click.option("--dp", "dp", type=int, required=True, help="The new data-parallel size (number of ranks).")
+@click.option("--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it).")
+@click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
+@tag_option
+@step_option
+@best_option
+@json_option
+@quiet_option
+def reshard_cmd(path: Path, dp: int, out: Path | None, overwrite: bool, tag: str | None, step: int | None,
+                best: bool, as_json: bool, quiet: bool) -> None:
+    """Rewrite a ZeRO checkpoint for a different number of data-parallel ranks.
+
+    The result loads with DeepSpeed's plain load_checkpoint (and Trainer's resume_from_checkpoint)
+    at the new size, with the same DeepSpeed config.
+    """
+    from .reshard import reshard
+
+    data = reshard(path, out, dp=dp, tag=tag, step=step, best=best, overwrite=overwrite).to_dict()
+    if not quiet:
+        _notes(data)
+    _emit(data, as_json, lambda d: (
+        f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from DP {d['dp_from']} to DP {d['dp_to']}: {d['output_dir']}"
+        if d["output_dir"] else "Nothing written."
     ))
 
 

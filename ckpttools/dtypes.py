@@ -97,6 +97,11 @@ def cast(src_buf: Any, src_dtype: DType, dst_buf: Any, dst_dtype: DType, count: 
         raise TypeError(f"cannot cast {src_dtype} to {dst_dtype}")
     src = np.frombuffer(src_buf, dtype=src_dtype.numpy, count=count)
     dst = np.frombuffer(dst_buf, dtype=dst_dtype.numpy, count=count)
+    with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values become inf, as in torch
+        _cast(src, src_dtype, dst, dst_dtype)
+
+
+def _cast(src: np.ndarray, src_dtype: DType, dst: np.ndarray, dst_dtype: DType) -> None:
     if dst_dtype is BFLOAT16:
         _f32_to_bf16(src if src_dtype is FLOAT32 else _to_f32(src, src_dtype), dst)
     elif src_dtype is BFLOAT16:

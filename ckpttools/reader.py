@@ -65,6 +65,8 @@ class ZeroCheckpoint:
     frozen_excluded: bool  # saved with exclude_frozen_parameters: frozen (base) weights are absent
     ds_config: dict[str, Any] = field(default_factory=dict)
     model_state: dict[str, Any] = field(default_factory=dict)
+    rank_optim_files: list[dict[str, Any]] = field(default_factory=list)  # whole pickles, per DP rank
+    rank_model_files: list[dict[str, Any]] = field(default_factory=list)  # ZeRO-3: per rank; else [rank 0]
 
     @property
     def frozen_names(self) -> list[str]:
@@ -209,8 +211,12 @@ def read_checkpoint(
         )
     if stage == 3:
         models = _load_rank_files(loc, loc.files.model_files, "*_model_states.pt", dp)
-        return _read_zero3(loc, models, osds, dp)
-    return _read_zero12(loc, model0, osds, dp, stage)
+        ckpt = _read_zero3(loc, models, osds, dp)
+    else:
+        models = [model0]
+        ckpt = _read_zero12(loc, model0, osds, dp, stage)
+    ckpt.rank_optim_files, ckpt.rank_model_files = optims, models
+    return ckpt
 
 
 def _common(loc: CheckpointLocation, model0: dict[str, Any], dp: int) -> dict[str, Any]:

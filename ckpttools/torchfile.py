@@ -76,6 +76,14 @@ for _qual in (
     DEEPSPEED_STUBS[(_mod, _name)] = _stub(_qual)
 
 
+class TorchSize(tuple):
+    """A `torch.Size` read from a pickle (a tuple; kept distinct so it is written back as torch.Size)."""
+
+
+class TorchDevice(tuple):
+    """A `torch.device(...)` read from a pickle: its constructor arguments."""
+
+
 # --- Records and lazy tensors -----------------------------------------------------------------------
 
 
@@ -199,8 +207,8 @@ _TORCH_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch", "Tensor"): "tensor_type",
     ("torch.nn.parameter", "Parameter"): "tensor_type",
-    ("torch", "Size"): lambda dims=(): tuple(dims),
-    ("torch", "device"): lambda *args: ("device", *args),
+    ("torch", "Size"): lambda dims=(): TorchSize(dims),
+    ("torch", "device"): lambda *args: TorchDevice(args),
     ("collections", "OrderedDict"): OrderedDict,
     ("builtins", "set"): set,
     ("builtins", "frozenset"): frozenset,
