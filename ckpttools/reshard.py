@@ -281,9 +281,13 @@ def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int) -> str:
         if src:
             shutil.copy2(src, out / f"rng_state_{rank}.pth")
     if new_dp > old_dp:
-        return (f"RNG states: ranks 0-{old_dp - 1} keep theirs; ranks {old_dp}-{new_dp - 1} have none, so the Trainer "
+        return (f"RNG states: {_ranks(0, old_dp)} keep theirs; {_ranks(old_dp, new_dp)} have none, so the Trainer "
                 "logs that it found no RNG file for them and continues with fresh random streams")
-    return f"RNG states: ranks 0-{new_dp - 1} keep theirs; those of ranks {new_dp}-{old_dp - 1} are dropped"
+    return f"RNG states: {_ranks(0, new_dp)} keep theirs; those of {_ranks(new_dp, old_dp)} are dropped"
+
+
+def _ranks(lo: int, hi: int) -> str:
+    return f"rank {lo}" if hi - lo == 1 else f"ranks {lo}-{hi - 1}"
 
 
 # --- Entry point -----------------------------------------------------------------------------------------
