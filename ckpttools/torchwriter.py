@@ -149,8 +149,6 @@ def _pickle(obj: Any, table: _StorageTable) -> bytes:
                 return torch.Size, (tuple(o),)
             if isinstance(o, TorchDevice):
                 return torch.device, tuple(o)
-            if isinstance(o, DType):
-                return getattr, (torch, o.name)
             return NotImplemented
 
     buf = io.BytesIO()
@@ -159,7 +157,9 @@ def _pickle(obj: Any, table: _StorageTable) -> bytes:
 
 
 def _with_real_objects(obj: Any, classes: dict[str, Any]) -> Any:
-    """A copy of the container tree with stand-ins replaced by DeepSpeed's real classes."""
+    """A copy of the container tree with stand-ins replaced by DeepSpeed's real classes and torch dtypes."""
+    if isinstance(obj, DType):
+        return obj.to_torch()  # pickles as GLOBAL torch.<name>, as torch.save writes it
     if isinstance(obj, PickledObject):
         real = _real_object(obj, classes)
         real.__dict__.update({k: _with_real_objects(v, classes) for k, v in real.__dict__.items()})

@@ -186,3 +186,14 @@ def test_real_process_prints_no_traceback_and_no_progress_in_ci(z3, tmp_path):
                           capture_output=True, text=True, env=env)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "CRC-32" in proc.stderr
+
+
+def test_reshard_cli_json_and_bad_sizes(tmp_path):
+    pytest.importorskip("deepspeed")
+    res = run("reshard", FIXTURES / Z2 / "checkpoint", "--dp", "3", "--out", tmp_path / "rs", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["dp_from"] == 2 and data["dp_to"] == 3 and len(data["files"]) == 4
+    _assert_one_line_error(run("reshard", FIXTURES / Z2 / "checkpoint", "--dp", "0"), "at least 1", code=2)
+    same = run("reshard", FIXTURES / Z2 / "checkpoint", "--dp", "2")
+    assert same.exit_code == 0 and "already at DP 2" in same.stderr and "Nothing written" in same.stdout

@@ -1,0 +1,380 @@
+"""Worker for tests/test_reshard_deepspeed.py: load a native ZeRO checkpoint with plain DeepSpeed at the
+current world size, dump what the engine holds, and keep training.  Run it under torchrun; not a test.
+
+Engine mode (the toy model of scripts/fixture_worker.py, rebuilt from a fixture's meta.json):
+
+    torchrun --nproc_per_node M tests/reshard_worker.py --fixture-meta fixtures/z2_dp2_fp32/meta.json \
+        --load CKPT_ROOT [--dump OUT.safetensors] [--steps K --losses OUT.json]
+
+  * the model is built exactly as the fixture worker built it (same class, same seed, same two param
+    groups, the fixture's ds_config) and then *scrambled* (every parameter and persistent buffer is
+    overwritten with other values), so anything `load_checkpoint` does not restore shows up in the dump;
+  * only the batch-size keys of the ds_config change: the GLOBAL batch is GLOBAL_BATCH rows at every world
+    size (micro batch GLOBAL_BATCH // M, gradient_accumulation_steps 1);
+  * `engine.load_checkpoint(CKPT_ROOT, load_optimizer_states=True, load_lr_scheduler_states=True)`; a None
+    load path is an error;
+  * --dump (rank 0 writes; every rank takes part in the collectives): `fp32/<n>`, `exp_avg/<n>`,
+    `exp_avg_sq/<n>` for every trainable param (deepspeed.utils.safe_get_full_fp32_param /
+    safe_get_full_optimizer_state), `module/<key>` for every entry of the module's state_dict as the module
+    holds it (ZeRO-3: gathered), `module/mask` (non-persistent buffer), and OUT.json beside it with the
+    optimizer steps, loss-scaler scale, global steps/samples and per-rank facts;
+  * --steps K: K more training steps on a fixed-seed global batch sequence that is the same at every world
+    size (rank r takes rows [r*micro, (r+1)*micro)); --losses gets the global mean loss per step.
+
+Trainer mode (--trainer): the Trainer setup of scripts/fixture_worker.py's Trainer fixtures (tiny GPT-2,
+tokenizer files from the checkpoint folder, ds_config rebuilt from the fixture's meta.json) with
+max_steps=--max-steps and `trainer.train(resume_from_checkpoint=--resume)`; output_dir is the parent of
+--resume; rank 0 writes --result (global_step, log_history).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import importlib.util
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+GLOBAL_BATCH = 12  # rows per global batch; divisible by every world size used (1, 2, 3, 4)
+SEQ = 6
+DATA_SEED = 987654
+SCRAMBLE_SEED = 4242
+
+
+def _fixture_worker():
+    """scripts/fixture_worker.py, which defines the toy model and helpers the fixtures were written with."""
+    spec = importlib.util.spec_from_file_location("ckpt_fixture_worker", ROOT / "scripts" / "fixture_worker.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ckpt_fixture_worker"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+FW = _fixture_worker()
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def log(msg: str) -> None:
+    if rank() == 0:
+        print(f"[reshard_worker] {msg}", flush=True)
+
+
+def init_dist() -> None:
+    import deepspeed
+
+    FW.quiet_loggers()
+    # a short timeout: a rank that fails alone must not leave the others waiting for 30 minutes
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
+    FW.quiet_loggers()
+
+
+# --------------------------------------------------------------------------------------------------------
+# engine mode
+# --------------------------------------------------------------------------------------------------------
+
+
+def ds_config_for(meta: dict, m: int) -> dict:
+    cfg = copy.deepcopy(meta["ds_config"])
+    if GLOBAL_BATCH % m:
+        raise SystemExit(f"world size {m} does not divide the global batch {GLOBAL_BATCH}")
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // m
+    cfg["gradient_accumulation_steps"] = 1
+    if "train_batch_size" in cfg:
+        cfg["train_batch_size"] = GLOBAL_BATCH
+    return cfg
+
+
+def scramble(model: torch.nn.Module) -> None:
+    """Overwrite every parameter and persistent buffer, so nothing can pass by being left at its init."""
+    g = torch.Generator().manual_seed(SCRAMBLE_SEED)
+    sd_keys = set(model.state_dict().keys())
+    with torch.no_grad():
+        for _, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + 0.7)
+        for n, b in model.named_buffers():
+            if n not in sd_keys:  # non-persistent (mask): not in the checkpoint, keep it
+                continue
+            if b.is_floating_point():
+                b.copy_(torch.randn(b.shape, generator=g) + 5.0)
+            else:
+                b.fill_(-99)
+
+
+def build_engine(meta: dict, do_scramble: bool):
+    import deepspeed
+
+    torch.manual_seed(FW.SEED)
+    model = FW.ToyModel()
+    if do_scramble:
+        scramble(model)
+    decay, no_decay = FW.decay_groups(model.named_parameters())
+    names = [[n for n, _ in decay], [n for n, _ in no_decay]]
+    if [sorted(g) for g in names] != [sorted(g) for g in meta["param_groups"]]:
+        raise RuntimeError(f"param groups {names} differ from the fixture's {meta['param_groups']}")
+    wd = meta.get("param_group_weight_decay", [0.01, 0.0])
+    groups = [
+        {"params": [p for _, p in decay], "weight_decay": wd[0]},
+        {"params": [p for _, p in no_decay], "weight_decay": wd[1]},
+    ]
+    cfg = ds_config_for(meta, world())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    FW.quiet_loggers()
+    return engine
+
+
+def _num(v):
+    if isinstance(v, torch.Tensor):
+        return v.item() if v.numel() == 1 else None
+    return v
+
+
+def optimizer_facts(engine) -> dict:
+    """Per-rank: every `step` in the torch optimizer's state and param groups, loss scale, lrs."""
+    opt = engine.optimizer
+    base = getattr(opt, "optimizer", None)
+    facts: dict = {"wrapper": type(opt).__name__, "base": type(base).__name__ if base is not None else None}
+    if base is not None:
+        facts["state_steps"] = sorted({float(_num(s["step"])) for s in base.state.values() if "step" in s})
+        facts["num_state_entries"] = len(base.state)
+        facts["state_numels"] = sorted(
+            int(s["exp_avg"].numel()) for s in base.state.values() if isinstance(s.get("exp_avg"), torch.Tensor)
+        )
+        facts["group_steps"] = [_num(g.get("step")) for g in base.param_groups]
+        facts["group_lrs"] = [g.get("lr") for g in base.param_groups]
+        facts["group_weight_decay"] = [g.get("weight_decay") for g in base.param_groups]
+    scaler = getattr(opt, "loss_scaler", None)
+    facts["loss_scaler"] = type(scaler).__name__ if scaler is not None else None
+    facts["cur_scale"] = _num(getattr(scaler, "cur_scale", None)) if scaler is not None else None
+    facts["clip_grad"] = _num(getattr(opt, "clip_grad", None))
+    return facts
+
+
+def dump_state(engine, dump: Path, stage: int, load_path: str) -> None:
+    """Collective: every rank must call it."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    FW.relink_hp_optimizer_state(engine)  # DeepSpeed 0.19.8 links param-group >= 1 states lazily (see FW)
+    out: dict[str, torch.Tensor] = {}
+    for n, p in engine.module.named_parameters():
+        if not p.requires_grad:
+            continue
+        fp32 = safe_get_full_fp32_param(p)
+        m = safe_get_full_optimizer_state(p, "exp_avg")
+        v = safe_get_full_optimizer_state(p, "exp_avg_sq")
+        for key, t in ((f"fp32/{n}", fp32), (f"exp_avg/{n}", m), (f"exp_avg_sq/{n}", v)):
+            if t is None:
+                raise RuntimeError(f"{key}: safe_get_full_* returned None after load")
+            out[key] = t.detach().cpu().clone().contiguous()
+
+    params = list(engine.module.parameters())
+    if stage == 3:
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
+    else:
+        import contextlib
+
+        ctx = contextlib.nullcontext()
+    with ctx:
+        for k, t in engine.module.state_dict().items():
+            out[f"module/{k}"] = t.detach().cpu().clone().contiguous()
+    for n, b in engine.module.named_buffers():
+        if f"module/{n}" not in out:  # non-persistent
+            out[f"module/{n}"] = b.detach().cpu().clone().contiguous()
+
+    per_rank = optimizer_facts(engine)
+    all_ranks = [None] * world()
+    dist.all_gather_object(all_ranks, per_rank)
+    if rank() == 0:
+        from safetensors.torch import save_file
+
+        dump.parent.mkdir(parents=True, exist_ok=True)
+        save_file(out, str(dump), metadata={"format": "pt"})
+        info = {
+            "world_size": world(),
+            "load_path": load_path,
+            "global_steps": engine.global_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "zero_stage": engine.zero_optimization_stage(),
+            "dp_world_size": engine.seq_dp_world_size,
+            "micro_batch": engine.train_micro_batch_size_per_gpu(),
+            "optimizer_step": sorted({s for f in all_ranks for s in f.get("state_steps", [])}),
+            "cur_scale": per_rank["cur_scale"],
+            "ranks": all_ranks,
+        }
+        dump.with_suffix(".json").write_text(json.dumps(info, indent=1, default=str))
+
+
+def train_steps(engine, steps: int) -> list[float]:
+    import torch.distributed as dist
+
+    m, r = world(), rank()
+    micro = GLOBAL_BATCH // m
+    g = torch.Generator().manual_seed(DATA_SEED)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, FW.VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+        targets = torch.randint(0, FW.VOCAB, (GLOBAL_BATCH, SEQ), generator=g)
+        sl = slice(r * micro, (r + 1) * micro)
+        loss = engine(ids[sl], targets[sl])
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().float().reshape(1).clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / m)
+    return losses
+
+
+def run_engine(a) -> None:
+    t0 = time.time()
+    meta = json.loads(Path(a.fixture_meta).read_text())
+    init_dist()
+    t1 = time.time()
+    engine = build_engine(meta, not a.no_scramble)
+    t2 = time.time()
+    load_path, _client = engine.load_checkpoint(a.load, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if load_path is None:
+        raise RuntimeError(f"engine.load_checkpoint({a.load!r}) returned None: nothing was loaded")
+    t3 = time.time()
+    if a.dump:
+        dump_state(engine, Path(a.dump), meta["zero_stage"], str(load_path))
+    t4 = time.time()
+    losses = train_steps(engine, a.steps) if a.steps else []
+    t5 = time.time()
+    if rank() == 0 and a.losses:
+        Path(a.losses).write_text(json.dumps({"world_size": world(), "global_batch": GLOBAL_BATCH,
+                                              "losses": losses}, indent=1))
+    log(f"{meta['name']} @ {world()} ranks from {a.load}: init {t1 - t0:.1f}s, engine {t2 - t1:.1f}s, "
+        f"load {t3 - t2:.1f}s, dump {t4 - t3:.1f}s, {a.steps} steps {t5 - t4:.1f}s; losses {losses}")
+
+
+# --------------------------------------------------------------------------------------------------------
+# trainer mode
+# --------------------------------------------------------------------------------------------------------
+
+
+def trainer_ds_config(meta: dict) -> dict:
+    """The ds_config the fixture worker handed the Trainer ("auto" where the Trainer fills values in)."""
+    src = meta["ds_config"]
+    ds_cfg = {
+        "zero_optimization": copy.deepcopy(src["zero_optimization"]),
+        "bf16": {"enabled": "auto"},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+    }
+    if "optimizer" in src:
+        ds_cfg["optimizer"] = {
+            "type": src["optimizer"]["type"],
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        }
+    return ds_cfg
+
+
+def run_trainer(a) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments
+
+    t0 = time.time()
+    meta = json.loads(Path(a.fixture_meta).read_text())
+    resume = Path(a.resume).resolve()
+    FW.quiet_loggers()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(str(resume))
+    torch.manual_seed(FW.SEED)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=len(tokenizer),
+        n_positions=32,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = GPT2LMHeadModel(config)
+    args = TrainingArguments(
+        output_dir=str(resume.parent),
+        use_cpu=True,
+        bf16=True,
+        deepspeed=trainer_ds_config(meta),
+        per_device_train_batch_size=2,
+        max_steps=a.max_steps,
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=1,
+        report_to=[],
+        learning_rate=1e-2,
+        weight_decay=0.01,
+        seed=FW.SEED,
+        data_seed=FW.SEED,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=FW.TinyDataset(tokenizer), processing_class=tokenizer)
+    FW.quiet_loggers()
+    trainer.train(resume_from_checkpoint=str(resume))
+    engine = trainer.model_wrapped
+    if rank() == 0 and a.result:
+        Path(a.result).write_text(json.dumps({
+            "world_size": world(),
+            "global_step": trainer.state.global_step,
+            "engine_global_steps": engine.global_steps,
+            "dp_world_size": engine.seq_dp_world_size,
+            "log_history": trainer.state.log_history,
+        }, indent=1, default=str))
+    log(f"trainer {meta['name']} @ {world()} ranks resumed from {resume}: global_step "
+        f"{trainer.state.global_step} in {time.time() - t0:.1f}s")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fixture-meta", required=True, help="the source fixture's meta.json")
+    ap.add_argument("--load", help="checkpoint root (with `latest`) to load")
+    ap.add_argument("--dump", help="rank 0 writes the loaded state here (.safetensors, + .json beside it)")
+    ap.add_argument("--steps", type=int, default=0, help="training steps after the load")
+    ap.add_argument("--losses", help="rank 0 writes the global mean loss per step here (JSON)")
+    ap.add_argument("--no-scramble", action="store_true", help="keep the model's init values before the load")
+    ap.add_argument("--trainer", action="store_true", help="HF Trainer resume mode")
+    ap.add_argument("--resume", help="trainer mode: checkpoint-N folder to resume from")
+    ap.add_argument("--max-steps", type=int, default=3)
+    ap.add_argument("--result", help="trainer mode: rank 0 writes global_step and log_history here (JSON)")
+    a = ap.parse_args(argv)
+    if a.trainer:
+        if not a.resume:
+            ap.error("--trainer needs --resume")
+        run_trainer(a)
+    else:
+        if not a.load:
+            ap.error("--load is required")
+        run_engine(a)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
