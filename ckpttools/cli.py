@@ -148,7 +148,8 @@ def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard
 
 @main.command("reshard", epilog=EPILOG)
 @checkpoint_path
-@click.option("--dp", "dp", type=int, required=True, help="The new data-parallel size (number of ranks).")
+@click.option("--dp", "dp", type=int, help="The new data-parallel size (number of ranks): native ZeRO files.")
+@click.option("--universal", is_flag=True, help="Write DeepSpeed's universal checkpoint instead (any DP size).")
 @click.option("--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it).")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 @tag_option
@@ -156,22 +157,29 @@ def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard
 @best_option
 @json_option
 @quiet_option
-def reshard_cmd(path: Path, dp: int, out: Path | None, overwrite: bool, tag: str | None, step: int | None,
+def reshard_cmd(path: Path, dp: int | None, universal: bool, out: Path | None, overwrite: bool, tag: str | None, step: int | None,
                 best: bool, as_json: bool, quiet: bool) -> None:
     """Rewrite a ZeRO checkpoint for a different number of data-parallel ranks.
 
-    The result loads with DeepSpeed's plain load_checkpoint (and Trainer's resume_from_checkpoint)
-    at the new size, with the same DeepSpeed config.
+    With --dp M the result loads with DeepSpeed's plain load_checkpoint (and Trainer's
+    resume_from_checkpoint) at M ranks, with the same DeepSpeed config. With --universal it is
+    DeepSpeed's universal format (load with "checkpoint": {"load_universal": true}); a universal
+    checkpoint given as PATH with --dp M becomes native shards again.
     """
     from .reshard import reshard
 
-    data = reshard(path, out, dp=dp, tag=tag, step=step, best=best, overwrite=overwrite).to_dict()
+    data = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite).to_dict()
     if not quiet:
         _notes(data)
     _emit(data, as_json, lambda d: (
-        f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from DP {d['dp_from']} to DP {d['dp_to']}: {d['output_dir']}"
+        f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from {_dp_name(d['dp_from'])} to {_dp_name(d['dp_to'])}: "
+        f"{d['output_dir']}"
         if d["output_dir"] else "Nothing written."
     ))
+
+
+def _dp_name(dp: int | None) -> str:
+    return f"DP {dp}" if dp else "universal"
 
 
 @main.command("inspect", epilog=EPILOG)

@@ -84,9 +84,10 @@ def _shard(tensors: list[OutputTensor], fmt: str, max_shard_size: int | str) -> 
     return {fname: [by_name[n] for n in names] for fname, names in split.filename_to_tensors.items()}
 
 
-def check_output_dir(out: Path, ckpt: ZeroCheckpoint, overwrite: bool) -> Path:
+def check_output_dir(out: Path, input_root: Path, overwrite: bool) -> Path:
+    """Refuse an output folder that exists (without overwrite), or that overlaps the input checkpoint."""
     out = out.absolute()
-    root = ckpt.location.root.resolve()
+    root = input_root.resolve()
     resolved = out.resolve()
     if resolved == root or root in resolved.parents:
         raise OutputError(f"output folder {out} lies inside the checkpoint {root}; choose a folder outside it")
@@ -188,7 +189,7 @@ def consolidate(
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     ckpt = read_checkpoint(path, tag=tag, step=step, best=best)
-    out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt, overwrite)
+    out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt.location.root, overwrite)
     out_dtype = DTYPES[dtype]
     config = ckpt.location.root / "config.json"
     hf_folder = config.is_file()

@@ -1,10 +1,12 @@
-"""Reshard a ZeRO checkpoint to a new data-parallel size, as native DeepSpeed files.
+"""Reshard a ZeRO checkpoint to a new data-parallel size, or to and from DeepSpeed's universal format.
 
 DeepSpeed refuses to load a checkpoint saved at another DP size. The fp32 master weights and every
-optimizer state are laid out by pure arithmetic (see `partition`), so they can be re-cut offline:
-each new rank's tensors are planned as slices of the old files plus zero padding, exactly as
-DeepSpeed lays them out for the new size, then streamed into new files. The result loads with a
-plain `engine.load_checkpoint` at the new size and the user's unchanged config.
+optimizer state are laid out by pure arithmetic (see `partition`), so they can be re-cut offline.
+Every state of every parameter is first described as the flat list of stored slices it is made of
+(a `_Sources`: from native rank files or from universal per-parameter files); the new files are then
+planned as slices of those plus zero padding, exactly as DeepSpeed lays them out for the new size,
+and streamed into place. Native results load with a plain `engine.load_checkpoint` at the new size
+and the user's unchanged config; universal ones with `"checkpoint": {"load_universal": true}`.
 """
 
 from __future__ import annotations
@@ -18,13 +20,15 @@ from typing import Any
 
 from . import dtypes, partition
 from .consolidate import _publish, check_free_space, check_output_dir
-from .errors import CorruptCheckpointError, UsageError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .layout import check_tag_name
 from .reader import ZeroCheckpoint, read_checkpoint
-from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize
+from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize, load_pickle
 from .torchwriter import Fill, NewTensor, Slice, write_torch_file
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 _FRAGMENT = DEEPSPEED_STUBS[("deepspeed.utils.tensor_fragment", "fragment_address")]
+Pieces = list[Slice | Fill]
 
 
 @dataclass
@@ -32,13 +36,40 @@ class ReshardResult:
     output_dir: str | None
     tag: str
     zero_stage: int
-    dp_from: int
-    dp_to: int
+    dp_from: int | None  # None when the source is a universal checkpoint
+    dp_to: int | None  # None when the output is a universal checkpoint
     files: list[str]
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+# --- Piece arithmetic -------------------------------------------------------------------------------------
+
+
+def take(pieces: Pieces, start: int, count: int) -> Pieces:
+    """Elements [start, start+count) of the concatenation of `pieces`."""
+    out: Pieces = []
+    pos, end = 0, start + count
+    for p in pieces:
+        lo, hi = max(start, pos), min(end, pos + p.count)
+        if lo < hi:
+            out.append(Fill(hi - lo) if isinstance(p, Fill) else Slice(p.tensor, p.start + lo - pos, hi - lo))
+        pos += p.count
+        if pos >= end:
+            break
+    if sum(p.count for p in out) != count:
+        raise CorruptCheckpointError(f"a flat state is shorter ({pos}) than its layout needs ({end})")
+    return out
+
+
+def padded(pieces: Pieces, pad: int) -> Pieces:
+    return pieces + [Fill(pad)] if pad > 0 else pieces
+
+
+def _flat(pieces: Pieces, shape: tuple[int, ...] | None = None) -> NewTensor:
+    return NewTensor(dtypes.FLOAT32, tuple(pieces), shape)
 
 
 def _fragment(numel: int, start: int) -> Any:
@@ -47,87 +78,233 @@ def _fragment(numel: int, start: int) -> Any:
     return frag
 
 
-def _pieces(old: Sequence[LazyTensor], old_counts: Sequence[int], start: int, count: int, base: int = 0) -> list[Slice]:
-    """Elements [start, start+count) of the concatenation of `old[r][base : base+old_counts[r]]`."""
-    return [Slice(old[p.rank], base + p.start, p.count) for p in partition.split_range(start, count, old_counts)]
+def _numel(shape: Any) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
 
 
-def _new(pieces: list[Slice], pad: int = 0) -> NewTensor:
-    return NewTensor(dtypes.FLOAT32, tuple(pieces) + ((Fill(pad),) if pad > 0 else ()))
-
-
-def _moment_keys(state: dict[str, Any]) -> list[str]:
-    return [k for k, v in state.items() if isinstance(v, LazyTensor) and v.dim() > 0]
-
-
-# --- ZeRO-1/2 (DeepSpeedZeroOptimizer, rigid or elastic; BF16_Optimizer) -------------------------------
-
-
-def _zero12_files(ckpt: ZeroCheckpoint, new_dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    old_dp = ckpt.dp_world_size
-    model0 = ckpt.rank_model_files[0]
-    osds = [f["optimizer_state_dict"] for f in ckpt.rank_optim_files]
-    bf16_optimizer = ckpt.optimizer_kind == "bf16_optimizer"
-    elastic = isinstance(osds[0].get("base_optimizer_state"), list)
-    align_all = osds[0].get("param_alignment_paddings")
-    new_osds: list[dict[str, Any]] = [dict(osds[0]) for _ in range(new_dp)]
-    for osd in new_osds:
-        osd["single_partition_of_fp32_groups"], osd["group_paddings"], osd["param_slice_mappings"] = [], [], []
-        osd["partition_count"] = [new_dp] * len(model0["param_shapes"])
-        base = osds[0]["base_optimizer_state"]
-        osd["base_optimizer_state"] = [] if elastic else {"state": {}, "param_groups": base["param_groups"]}
-    for g, shapes in enumerate(model0["param_shapes"]):
-        names = list(shapes)
-        numels = [partition.ceil_div(_numel(shapes[n]), 1) for n in names]
-        offsets = partition.zero12_param_offsets(numels, align_all[g] if align_all else None)
-        total = offsets[-1] + numels[-1] if names else 0
-        s_old, s_new = partition.zero12_partition_size(total, old_dp), partition.zero12_partition_size(total, new_dp)
-        real_old = [max(0, min(s_old, total - r * s_old)) for r in range(old_dp)]
-        fp32_old = [o["single_partition_of_fp32_groups"][g] for o in osds]
-        states_old = [o["base_optimizer_state"][g] if elastic else o["base_optimizer_state"]["state"][g] for o in osds]
-        keys = _moment_keys(states_old[0])
-        for r, osd in enumerate(new_osds):
-            lo = r * s_new
-            n = max(0, min(s_new, total - lo))
-            padded = s_new - n
-            osd["single_partition_of_fp32_groups"].append(_new(_pieces(fp32_old, real_old, lo, n), padded if bf16_optimizer else 0))
-            state = dict(states_old[0])
-            for k in keys:
-                state[k] = _new(_pieces([s[k] for s in states_old], real_old, lo, n), 0 if elastic else padded)
-            if elastic:
-                osd["base_optimizer_state"].append(state)
-            else:
-                osd["base_optimizer_state"]["state"][g] = state
-            if bf16_optimizer:  # BF16_Optimizer records the whole group's padding on the last rank only
-                osd["group_paddings"].append(s_new * new_dp - total if r == new_dp - 1 else 0)
-            else:
-                osd["group_paddings"].append(padded)
-            osd["param_slice_mappings"].append(_slice_mappings(names, numels, offsets, lo, lo + n))
-    optim_files = [{**ckpt.rank_optim_files[0], "optimizer_state_dict": osd} for osd in new_osds]
-    model_files = [{**model0, "dp_world_size": new_dp}]
-    return model_files, optim_files
-
-
-def _slice_mappings(names: list[str], numels: list[int], offsets: list[int], lo: int, hi: int) -> OrderedDict[str, Any]:
-    """DeepSpeed's param_slice_mappings: each param touching [lo, hi) with its (numel, start) in the partition."""
-    mapping: OrderedDict[str, Any] = OrderedDict()
-    for name, numel, off in zip(names, numels, offsets):
-        start, end = max(off, lo), min(off + numel, hi)
-        if start < end:
-            mapping[name] = _fragment(end - start, start - lo)
-    return mapping
-
-
-# --- ZeRO-3 -------------------------------------------------------------------------------------------
+# --- Where each state of each parameter lives ---------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class _Z3Param:
-    name: str
+class _Param:
+    name: str  # as DeepSpeed names it in param_shapes
+    shape: tuple[int, ...]
     numel: int
-    shape: Any
-    subgroup: int  # old sub-group
-    offset: int  # old offset inside the sub-group's per-rank flat buffer
+    group: int  # optimizer param group
+    align_pad: int = 0  # ZeRO-1/2 parameter_alignment padding after this param
+
+
+@dataclass
+class _Sources:
+    """A checkpoint's parameters in flat order and, per state, the stored slices making up each one."""
+
+    stage: int
+    params: list[_Param]
+    keys: list[str]  # "fp32" and the optimizer moments ("exp_avg", "exp_avg_sq")
+    full: dict[tuple[str, str], Pieces]  # (param name, key) -> flat pieces of the whole parameter
+    steps: list[Any]  # per param group: the optimizer `state` entries that are not tensors (step, ...)
+    common: dict[str, Any]  # optimizer-state entries that are not sharded (loss scaler, param_groups, ...)
+    wrapper: dict[str, Any]  # the rank file around them (ds_config, ds_version)
+    model_files: list[dict[str, Any]]  # ZeRO-1/2: [mp_rank_00]; ZeRO-3: per old rank (frozen fragments)
+    bf16_optimizer: bool = False
+    elastic: bool = False
+
+    def group_params(self, g: int) -> list[_Param]:
+        return [p for p in self.params if p.group == g]
+
+    @property
+    def num_groups(self) -> int:
+        return 1 + max((p.group for p in self.params), default=-1)
+
+
+def _zero12_native(ckpt: ZeroCheckpoint) -> _Sources:
+    model0 = ckpt.rank_model_files[0]
+    osds = [f["optimizer_state_dict"] for f in ckpt.rank_optim_files]
+    elastic = isinstance(osds[0].get("base_optimizer_state"), list)
+    align = osds[0].get("param_alignment_paddings")
+    params, full, steps = [], {}, []
+    states = [o["base_optimizer_state"] if elastic else o["base_optimizer_state"]["state"] for o in osds]
+    keys = ["fp32"] + _moment_keys(states[0][0])
+    for g, shapes in enumerate(model0["param_shapes"]):
+        group = [_Param(n, tuple(int(x) for x in s), _numel(s), g, align[g][i] if align else 0) for i, (n, s) in enumerate(shapes.items())]
+        total = sum(p.numel + p.align_pad for p in group)
+        size = partition.zero12_partition_size(total, ckpt.dp_world_size)
+        real = [max(0, min(size, total - r * size)) for r in range(ckpt.dp_world_size)]
+        for key in keys:
+            olds = [o["single_partition_of_fp32_groups"][g] for o in osds] if key == "fp32" else [s[g][key] for s in states]
+            vector: Pieces = [Slice(olds[p.rank], p.start, p.count) for p in partition.split_range(0, total, real)]
+            pos = 0
+            for p in group:
+                full[(p.name, key)] = take(vector, pos, p.numel)
+                pos += p.numel + p.align_pad
+        params += group
+        steps.append({k: v for k, v in states[0][g].items() if k not in keys})
+    sharded = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings")
+    common = {k: v for k, v in osds[0].items() if k not in sharded}
+    base = osds[0]["base_optimizer_state"]
+    common["param_groups"] = None if elastic else base["param_groups"]
+    return _Sources(ckpt.zero_stage, params, keys, full, steps, common, _wrapper(ckpt.rank_optim_files[0]),
+                    [model0], ckpt.optimizer_kind == "bf16_optimizer", elastic)  # fmt: skip
+
+
+def _zero3_native(ckpt: ZeroCheckpoint) -> _Sources:
+    model0 = ckpt.rank_model_files[0]
+    osds = [f["optimizer_state_dict"] for f in ckpt.rank_optim_files]
+    inner = osds[0]["optimizer_state_dict"]
+    keys = ["fp32"] + _moment_keys(inner["state"][0])
+    group_of = {int(sg): g for g, pg in enumerate(inner["param_groups"]) for sg in pg["params"]}
+    params, full = [], {}
+    for sg, shapes in enumerate(model0["param_shapes"]):
+        numels = [_numel(s) for s in shapes.values()]
+        for (name, shape), numel, off in zip(shapes.items(), numels, partition.zero3_subgroup_offsets(numels, ckpt.dp_world_size)):
+            params.append(_Param(name, tuple(int(x) for x in shape), numel, group_of[sg]))
+            for key in keys:
+                olds = [o["fp32_flat_groups"][sg] if key == "fp32" else o["optimizer_state_dict"]["state"][sg][key] for o in osds]
+                full[(name, key)] = [Slice(olds[p.rank], p.start, p.count) for p in partition.zero3_pieces(numel, ckpt.dp_world_size, off)]
+    # flat order within each param group, as DeepSpeed builds its sub-groups
+    params.sort(key=lambda p: p.group)
+    first_sg = {g: int(pg["params"][0]) for g, pg in enumerate(inner["param_groups"])}
+    steps = [{k: v for k, v in inner["state"][first_sg[g]].items() if k not in keys} for g in range(len(first_sg))]
+    common = {k: v for k, v in osds[0].items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
+    common["param_groups"] = inner["param_groups"]
+    return _Sources(3, params, keys, full, steps, common, _wrapper(ckpt.rank_optim_files[0]), ckpt.rank_model_files)
+
+
+def _wrapper(optim_file: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in optim_file.items() if k != "optimizer_state_dict"}
+
+
+def _is_flat_state(value: Any) -> bool:
+    return isinstance(value, LazyTensor) and value.dim() > 0  # `step` may be a 0-dim tensor: not sharded
+
+
+def _moment_keys(state: dict[str, Any]) -> list[str]:
+    return [k for k, v in state.items() if _is_flat_state(v)]
+
+
+# --- Universal checkpoints (read) ---------------------------------------------------------------------------
+
+
+def _universal_tensor(path: Path) -> LazyTensor:
+    obj = load_pickle(path)
+    tensor = obj.get("param") if isinstance(obj, dict) else obj
+    if not isinstance(tensor, LazyTensor):
+        raise CorruptCheckpointError(f"{path} holds no tensor")
+    return tensor
+
+
+def _universal_sources(root: Path, tag: str | None) -> tuple[_Sources, str]:
+    latest = root / "latest_universal"
+    if tag is None:
+        if not latest.is_file():
+            raise CheckpointNotFoundError(f"{root} has no latest_universal file; pass --tag")
+        tag = latest.read_text().strip()
+    tag = check_tag_name(tag)
+    tag_dir = root / tag
+    zero = tag_dir / "zero"
+    if not (zero / "optimizer_state.pt").is_file():
+        raise CheckpointNotFoundError(f"{zero / 'optimizer_state.pt'} is missing: not a universal checkpoint tag")
+    common = load_pickle(zero / "optimizer_state.pt")
+    stage = int(common.get("zero_stage", 1))
+    model_names = sorted(p.name for p in tag_dir.glob("*_model_states.pt"))
+    if not model_names:
+        raise CheckpointNotFoundError(f"{tag_dir} has no *_model_states.pt file")
+    if stage == 3:
+        ranked = sorted(model_names, key=lambda n: int(n.split("_")[3]))
+        model_files = [load_pickle(tag_dir / n) for n in ranked]
+        group_shapes = model_files[0]["param_shapes"]
+        inner = common["optimizer_state_dict"]
+        group_of = {int(sg): g for g, pg in enumerate(inner["param_groups"]) for sg in pg["params"]}
+        shapes = [(n, s, group_of[sg]) for sg, g in enumerate(group_shapes) for n, s in g.items()]
+        steps_src = [{k: v for k, v in inner["state"][int(pg["params"][0])].items() if not _is_flat_state(v)}
+                     for pg in inner["param_groups"]]  # fmt: skip
+    else:
+        model_files = [load_pickle(tag_dir / "mp_rank_00_model_states.pt")]
+        shapes = [(n, s, g) for g, group in enumerate(model_files[0]["param_shapes"]) for n, s in group.items()]
+        steps_src = None
+    align = common.get("param_alignment_paddings")
+    params, full, keys = [], {}, ["fp32", "exp_avg", "exp_avg_sq"]
+    index_in_group: dict[int, int] = {}
+    for name, shape, g in shapes:
+        i = index_in_group.get(g, 0)
+        index_in_group[g] = i + 1
+        pad = align[g][i] if (align and stage != 3) else 0
+        params.append(_Param(name, tuple(int(x) for x in shape), _numel(shape), g, pad))
+        for key in keys:
+            path = zero / name / f"{key}.pt"
+            if not path.is_file():
+                raise CheckpointNotFoundError(f"universal checkpoint lacks {path}")
+            tensor = _universal_tensor(path)
+            if tensor.numel() != _numel(shape):
+                raise CorruptCheckpointError(f"{path} holds {tensor.numel()} elements, {name} has {_numel(shape)}")
+            full[(name, key)] = [Slice(tensor, 0, tensor.numel())]
+    params.sort(key=lambda p: p.group)
+    if steps_src is None:
+        steps_src = []
+        for g in range(1 + max(p.group for p in params)):
+            first = next(p for p in params if p.group == g)
+            step = zero / first.name / "step.pt"
+            steps_src.append({"step": load_pickle(step)} if step.is_file() else {})
+    wrapper = {"ds_config": model_files[0].get("ds_config"), "ds_version": model_files[0].get("ds_version")}
+    src = _Sources(stage, params, keys, full, steps_src, {**common}, wrapper, model_files, "zero_stage" not in common)
+    if stage == 3:
+        src.model_files = model_files
+    return src, tag
+
+
+# --- Native ZeRO-1/2 rank files -----------------------------------------------------------------------------
+
+
+def _zero12_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    common = {k: v for k, v in src.common.items() if k != "param_groups"}
+    osds = [{**common, "single_partition_of_fp32_groups": [], "group_paddings": [], "param_slice_mappings": [],
+             "partition_count": [dp] * src.num_groups,
+             "base_optimizer_state": [] if src.elastic else {"state": {}, "param_groups": src.common["param_groups"]}}
+            for _ in range(dp)]  # fmt: skip
+    for g in range(src.num_groups):
+        group = src.group_params(g)
+        vectors = {key: [piece for p in group for piece in padded(src.full[(p.name, key)], p.align_pad)] for key in src.keys}
+        total = sum(p.numel + p.align_pad for p in group)
+        size = partition.zero12_partition_size(total, dp)
+        for r, osd in enumerate(osds):
+            lo = r * size
+            n = max(0, min(size, total - lo))
+            fp32 = take(vectors["fp32"], lo, n)
+            osd["single_partition_of_fp32_groups"].append(_flat(padded(fp32, size - n) if src.bf16_optimizer else fp32))
+            state = dict(src.steps[g])
+            for key in src.keys[1:]:
+                part = take(vectors[key], lo, n)
+                state[key] = _flat(part if src.elastic else padded(part, size - n))
+            if src.elastic:
+                osd["base_optimizer_state"].append(state)
+            else:
+                osd["base_optimizer_state"]["state"][g] = state
+            # BF16_Optimizer records the whole group's padding on the last rank only
+            pad = (size * dp - total if r == dp - 1 else 0) if src.bf16_optimizer else size - n
+            osd["group_paddings"].append(pad)
+            osd["param_slice_mappings"].append(_slice_mappings(group, lo, lo + n))
+    if src.bf16_optimizer:
+        for osd in osds:
+            osd.pop("param_alignment_paddings", None)
+    return [{**src.model_files[0], "dp_world_size": dp}], [{**src.wrapper, "optimizer_state_dict": o} for o in osds]
+
+
+def _slice_mappings(group: list[_Param], lo: int, hi: int) -> OrderedDict[str, Any]:
+    """DeepSpeed's param_slice_mappings: each param touching [lo, hi) with its (numel, start) in the partition."""
+    mapping: OrderedDict[str, Any] = OrderedDict()
+    off = 0
+    for p in group:
+        start, end = max(off, lo), min(off + p.numel, hi)
+        if start < end:
+            mapping[p.name] = _fragment(end - start, start - lo)
+        off += p.numel + p.align_pad
+    return mapping
+
+
+# --- Native ZeRO-3 rank files -------------------------------------------------------------------------------
 
 
 def split_subgroups(partition_numels: Sequence[int], sub_group_size: int) -> list[list[int]]:
@@ -144,141 +321,127 @@ def split_subgroups(partition_numels: Sequence[int], sub_group_size: int) -> lis
     return groups
 
 
-def _zero3_params(ckpt: ZeroCheckpoint) -> list[list[_Z3Param]]:
-    """The params of each optimizer param group, in flat order, with their old locations."""
-    model0 = ckpt.rank_model_files[0]
-    inner = ckpt.rank_optim_files[0]["optimizer_state_dict"]["optimizer_state_dict"]
-    located: dict[int, list[_Z3Param]] = {}
-    for sg, shapes in enumerate(model0["param_shapes"]):
-        numels = [_numel(s) for s in shapes.values()]
-        offsets = partition.zero3_subgroup_offsets(numels, ckpt.dp_world_size)
-        located[sg] = [_Z3Param(n, numel, shapes[n], sg, off) for n, numel, off in zip(shapes, numels, offsets)]
-    groups = []
-    for pg in inner["param_groups"]:
-        groups.append([p for sg in pg["params"] for p in located[int(sg)]])
-    if sum(len(g) for g in groups) != sum(len(v) for v in located.values()):
-        raise CorruptCheckpointError(f"{ckpt.location.tag_dir}: optimizer param groups do not cover param_shapes")
-    return groups
+def _zero3_slice(pieces: Pieces, numel: int, dp: int, rank: int) -> Pieces:
+    """Rank `rank`'s ceil(numel/dp) elements of a parameter; padding is zero, never uninitialised memory."""
+    p = partition.zero3_partition_numel(numel, dp)
+    n = max(0, min(p, numel - rank * p))
+    return padded(take(pieces, rank * p, n) if n else [], p - n)
 
 
-def _zero3_slice(olds: Sequence[LazyTensor], p: _Z3Param, old_dp: int, new_dp: int, rank: int) -> list[Slice | Fill]:
-    """New rank `rank`'s ceil(numel/new_dp) elements of param p, from the old ranks' flat buffers."""
-    p_new = partition.zero3_partition_numel(p.numel, new_dp)
-    lo = rank * p_new
-    n = max(0, min(p_new, p.numel - lo))
-    old_counts = [pc.count for pc in partition.zero3_pieces(p.numel, old_dp, 0)]
-    pieces: list[Slice | Fill] = list(_pieces(olds, old_counts, lo, n, base=p.offset)) if n else []
-    if p_new - n:
-        pieces.append(Fill(p_new - n))  # padding is zero, never the old ranks' uninitialised tail
-    return pieces
-
-
-def _zero3_files(ckpt: ZeroCheckpoint, new_dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    old_dp = ckpt.dp_world_size
-    osds = [f["optimizer_state_dict"] for f in ckpt.rank_optim_files]
-    inner0 = osds[0]["optimizer_state_dict"]
-    zero_cfg = ckpt.ds_config.get("zero_optimization") or {}
-    sub_group_size = int(float(zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
-    new_groups: list[list[_Z3Param]] = []  # new sub-groups, numbered across param groups
-    new_param_groups = []
-    for pg, params in zip(inner0["param_groups"], _zero3_params(ckpt)):
-        p_new = [partition.zero3_partition_numel(p.numel, new_dp) for p in params]
+def _zero3_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    ds_config = src.wrapper.get("ds_config") or {}
+    sub_group_size = int(float((ds_config.get("zero_optimization") or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+    subgroups: list[list[_Param]] = []
+    param_groups = []
+    for g, pg in enumerate(src.common["param_groups"]):
+        group = src.group_params(g)
         ids = []
-        for members in split_subgroups(p_new, sub_group_size):
-            ids.append(len(new_groups))
-            new_groups.append([params[i] for i in members])
-        new_param_groups.append({**pg, "params": ids})
-    first_state = {int(pg["params"][0]): inner0["state"][int(pg["params"][0])] for pg in inner0["param_groups"]}
-    keys = _moment_keys(next(iter(first_state.values())))
+        for members in split_subgroups([partition.zero3_partition_numel(p.numel, dp) for p in group], sub_group_size):
+            ids.append(len(subgroups))
+            subgroups.append([group[i] for i in members])
+        param_groups.append({**pg, "params": ids})
+    group_of = {id(p): p.group for p in src.params}
+    common = {k: v for k, v in src.common.items() if k != "param_groups"}
     optim_files = []
-    for r in range(new_dp):
+    for r in range(dp):
         flat, state = [], {}
-        for sg, members in enumerate(new_groups):
-            old_sg_state = inner0["state"][members[0].subgroup]
-            flat.append(_z3_tensor(members, lambda p: [o["fp32_flat_groups"][p.subgroup] for o in osds], old_dp, new_dp, r))
-            entry = dict(old_sg_state)
-            for k in keys:
-                entry[k] = _z3_tensor(members, lambda p, k=k: [o["optimizer_state_dict"]["state"][p.subgroup][k] for o in osds], old_dp, new_dp, r)
-            state[sg] = entry
-        osd = {**osds[0], "partition_count": new_dp, "fp32_flat_groups": flat,
-               "optimizer_state_dict": {**inner0, "state": state, "param_groups": new_param_groups}}  # fmt: skip
-        optim_files.append({**ckpt.rank_optim_files[0], "optimizer_state_dict": osd})
-    return _zero3_model_files(ckpt, new_groups, new_dp), optim_files
+        for sg, members in enumerate(subgroups):
+            def pieces(key: str) -> Pieces:
+                return [x for p in members for x in _zero3_slice(src.full[(p.name, key)], p.numel, dp, r)]
+
+            flat.append(_flat(pieces("fp32")))
+            state[sg] = {**src.steps[group_of[id(members[0])]], **{k: _flat(pieces(k)) for k in src.keys[1:]}}
+        osd = {**common, "partition_count": dp, "fp32_flat_groups": flat,
+               "optimizer_state_dict": {"state": state, "param_groups": param_groups}}  # fmt: skip
+        optim_files.append({**src.wrapper, "optimizer_state_dict": osd})
+    return _zero3_model_files(src, subgroups, dp), optim_files
 
 
-def _z3_tensor(members: list[_Z3Param], olds_of: Any, old_dp: int, new_dp: int, rank: int) -> NewTensor:
-    pieces: list[Slice | Fill] = []
-    for p in members:
-        pieces += _zero3_slice(olds_of(p), p, old_dp, new_dp, rank)
-    return NewTensor(dtypes.FLOAT32, tuple(pieces))
-
-
-def _zero3_model_files(ckpt: ZeroCheckpoint, new_groups: list[list[_Z3Param]], new_dp: int) -> list[dict[str, Any]]:
-    old_dp = ckpt.dp_world_size
-    model0 = ckpt.rank_model_files[0]
-    param_shapes = [OrderedDict((p.name, TorchSize(p.shape)) for p in members) for members in new_groups]
-    frozen_shapes = model0.get("frozen_param_shapes") or {}
+def _zero3_model_files(src: _Sources, subgroups: list[list[_Param]], dp: int) -> list[dict[str, Any]]:
+    model0 = src.model_files[0]
+    old_dp = len(src.model_files)
+    param_shapes = [OrderedDict((p.name, TorchSize(p.shape)) for p in members) for members in subgroups]
+    frozen = {}
+    for name, shape in (model0.get("frozen_param_shapes") or {}).items():
+        numel = _numel(shape)
+        olds = [m["frozen_param_fragments"][name] for m in src.model_files]
+        old_counts = [pc.count for pc in partition.zero3_pieces(numel, old_dp, 0)]
+        frozen[name] = ([Slice(olds[p.rank], p.start, p.count) for p in partition.split_range(0, numel, old_counts)], olds[0].dtype)
     files = []
-    for r in range(new_dp):
-        fragments: OrderedDict[str, Any] = OrderedDict()
-        for name, shape in frozen_shapes.items():
-            olds = [m["frozen_param_fragments"][name] for m in ckpt.rank_model_files]
-            p = _Z3Param(name, _numel(shape), shape, 0, 0)
-            fragments[name] = NewTensor(olds[0].dtype, tuple(_zero3_slice(olds, p, old_dp, new_dp, r)))
-        files.append({
-            **model0,
-            "dp_world_size": new_dp,
-            "param_shapes": param_shapes,
-            "frozen_param_fragments": fragments if frozen_shapes else model0.get("frozen_param_fragments"),
-            "shared_params": model0.get("shared_params") if r == 0 else {},
-        })  # fmt: skip
+    for r in range(dp):
+        fragments = OrderedDict((n, NewTensor(dt, tuple(_zero3_slice(pcs, sum(x.count for x in pcs), dp, r))))
+                                for n, (pcs, dt) in frozen.items())  # fmt: skip
+        files.append({**model0, "dp_world_size": dp, "param_shapes": param_shapes,
+                      "frozen_param_fragments": fragments if frozen else model0.get("frozen_param_fragments"),
+                      "shared_params": model0.get("shared_params") if r == 0 else {}})  # fmt: skip
     return files
 
 
-def _numel(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
+# --- Universal checkpoints (write) --------------------------------------------------------------------------
 
 
-# --- Files around the tag: latest, Trainer files, RNG states -------------------------------------------
+def _universal_files(src: _Sources) -> dict[str, Any]:
+    """Relative path -> object: DeepSpeed's universal layout, one folder per parameter.
+
+    Every state file is `{"param": full-shape fp32, "cat_dim": 0}` with a `step.pt` beside it, for all
+    stages (ds_to_universal writes bare flat tensors and no step.pt for ZeRO-3; DeepSpeed reads both).
+    The shared optimizer state is lean: no rank's shard is copied into it.
+    """
+    files: dict[str, Any] = {}
+    for p in src.params:
+        for key in src.keys:
+            files[f"zero/{p.name}/{key}.pt"] = {"param": _flat(src.full[(p.name, key)], p.shape), "cat_dim": 0}
+        if "step" in src.steps[p.group]:
+            files[f"zero/{p.name}/step.pt"] = src.steps[p.group]["step"]
+    common = dict(src.common)
+    if src.stage == 3:  # DeepSpeed reads the step from state[0]; keyed like its sub-groups, without tensors
+        groups = src.common["param_groups"]
+        common["optimizer_state_dict"] = {
+            "state": {int(pg["params"][0]): dict(src.steps[g]) for g, pg in enumerate(groups)},
+            "param_groups": groups,
+        }
+    elif common.get("param_groups") is None:
+        raise UnsupportedCheckpointError("elastic ZeRO-1/2 checkpoints carry no param_groups; reshard natively instead")
+    files["zero/optimizer_state.pt"] = common
+    return files
 
 
-def _copy_root_files(ckpt: ZeroCheckpoint, out: Path, new_dp: int) -> list[str]:
-    """Everything beside the tag folders comes along; `latest` names the tag; RNG files follow the new ranks."""
-    root = ckpt.location.root
-    notes = []
+# --- Files around the tag: latest, Trainer files, RNG states ------------------------------------------------
+
+
+def _copy_root_files(root: Path, out: Path, old_dp: int | None, new_dp: int | None, skip: set[str]) -> list[str]:
+    """Everything beside the tag folders comes along; RNG files follow the new ranks."""
     rng_files = sorted(p.name for p in root.glob("rng_state*.pth"))
     for item in root.iterdir():
-        if item.name == "latest" or item.name in rng_files:
+        if item.name in skip or item.name in rng_files:
             continue
         if item.is_dir():
-            if any(item.glob("*_model_states.pt")):
-                continue  # tag folders: only the resharded one is written
-            shutil.copytree(item, out / item.name)
+            if not any(item.glob("*_model_states.pt")):  # tag folders: only the converted one is written
+                shutil.copytree(item, out / item.name)
         else:
             shutil.copy2(item, out / item.name)
-    (out / "latest").write_text(ckpt.location.tag)
-    if rng_files:
-        notes.append(_place_rng_states(root, out, ckpt.dp_world_size, new_dp))
-    return notes
+    if not rng_files:
+        return []
+    if old_dp is None or new_dp is None:
+        for name in rng_files:
+            shutil.copy2(root / name, out / name)
+        return ["RNG states copied as they are"]
+    return [_place_rng_states(root, out, old_dp, new_dp)]
 
 
 def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int) -> str:
     """Trainer restores `rng_state_{rank}.pth` (or `rng_state.pth` at one process); keep what maps over."""
+
     def old_file(rank: int) -> Path | None:
         path = root / ("rng_state.pth" if old_dp == 1 else f"rng_state_{rank}.pth")
         return path if path.is_file() else None
 
     if new_dp == 1:
-        src = old_file(0)
-        if src:
+        if src := old_file(0):
             shutil.copy2(src, out / "rng_state.pth")
-        return "RNG states: rank 0's state kept as rng_state.pth; the data order stays reproducible, per-rank dropout streams do not carry over"
+        return "RNG states: rank 0's kept as rng_state.pth; the other ranks' random streams do not carry over"
     for rank in range(min(old_dp, new_dp)):
-        src = old_file(rank)
-        if src:
+        if src := old_file(rank):
             shutil.copy2(src, out / f"rng_state_{rank}.pth")
     if new_dp > old_dp:
         return (f"RNG states: {_ranks(0, old_dp)} keep theirs; {_ranks(old_dp, new_dp)} have none, so the Trainer "
@@ -290,60 +453,87 @@ def _ranks(lo: int, hi: int) -> str:
     return f"rank {lo}" if hi - lo == 1 else f"ranks {lo}-{hi - 1}"
 
 
-# --- Entry point -----------------------------------------------------------------------------------------
+# --- Entry point --------------------------------------------------------------------------------------------
 
 
-def default_output_dir(ckpt: ZeroCheckpoint, new_dp: int) -> Path:
-    """`dp<M>-<checkpoint>` beside the checkpoint (never matched by Trainer's checkpoint rotation)."""
-    root = ckpt.location.root
-    return root.parent / f"dp{new_dp}-{root.name}"
+def is_universal(path: Path) -> bool:
+    return (path / "latest_universal").is_file() or (path / "zero" / "optimizer_state.pt").is_file()
 
 
 def reshard(
     path: Path | str,
     out_dir: Path | str | None = None,
     *,
-    dp: int,
+    dp: int | None = None,
+    universal: bool = False,
     tag: str | None = None,
     step: int | None = None,
     best: bool = False,
     overwrite: bool = False,
 ) -> ReshardResult:
-    """Write a native ZeRO checkpoint for `dp` data-parallel ranks.
+    """Write a native ZeRO checkpoint for `dp` ranks, or (`universal=True`) a universal checkpoint.
 
     Args:
-        path: the checkpoint (see `read_checkpoint`).
-        out_dir: output folder; defaults to `dp<M>-<checkpoint name>` beside the checkpoint.
-        dp: the new data-parallel size.
-
-    Returns:
-        A ReshardResult; when `dp` equals the current size and no `out_dir` is given, nothing is written.
+        path: a native checkpoint (see `read_checkpoint`) or a universal one (holding `latest_universal`).
+        out_dir: output folder; defaults to `dp<M>-<name>` or `universal-<name>` beside the input.
+        dp: the new data-parallel size (native output).
+        universal: write DeepSpeed's universal format instead, loadable at any DP size.
 
     Example:
-        >>> reshard("out/checkpoint-500", "out/checkpoint-500-dp8", dp=8).files[:1]
-        ['global_step500/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt']
+        >>> reshard("out/checkpoint-500", "out/dp8-checkpoint-500", dp=8).files[0]
+        'global_step500/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt'
     """
-    if dp < 1:
+    if universal == (dp is not None):
+        raise UsageError("pass exactly one of --dp M or --universal")
+    if dp is not None and dp < 1:
         raise UsageError(f"--dp must be at least 1, not {dp}")
+    path = Path(path)
+    if path.is_dir() and is_universal(path):
+        if universal:
+            raise UsageError(f"{path} is already a universal checkpoint; pass --dp M to turn it into native shards")
+        root, tag = (path.parent, path.name) if (path / "zero").is_dir() else (path, tag)
+        src, tag = _universal_sources(root, tag)
+        return _write(root, tag, src, None, dp, out_dir, overwrite, prefix=_universal_prefix(src))
     ckpt = read_checkpoint(path, tag=tag, step=step, best=best)
-    loc = ckpt.location
-    result = ReshardResult(None, loc.tag, ckpt.zero_stage, ckpt.dp_world_size, dp, [])
     if dp == ckpt.dp_world_size and out_dir is None:
+        result = ReshardResult(None, ckpt.location.tag, ckpt.zero_stage, dp, dp, [])
         result.notes.append(f"the checkpoint is already at DP {dp}; nothing to do")
         return result
-    out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt, dp), ckpt, overwrite)
+    src = _zero3_native(ckpt) if ckpt.zero_stage == 3 else _zero12_native(ckpt)
+    return _write(ckpt.location.root, ckpt.location.tag, src, ckpt.dp_world_size, dp, out_dir, overwrite,
+                  prefix=ckpt.location.files.optim_prefix)  # fmt: skip
+
+
+def _universal_prefix(src: _Sources) -> str:
+    ds_config = src.wrapper.get("ds_config") or {}
+    return "bf16_" if (ds_config.get("bf16") or {}).get("enabled") else ""
+
+
+def _default_out(root: Path, dp: int | None) -> Path:
+    """`dp<M>-<name>` / `universal-<name>` beside the input (never matched by Trainer's checkpoint rotation)."""
+    return root.parent / (f"dp{dp}-{root.name}" if dp else f"universal-{root.name}")
+
+
+def _write(root: Path, tag: str, src: _Sources, old_dp: int | None, dp: int | None, out_dir: Any,
+           overwrite: bool, prefix: str) -> ReshardResult:  # fmt: skip
+    out = check_output_dir(Path(out_dir) if out_dir else _default_out(root, dp), root, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(out.parent, sum(p.stat().st_size for p in loc.root.rglob("*") if p.is_file()))
-    tmp = out.parent / f".{out.name}.partial-{id(result)}"
+    check_free_space(out.parent, sum(p.stat().st_size for p in (root / tag).rglob("*") if p.is_file()))
+    result = ReshardResult(None, tag, src.stage, old_dp, dp, [])
+    tmp = out.parent / f".{out.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        (tmp / loc.tag).mkdir(parents=True)
-        if dp == ckpt.dp_world_size:
-            shutil.copytree(loc.tag_dir, tmp / loc.tag, dirs_exist_ok=True)
+        (tmp / tag).mkdir(parents=True)
+        if dp is not None and dp == old_dp:
+            shutil.copytree(root / tag, tmp / tag, dirs_exist_ok=True)
             result.notes.append(f"the checkpoint is already at DP {dp}; copied unchanged")
         else:
-            result.files = _write_tag(ckpt, dp, tmp / loc.tag)
-        result.notes += _copy_root_files(ckpt, tmp, dp)
+            result.files = _write_tag(src, dp, tmp / tag, prefix)
+        skip = {tag, "latest", "latest_universal"}
+        result.notes += _copy_root_files(root, tmp, old_dp, dp, skip)
+        (tmp / ("latest" if dp else "latest_universal")).write_text(tag)
+        if dp is None:
+            result.notes.append('load it with "checkpoint": {"load_universal": true} in the DeepSpeed config')
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -352,19 +542,20 @@ def reshard(
     return result
 
 
-def _write_tag(ckpt: ZeroCheckpoint, new_dp: int, tag_dir: Path) -> list[str]:
-    builder = _zero3_files if ckpt.zero_stage == 3 else _zero12_files
-    model_files, optim_files = builder(ckpt, new_dp)
-    prefix = ckpt.location.files.optim_prefix
-    written = []
+def _write_tag(src: _Sources, dp: int | None, tag_dir: Path, prefix: str) -> list[str]:
+    if dp is None:
+        files = _universal_files(src)
+        for i, m in enumerate(src.model_files):
+            name = f"zero_pp_rank_{i}_mp_rank_00_model_states.pt" if src.stage == 3 else "mp_rank_00_model_states.pt"
+            files[name] = m
+    else:
+        model_files, optim_files = (_zero3_files if src.stage == 3 else _zero12_files)(src, dp)
+        files = {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": o for r, o in enumerate(optim_files)}
+        for r, m in enumerate(model_files):
+            files[f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if src.stage == 3 else "mp_rank_00_model_states.pt"] = m
     with RecordReader() as reader:
-        for r, obj in enumerate(optim_files):
-            name = f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        for name, obj in files.items():
+            (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
             write_torch_file(tag_dir / name, obj, reader)
-            written.append(name)
-        for r, obj in enumerate(model_files):
-            name = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if ckpt.zero_stage == 3 else "mp_rank_00_model_states.pt"
-            write_torch_file(tag_dir / name, obj, reader)
-            written.append(name)
         reader.finish()  # CRC-32 of every source record read
-    return [f"{tag_dir.name}/{n}" for n in written]
+    return [f"{tag_dir.name}/{n}" for n in files]

@@ -51,9 +51,13 @@ class NewTensor:
 
     dtype: DType
     pieces: tuple[Slice | Fill, ...]
+    shape: tuple[int, ...] | None = None  # default: 1-D
 
     def numel(self) -> int:
         return sum(p.count for p in self.pieces)
+
+    def view_shape(self) -> tuple[int, ...]:
+        return self.shape if self.shape is not None else (self.numel(),)
 
 
 def _deepspeed_classes() -> dict[str, Any]:
@@ -142,7 +146,11 @@ def _pickle(obj: Any, table: _StorageTable) -> bytes:
                 return tensor_reduce(ref, o.storage_offset, o.shape, o.stride)
             if isinstance(o, NewTensor):
                 ref = _StorageRef(table.key_for_new(o), o.dtype, o.numel())
-                return tensor_reduce(ref, 0, (o.numel(),), (1,))
+                shape = o.view_shape()
+                strides = [1] * len(shape)
+                for i in range(len(shape) - 2, -1, -1):
+                    strides[i] = strides[i + 1] * shape[i + 1]
+                return tensor_reduce(ref, 0, shape, tuple(strides))
             if isinstance(o, ZeroStageEnum):
                 return classes["ZeroStageEnum"], (int(o),)
             if isinstance(o, TorchSize):

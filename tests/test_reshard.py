@@ -136,3 +136,45 @@ def test_trainer_folder_files_and_rng_states_follow(tmp_path):
 
 def test_engine_fixture_list_is_complete():
     assert {"z3_dp4_fp32", "z1_dp1_bf16"} <= set(fixture_names("engine"))
+
+
+def _ds_to_universal(src, out):
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src / "global_step2"),
+           "--output_folder", str(out / "global_step2"), "--inject_missing_state", "--num_extract_workers", "1",
+           "--num_merge_workers", "1"]  # fmt: skip
+    subprocess.run(cmd, capture_output=True, check=True, env={**__import__("os").environ, "DS_ACCELERATOR": "cpu"})
+
+
+@pytest.mark.parametrize("name,dp", [("z2_dp2_fp32", 3), ("z3_dp3_bf16", 2)])
+def test_universal_matches_ds_to_universal_and_converts_back(name, dp, tmp_path):
+    src = _src(name)
+    result = reshard(src, tmp_path / "ours", universal=True)
+    assert result.dp_to is None and (tmp_path / "ours" / "latest_universal").read_text() == "global_step2"
+    _ds_to_universal(src, tmp_path / "ds")
+    params = [p for p in (tmp_path / "ours" / "global_step2" / "zero").iterdir() if p.is_dir()]
+    assert {p.name for p in params} == set(read_checkpoint(src).masters)
+    for pdir in params:
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            ours = torch.load(pdir / f"{state}.pt", weights_only=False)
+            theirs = torch.load(tmp_path / "ds" / "global_step2" / "zero" / pdir.name / f"{state}.pt", weights_only=False)
+            theirs = theirs["param"] if isinstance(theirs, dict) else theirs
+            assert ours["param"].shape == read_checkpoint(src).masters[pdir.name].shape
+            assert torch.equal(ours["param"].flatten(), theirs.flatten()), (pdir.name, state)
+    consolidate(src, tmp_path / "a")
+    expected = load_file(tmp_path / "a" / "model.safetensors")
+    for universal in ("ours", "ds"):
+        reshard(tmp_path / universal, tmp_path / f"native-{universal}", dp=dp)
+        assert read_checkpoint(tmp_path / f"native-{universal}").dp_world_size == dp
+        consolidate(tmp_path / f"native-{universal}", tmp_path / f"c-{universal}")
+        got = load_file(tmp_path / f"c-{universal}" / "model.safetensors")
+        assert all(torch.equal(got[k], expected[k]) for k in expected), universal
+
+
+def test_universal_options_are_exclusive(tmp_path):
+    with pytest.raises(UsageError, match="exactly one"):
+        reshard(_src("z2_dp2_fp32"), tmp_path / "x", dp=2, universal=True)
+    with pytest.raises(UsageError, match="exactly one"):
+        reshard(_src("z2_dp2_fp32"), tmp_path / "x")
