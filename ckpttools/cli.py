@@ -104,6 +104,13 @@ tag_option = click.option("--tag", help="Tag folder to read (default: the conten
 step_option = click.option("--step", type=int, help="With a Trainer output_dir: use checkpoint-STEP (default: newest).")
 best_option = click.option("--best", is_flag=True, help="With a Trainer output_dir: use best_model_checkpoint.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+
+
+def checkpoint_selection(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--tag, --step and --best: which checkpoint and tag inside PATH to read."""
+    return tag_option(step_option(best_option(f)))
+
+
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 
 
@@ -120,9 +127,7 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True, help="Output dtype for floating tensors.")
 @click.option("--max-shard-size", "--max_shard_size", default="5GB", show_default=True, help="Largest output file.")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
-@tag_option
-@step_option
-@best_option
+@checkpoint_selection
 @json_option
 @quiet_option
 def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard_size: str, overwrite: bool,
@@ -152,9 +157,7 @@ def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard
 @click.option("--universal", is_flag=True, help="Write DeepSpeed's universal checkpoint instead (any DP size).")
 @click.option("--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it).")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
-@tag_option
-@step_option
-@best_option
+@checkpoint_selection
 @json_option
 @quiet_option
 def reshard_cmd(path: Path, dp: int | None, universal: bool, out: Path | None, overwrite: bool, tag: str | None, step: int | None,
@@ -184,9 +187,7 @@ def _dp_name(dp: int | None) -> str:
 
 @main.command("inspect", epilog=EPILOG)
 @checkpoint_path
-@tag_option
-@step_option
-@best_option
+@checkpoint_selection
 @json_option
 def inspect_cmd(path: Path, tag: str | None, step: int | None, best: bool, as_json: bool) -> None:
     """Describe a ZeRO checkpoint: stage, DP size, dtype, sizes, ties, Trainer state."""
