@@ -127,18 +127,21 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True, help="Output dtype for floating tensors.")
 @click.option("--max-shard-size", "--max_shard_size", default="5GB", show_default=True, help="Largest output file.")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
+@click.option("--check-keys", is_flag=True,
+              help="Also build the model from config.json (meta device) and fail on missing/unexpected keys.")
 @checkpoint_selection
 @json_option
 @quiet_option
 def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard_size: str, overwrite: bool,
-                    tag: str | None, step: int | None, best: bool, as_json: bool, quiet: bool) -> None:
+                    check_keys: bool, tag: str | None, step: int | None, best: bool, as_json: bool, quiet: bool) -> None:
     """Write consolidated weights from a ZeRO checkpoint as a folder from_pretrained loads."""
     from .consolidate import consolidate
 
     bar = _Progress("consolidate") if progress_enabled(quiet) else None
     result = consolidate(
         path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step, best=best,
-        overwrite=overwrite, on_progress=bar.advance if bar else None, on_start=bar.begin if bar else None,
+        overwrite=overwrite, check_keys=check_keys, on_progress=bar.advance if bar else None,
+        on_start=bar.begin if bar else None,
     )
     if bar:
         bar.end()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,10 +50,13 @@ def default_output_dir(ckpt: ZeroCheckpoint) -> Path:
 def plan_tensors(ckpt: ZeroCheckpoint, dtype: DType, *, hf_folder: bool) -> tuple[list[OutputTensor], dict[str, str]]:
     """Output tensors in model order, and the tied aliases left out.
 
-    In a Hugging Face folder a tied alias (lm_head.weight -> wte.weight) is stored once, under its owner,
-    as save_pretrained does; from_pretrained re-ties it. Bare checkpoints keep every alias as its own
-    tensor so `load_state_dict(strict=True)` works.
+    In a Hugging Face folder whose config ties word embeddings, a tied alias (lm_head.weight -> wte.weight)
+    is stored once, under its owner, as save_pretrained does; from_pretrained re-ties it. Bare checkpoints
+    (and configs with tie_word_embeddings false) keep every alias as its own tensor, so
+    `load_state_dict(strict=True)` works.
     """
+    config = hf.read_config(ckpt.location.root / "config.json") or {}
+    hf_folder = hf_folder and config.get("tie_word_embeddings", True) is not False
     tensors = [OutputTensor(s.name, s, output_dtype(s, dtype)) for s in ckpt.sources(dtype)]
     by_name = {t.name: t for t in tensors}
     omitted: dict[str, str] = {}
@@ -114,28 +116,24 @@ def _gb(n: int) -> str:
 
 
 class _KeyCheck:
-    """Builds the model on the meta device in the background while shards are written."""
+    """Builds the model on the meta device in a child process while the shards are written."""
 
     def __init__(self, config: Path | None) -> None:
-        self.result: hf.ModelKeys | str | None = None
-        self.thread = threading.Thread(target=self._run, args=(config,), daemon=True) if config else None
-        if self.thread:
-            self.thread.start()
+        self.proc = hf.start_model_keys(config) if config else None
 
-    def _run(self, config: Path) -> None:
-        try:
-            self.result = hf.model_keys(config)
-        except Exception as e:  # noqa: BLE001 - only means the keys go unchecked
-            self.result = f"the model could not be built ({type(e).__name__}: {e})"
+    def cancel(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
     def problems(self, ckpt: ZeroCheckpoint, written: list[str], omitted: dict[str, str], notes: list[str]) -> None:
-        if self.thread is None:
+        if self.proc is None:
             return
-        self.thread.join()
-        if isinstance(self.result, str) or self.result is None:
-            notes.append(f"keys not checked against the model: {self.result}")
+        result = hf.finish_model_keys(self.proc)
+        if isinstance(result, str):
+            notes.append(f"keys not checked against the model: {result}")
             return
-        missing, unexpected = hf.key_problems(self.result, written, omitted)
+        missing, unexpected = hf.key_problems(result, written, omitted)
         if ckpt.frozen_excluded:
             notes.append(f"{len(missing)} base-model weights are absent (the checkpoint was saved without frozen params)")
             missing = []
@@ -146,7 +144,7 @@ class _KeyCheck:
             if unexpected:
                 parts.append(f"unexpected {len(unexpected)} ({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''})")
             raise CkptError(
-                f"the consolidated keys do not match {self.result.architecture} from config.json: {'; '.join(parts)}. "
+                f"the consolidated keys do not match {result.architecture} from config.json: {'; '.join(parts)}. "
                 "Is config.json from the same model?"
             )
 
@@ -163,6 +161,7 @@ def consolidate(
     best: bool = False,
     overwrite: bool = False,
     check_existing: bool = True,
+    check_keys: bool = False,
     on_progress: ProgressFn | None = None,
     on_start: Any = None,
 ) -> ConsolidateResult:
@@ -177,6 +176,9 @@ def consolidate(
         max_shard_size: largest shard, e.g. "5GB".
         overwrite: replace an existing output folder.
         check_existing: compare with 16-bit weights a Trainer already saved beside the shards.
+        check_keys: also build the model from config.json on the meta device (in a child process that
+            imports transformers and torch: about 3 s and 350 MB more) and fail on missing or unexpected
+            keys. `ckpt verify` always does this check.
         on_progress: called with the number of bytes written after each chunk.
         on_start: called once with the total bytes to write.
 
@@ -193,7 +195,7 @@ def consolidate(
     out_dtype = DTYPES[dtype]
     config = ckpt.location.root / "config.json"
     hf_folder = config.is_file()
-    keycheck = _KeyCheck(config if hf_folder else None)
+    keycheck = _KeyCheck(config if (hf_folder and check_keys) else None)
     tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=hf_folder)
     shards = _shard(tensors, to, max_shard_size)
     total = sum(t.nbytes for t in tensors)
@@ -217,6 +219,7 @@ def consolidate(
             reader.finish()  # CRC-32 of every record read; raises before anything is published
         _publish(tmp, out)
     except BaseException:
+        keycheck.cancel()
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ConsolidateResult(

@@ -58,6 +58,30 @@ def model_keys(config_path: Path) -> ModelKeys | str:
     return ModelKeys(cls.__name__, frozenset(model.state_dict().keys()), {str(k): str(v) for k, v in tied.items()})
 
 
+def start_model_keys(config_path: Path) -> Any:
+    """Start `model_keys` in a child process, so importing transformers overlaps the shard writing."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "ckpttools.hf", str(config_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+    )  # fmt: skip
+
+
+def finish_model_keys(proc: Any) -> ModelKeys | str:
+    out, _ = proc.communicate()
+    try:
+        data = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return f"the model check exited with code {proc.returncode}"
+    if "error" in data:
+        return str(data["error"])
+    return ModelKeys(data["architecture"], frozenset(data["expected"]), dict(data["tied"]))
+
+
 def key_problems(keys: ModelKeys, written: Iterable[str], omitted_aliases: dict[str, str]) -> tuple[list[str], list[str]]:
     """(missing, unexpected) keys of the output against the model, tied targets allowed to be absent."""
     written = set(written)
@@ -98,3 +122,13 @@ def existing_weight_files(root: Path) -> list[Path]:
         return sorted({root / f for f in weight_map.values() if "/" not in f and ".." not in f})
     single = root / "model.safetensors"
     return [single] if single.is_file() else []
+
+
+if __name__ == "__main__":  # the child process of start_model_keys
+    import sys
+
+    result = model_keys(Path(sys.argv[1]))
+    if isinstance(result, str):
+        print(json.dumps({"error": result}))
+    else:
+        print(json.dumps({"architecture": result.architecture, "expected": sorted(result.expected), "tied": result.tied}))

@@ -97,3 +97,30 @@ def test_step_selects_an_older_checkpoint_and_inspect_reports_trainer_state():
     assert info["trainer_state"]["global_step"] == 2 and info["trainer_state"]["last_loss"] is not None
     assert info["tied"] == {"lm_head.weight": "transformer.wte.weight"}
     assert info["output_bytes"]["fp32"] == 2 * info["output_bytes"]["bf16"]
+
+
+def test_check_keys_builds_the_model_and_refuses_a_foreign_config(tmp_path):
+    from ckpttools.errors import CkptError
+
+    result = consolidate(FIXTURES / TRAINER[0] / "out", tmp_path / "ok", check_keys=True)
+    assert not any("not checked" in n for n in result.notes)
+
+    foreign = tmp_path / "foreign"
+    shutil.copytree(_newest(TRAINER[0]), foreign)
+    config = json.loads((foreign / "config.json").read_text())
+    config["n_layer"] = 3  # a config from another model: layer 2 would load with random weights
+    (foreign / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CkptError, match="missing .*transformer.h.2"):
+        consolidate(foreign, tmp_path / "bad", check_keys=True)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_untied_config_keeps_the_alias_as_its_own_tensor(tmp_path):
+    untied = tmp_path / "untied"
+    shutil.copytree(_newest(TRAINER[0]), untied)
+    config = json.loads((untied / "config.json").read_text())
+    config["tie_word_embeddings"] = False
+    (untied / "config.json").write_text(json.dumps(config))
+    consolidate(untied, tmp_path / "hf")
+    weights = load_file(tmp_path / "hf" / "model.safetensors")
+    assert torch.equal(weights["lm_head.weight"], weights["transformer.wte.weight"])
