@@ -350,11 +350,20 @@ def _zero3_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[dic
                 return [x for p in members for x in _zero3_slice(src.full[(p.name, key)], p.numel, dp, r)]
 
             flat.append(_flat(pieces("fp32")))
-            state[sg] = {**src.steps[group_of[id(members[0])]], **{k: _flat(pieces(k)) for k in src.keys[1:]}}
+            steps = {k: _own_copy(v) for k, v in src.steps[group_of[id(members[0])]].items()}
+            state[sg] = {**steps, **{k: _flat(pieces(k)) for k in src.keys[1:]}}
         osd = {**common, "partition_count": dp, "fp32_flat_groups": flat,
                "optimizer_state_dict": {"state": state, "param_groups": param_groups}}  # fmt: skip
         optim_files.append({**src.wrapper, "optimizer_state_dict": osd})
     return _zero3_model_files(src, subgroups, dp), optim_files
+
+
+def _own_copy(value: Any) -> Any:
+    """A stored tensor written as its own storage: torch AdamW's 0-dim `step` must not be shared between
+    sub-groups, or each optimizer step would advance it once per sub-group."""
+    if isinstance(value, LazyTensor):
+        return NewTensor(value.dtype, (Slice(value, 0, value.numel()),), value.shape)
+    return value
 
 
 def _zero3_model_files(src: _Sources, subgroups: list[list[_Param]], dp: int) -> list[dict[str, Any]]:

@@ -45,6 +45,19 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore")
 
+
+def private_extensions_dir() -> str:
+    """A torch_extensions cache of this interpreter's own: DeepSpeed JIT-builds its CPU ops
+    (deepspeed_shm_comm, fused_adam) into ~/.cache/torch_extensions/py311_cpu/<op> whatever the venv, so
+    two venvs on one machine rebuild each other's ops on every start (about a minute each time)."""
+    import hashlib
+
+    tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:10]
+    return str(Path.home() / ".cache" / f"torch_extensions_{tag}")
+
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", private_extensions_dir())
+
 import torch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -246,27 +259,102 @@ def train_steps(engine, steps: int) -> list[float]:
     return losses
 
 
-def run_engine(a) -> None:
+def run_engine(job: dict) -> None:
+    """One load (+ dump, + training).  job: fixture_meta, load, dump, steps, losses, scramble."""
     t0 = time.time()
-    meta = json.loads(Path(a.fixture_meta).read_text())
-    init_dist()
+    meta = json.loads(Path(job["fixture_meta"]).read_text())
+    engine = build_engine(meta, job.get("scramble", True))
     t1 = time.time()
-    engine = build_engine(meta, not a.no_scramble)
-    t2 = time.time()
-    load_path, _client = engine.load_checkpoint(a.load, load_optimizer_states=True, load_lr_scheduler_states=True)
+    load_path, _client = engine.load_checkpoint(job["load"], load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
     if load_path is None:
-        raise RuntimeError(f"engine.load_checkpoint({a.load!r}) returned None: nothing was loaded")
+        raise RuntimeError(f"engine.load_checkpoint({job['load']!r}) returned None: nothing was loaded")
+    t2 = time.time()
+    if job.get("dump"):
+        dump_state(engine, Path(job["dump"]), meta["zero_stage"], str(load_path))
     t3 = time.time()
-    if a.dump:
-        dump_state(engine, Path(a.dump), meta["zero_stage"], str(load_path))
+    steps = int(job.get("steps") or 0)
+    losses = train_steps(engine, steps) if steps else []
     t4 = time.time()
-    losses = train_steps(engine, a.steps) if a.steps else []
-    t5 = time.time()
-    if rank() == 0 and a.losses:
-        Path(a.losses).write_text(json.dumps({"world_size": world(), "global_batch": GLOBAL_BATCH,
-                                              "losses": losses}, indent=1))
-    log(f"{meta['name']} @ {world()} ranks from {a.load}: init {t1 - t0:.1f}s, engine {t2 - t1:.1f}s, "
-        f"load {t3 - t2:.1f}s, dump {t4 - t3:.1f}s, {a.steps} steps {t5 - t4:.1f}s; losses {losses}")
+    after = None
+    if steps:  # the step counters after training: catches e.g. one `step` tensor shared by several states
+        import torch.distributed as dist
+
+        after = [None] * world()
+        dist.all_gather_object(after, optimizer_facts(engine))
+    if rank() == 0 and job.get("losses"):
+        Path(job["losses"]).write_text(json.dumps({
+            "world_size": world(), "global_batch": GLOBAL_BATCH, "losses": losses,
+            "global_steps_after": engine.global_steps,
+            "optimizer_step_after": sorted({s for f in after or [] for s in f.get("state_steps", [])}),
+            "ranks_after": after,
+        }, indent=1, default=str))
+    log(f"{meta['name']} @ {world()} ranks from {job['load']}: engine {t1 - t0:.1f}s, load {t2 - t1:.1f}s, "
+        f"dump {t3 - t2:.1f}s, {steps} steps {t4 - t3:.1f}s; losses {losses}")
+    del engine
+
+
+class GlobalPatches:
+    """DeepSpeed leaves some process-wide patches behind, e.g. ZeRO-3 replaces torch.nn.functional.linear
+    with its memory-efficient version "until manually reset", which changes bf16 rounding for any later
+    engine in the same process.  A snapshot of the patched namespaces, restored after every job, makes each
+    job see what a fresh process would."""
+
+    def __init__(self) -> None:
+        import torch.nn.functional as F
+
+        self.spaces = {"torch": torch, "torch.nn.functional": F, "torch.nn.Module": torch.nn.Module,
+                       "torch.Tensor": torch.Tensor}
+        self.saved = {name: dict(vars(ns)) for name, ns in self.spaces.items()}
+
+    def restore(self) -> list[str]:
+        restored = []
+        for name, ns in self.spaces.items():
+            now = vars(ns)
+            for k, v in self.saved[name].items():
+                if now.get(k, v) is not v:
+                    try:
+                        setattr(ns, k, v)
+                        restored.append(f"{name}.{k}")
+                    except (AttributeError, TypeError):
+                        pass
+        return restored
+
+
+def run_jobs(jobs_file: Path) -> None:
+    """Several loads in one process group (saves the ~10 s start-up per run).  Rank 0 writes each job's
+    `status` file: {"ok": true, "seconds": s} or {"ok": false, "error": ...}.  A job that fails on every
+    rank is recorded and the next one runs; a failure that leaves ranks out of step ends the process (the
+    caller re-runs whatever has no status on its own)."""
+    import gc
+    import traceback
+
+    import torch.distributed as dist
+
+    jobs = json.loads(jobs_file.read_text())
+    patches = GlobalPatches()
+    for job in jobs:
+        t0 = time.time()
+        err = None
+        try:
+            run_engine(job)
+        except Exception as e:  # noqa: BLE001 - recorded for the caller
+            err = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        gc.collect()
+        restored = patches.restore()
+        if restored:
+            log(f"restored after the job: {', '.join(restored)}")
+        errors = [None] * world()
+        dist.all_gather_object(errors, err)
+        if rank() == 0:
+            bad = {r: e for r, e in enumerate(errors) if e}
+            status = {"ok": not bad, "seconds": round(time.time() - t0, 2)}
+            if bad:
+                status["error"] = next(iter(bad.values()))
+                status["failed_ranks"] = sorted(bad)
+            Path(job["status"]).write_text(json.dumps(status, indent=1))
+        if any(errors) and not all(errors):
+            raise SystemExit("a job failed on some ranks only; stopping this batch")
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -349,25 +437,34 @@ def run_trainer(a) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--fixture-meta", required=True, help="the source fixture's meta.json")
+    ap.add_argument("--fixture-meta", help="the source fixture's meta.json")
     ap.add_argument("--load", help="checkpoint root (with `latest`) to load")
     ap.add_argument("--dump", help="rank 0 writes the loaded state here (.safetensors, + .json beside it)")
     ap.add_argument("--steps", type=int, default=0, help="training steps after the load")
     ap.add_argument("--losses", help="rank 0 writes the global mean loss per step here (JSON)")
     ap.add_argument("--no-scramble", action="store_true", help="keep the model's init values before the load")
+    ap.add_argument("--jobs", help="JSON list of engine jobs (fixture_meta, load, dump, steps, losses, status) "
+                    "to run one after the other in this process group")
     ap.add_argument("--trainer", action="store_true", help="HF Trainer resume mode")
     ap.add_argument("--resume", help="trainer mode: checkpoint-N folder to resume from")
     ap.add_argument("--max-steps", type=int, default=3)
     ap.add_argument("--result", help="trainer mode: rank 0 writes global_step and log_history here (JSON)")
     a = ap.parse_args(argv)
+    if not a.jobs and not a.fixture_meta:
+        ap.error("--fixture-meta is required")
     if a.trainer:
         if not a.resume:
             ap.error("--trainer needs --resume")
         run_trainer(a)
+    elif a.jobs:
+        init_dist()
+        run_jobs(Path(a.jobs))
     else:
         if not a.load:
-            ap.error("--load is required")
-        run_engine(a)
+            ap.error("--load is required (or --jobs)")
+        init_dist()
+        run_engine({"fixture_meta": a.fixture_meta, "load": a.load, "dump": a.dump, "steps": a.steps,
+                    "losses": a.losses, "scramble": not a.no_scramble})
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -178,3 +178,13 @@ def test_universal_options_are_exclusive(tmp_path):
         reshard(_src("z2_dp2_fp32"), tmp_path / "x", dp=2, universal=True)
     with pytest.raises(UsageError, match="exactly one"):
         reshard(_src("z2_dp2_fp32"), tmp_path / "x")
+
+
+def test_zero3_subgroups_get_their_own_step_tensor(tmp_path):
+    """torch AdamW keeps `step` as a tensor; shared between sub-groups it would advance once per sub-group."""
+    reshard(_src("z3_dp3_fp32"), tmp_path / "rs", dp=2)
+    state = torch.load(tmp_path / "rs" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                       weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+    steps = [s["step"] for s in state.values()]
+    assert len(steps) > 1 and all(torch.is_tensor(s) and s.item() == 2 for s in steps)
+    assert len({s.untyped_storage().data_ptr() for s in steps}) == len(steps)
