@@ -5,6 +5,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .consolidate import ConsolidateResult, consolidate
+from .engine_save import EngineSaveResult, save_pretrained_from_engine
 from .errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -20,6 +21,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CkptError",
     "ConsolidateResult",
+    "EngineSaveResult",
     "CorruptCheckpointError",
     "OutputError",
     "UnsafeCheckpointError",
@@ -29,4 +31,5 @@ __all__ = [
     "consolidate",
     "inspect_checkpoint",
     "read_checkpoint",
+    "save_pretrained_from_engine",
 ]

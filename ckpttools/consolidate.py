@@ -72,7 +72,7 @@ def plan_tensors(ckpt: ZeroCheckpoint, dtype: DType, *, hf_folder: bool) -> tupl
     return tensors, omitted
 
 
-def _shard(tensors: list[OutputTensor], fmt: str, max_shard_size: int | str) -> dict[str, list[OutputTensor]]:
+def plan_shards(tensors: list[OutputTensor], fmt: str, max_shard_size: int | str) -> dict[str, list[OutputTensor]]:
     from huggingface_hub import split_state_dict_into_shards_factory
 
     stem, ext = FORMATS[fmt]
@@ -197,7 +197,7 @@ def consolidate(
     hf_folder = config.is_file()
     keycheck = _KeyCheck(config if (hf_folder and check_keys) else None)
     tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=hf_folder)
-    shards = _shard(tensors, to, max_shard_size)
+    shards = plan_shards(tensors, to, max_shard_size)
     total = sum(t.nbytes for t in tensors)
     out.parent.mkdir(parents=True, exist_ok=True)
     check_free_space(out.parent, total)
@@ -217,7 +217,7 @@ def consolidate(
             if check_existing and hf_folder:
                 notes += compare_with_existing(ckpt, reader)
             reader.finish()  # CRC-32 of every record read; raises before anything is published
-        _publish(tmp, out)
+        publish(tmp, out)
     except BaseException:
         keycheck.cancel()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -290,7 +290,7 @@ def _write_hf_files(
     return files
 
 
-def _publish(tmp: Path, out: Path) -> None:
+def publish(tmp: Path, out: Path) -> None:
     """Rename the finished folder into place; an old output is moved aside first and removed after."""
     old = None
     if out.exists():

@@ -23,12 +23,12 @@ from types import SimpleNamespace
 from typing import IO, Any
 
 from . import dtypes, hf
-from .consolidate import _publish, _shard, check_free_space
+from .consolidate import check_free_space, plan_shards, publish
 from .dtypes import DType
 from .errors import CkptError, OutputError, UnsupportedCheckpointError, UsageError
 from .writer import CHUNK_BYTES, output_dtype, safetensors_header
 
-DEFAULT_MAX_GATHER_BYTES = 1 << 30
+DEFAULT_MAX_GATHER_BYTES = 64 << 20  # 64 MiB: large enough to keep all-gathers efficient, small beside any real model
 SAFE_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 IF_EXISTS = ("error", "replace", "add")
 
@@ -159,7 +159,9 @@ def _check_engine(engine: Any) -> None:
         raise UnsupportedCheckpointError("AutoTP (tensor parallel) engines are not supported: weights are TP-sharded")
     has_autoep = getattr(engine, "_has_autoep_layers", None)
     if callable(has_autoep) and engine.zero_optimization_stage() == 3 and has_autoep():
-        raise UnsupportedCheckpointError("AutoEP + ZeRO-3 is not supported: expert weights are partitioned per replica group")
+        raise UnsupportedCheckpointError(
+            "AutoEP + ZeRO-3 is not supported: expert weights are partitioned per replica group"
+        )
 
 
 def _to_dtype(dtype: Any) -> DType | None:
@@ -179,7 +181,8 @@ def _ident(t: Any, partitioned: bool) -> tuple[Any, ...]:
         return ("ds", t.ds_id)
     if t.numel() == 0:
         return ("obj", id(t))
-    return ("ptr", t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+    storage = t.untyped_storage().data_ptr()
+    return ("ptr", t.device.type, storage, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _walk(module: Any) -> Iterator[tuple[str, str, Any]]:
@@ -213,7 +216,9 @@ def tied_target_matcher(module: Any) -> Callable[[str], bool]:
     return lambda name: any(name == p or re.search(p, name) for p in patterns)
 
 
-def plan_tensors(module: Any, dtype: DType | None) -> tuple[list[_Entry], dict[str, str], dict[str, str]]:
+def plan_tensors(
+    module: Any, dtype: DType | None, *, exclude_frozen_parameters: bool = False
+) -> tuple[list[_Entry], dict[str, str], dict[str, str]]:
     """Output tensors in state_dict order, the tied aliases left out, and shared names stored as copies.
 
     Tensors that are the same parameter (same `ds_id` under ZeRO-3, same storage otherwise) are stored
@@ -222,10 +227,16 @@ def plan_tensors(module: Any, dtype: DType | None) -> tuple[list[_Entry], dict[s
     """
     entries: list[_Entry] = []
     for name, kind, t in _walk(module):
+        if exclude_frozen_parameters and kind == "param" and not t.requires_grad:
+            continue
+        if t.device.type == "meta":
+            raise UsageError(f"{name} is on the meta device: there are no values to save")
         partitioned = kind == "param" and hasattr(t, "ds_id")
         shape = tuple(int(d) for d in (t.ds_shape if partitioned else t.shape))
         src = dtypes.from_torch(t.dtype)
-        out = src if dtype is None or not t.dtype.is_floating_point else output_dtype(SimpleNamespace(dtype=src, kind=kind), dtype)
+        out = src
+        if dtype is not None and t.dtype.is_floating_point:
+            out = output_dtype(SimpleNamespace(dtype=src, kind=kind), dtype)  # the rule `ckpt consolidate` follows
         entries.append(_Entry(name, kind, t, shape, src, out, partitioned, _ident(t, partitioned)))
     groups: dict[tuple[Any, ...], list[str]] = {}
     for e in entries:
@@ -297,7 +308,7 @@ class _ShardWriter:
             if fname != self.fname:
                 self._open(fname)
             self._write_tensor(entry)
-        except BaseException as e:  # noqa: BLE001 - re-raised on every rank by the caller
+        except Exception as e:  # noqa: BLE001 - re-raised on every rank by the caller
             self.error = e
             self._close_quietly()
 
@@ -315,7 +326,7 @@ class _ShardWriter:
 
         t = entry.tensor.data if entry.partitioned else entry.tensor.detach()
         if t.numel() != entry.numel:
-            raise RuntimeError(f"{entry.name}: holds {t.numel()} elements after the gather, expected {entry.numel} {entry.shape}")
+            raise RuntimeError(f"{entry.name}: {t.numel()} elements after the gather, expected {entry.numel}")
         out = entry.dtype.to_torch()
         if t.is_contiguous():
             flat = t.reshape(-1)
@@ -376,7 +387,8 @@ def _config_dict(module: Any, config: Any) -> tuple[dict[str, Any] | None, bool]
     elif hasattr(config, "to_json_string"):
         data = json.loads(config.to_json_string(use_diff=True))
     else:
-        raise UsageError(f"config must be a transformers config, a dict or a path to config.json, not {type(config).__name__}")
+        kind = type(config).__name__
+        raise UsageError(f"config must be a transformers config, a dict or a config.json path, not {kind}")
     return data, from_module
 
 
@@ -419,7 +431,8 @@ def _conversion_note(module: Any) -> str | None:
             from transformers.conversion_mapping import get_model_conversion_mapping
             from transformers.core_model_loading import PrefixChange
 
-            conversions = [c for c in get_model_conversion_mapping(module, add_legacy=False) if not isinstance(c, PrefixChange)]
+            mapping = get_model_conversion_mapping(module, add_legacy=False)
+            conversions = [c for c in mapping if not isinstance(c, PrefixChange)]
     except Exception:  # noqa: BLE001 - internal API; only a note depends on it
         return None
     if not conversions:
@@ -432,7 +445,10 @@ def _conversion_note(module: Any) -> str | None:
 
 def _index(shards: dict[str, list[_Entry]], num_parameters: int) -> dict[str, Any]:
     return {
-        "metadata": {"total_size": sum(e.nbytes for g in shards.values() for e in g), "total_parameters": num_parameters},
+        "metadata": {
+            "total_size": sum(e.nbytes for g in shards.values() for e in g),
+            "total_parameters": num_parameters,
+        },
         "weight_map": {e.name: fname for fname, g in shards.items() for e in g},
     }
 
@@ -486,6 +502,7 @@ def save_pretrained_from_engine(
     config: Any = None,
     max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES,
     if_exists: str = "error",
+    exclude_frozen_parameters: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> EngineSaveResult:
     """Write the engine's weights as a Hugging Face folder (safetensors shards, index, config.json).
@@ -505,8 +522,9 @@ def save_pretrained_from_engine(
           same volume `save_16bit_model` moves, and no broadcast back (nothing is modified). None under
           ZeRO-0/1/2.
         - Memory, every rank: at most one gathered group, i.e. max(`max_gather_bytes`, largest parameter),
-          of accelerator memory, freed when the group is re-partitioned. `save_16bit_model` gathers a
-          module at a time too, but keeps a host copy of every tensor on rank 0: the whole model.
+          on the device the parameters are gathered to (host memory on CPU), freed when the group is
+          re-partitioned. `save_16bit_model` gathers a module at a time too, but keeps a host copy of every
+          tensor on rank 0: the whole 16-bit model.
         - Host memory, rank 0: one `chunk_bytes` buffer for a cast (e.g. `dtype="fp32"`) or a
           device-to-host copy; zero-copy when the weights are already on the CPU in the output dtype.
         - Disk: the output size once, in a temporary sibling folder renamed into place when complete.
@@ -522,10 +540,13 @@ def save_pretrained_from_engine(
         max_shard_size: largest shard, e.g. "5GB" (huggingface_hub's splitting).
         config: config.json source: a transformers config, a dict, or a path; default `module.config`.
             No config.json is written for a module without one.
-        max_gather_bytes: budget of full ZeRO-3 parameters gathered at once.
+        max_gather_bytes: budget of full ZeRO-3 parameters gathered at once (default 64 MiB); a parameter
+            larger than that is gathered alone. Smaller means less memory and more all-gather rounds.
         if_exists: what to do when `out_dir` exists and is not empty: "error", "replace" (the whole
             folder) or "add" (write the weights and config.json into it, removing stale
             `model*.safetensors` files; used for a Trainer `checkpoint-N/`).
+        exclude_frozen_parameters: leave out parameters with requires_grad=False, as
+            `save_16bit_model(exclude_frozen_parameters=True)` does (e.g. PEFT base weights).
         chunk_bytes: size of the cast / copy buffer.
 
     Returns:
@@ -539,8 +560,9 @@ def save_pretrained_from_engine(
         Any error rank 0 hits while writing is raised on every rank after the last gather.
 
     Example:
-        >>> save_pretrained_from_engine(engine, "out/model", max_shard_size="2GB").files
-        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors.index.json', 'config.json']
+        >>> save_pretrained_from_engine(engine, "out/model", max_shard_size="2GB").files  # on every rank
+        ['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors',
+         'model.safetensors.index.json', 'config.json', 'generation_config.json']
     """
     if if_exists not in IF_EXISTS:
         raise UsageError(f"if_exists must be one of {', '.join(IF_EXISTS)}, not {if_exists!r}")
@@ -554,19 +576,20 @@ def save_pretrained_from_engine(
         module, stage = _unwrap(engine), None
     out = Path(out_dir).absolute()
 
-    entries, omitted, copied = plan_tensors(module, out_dtype)
+    entries, omitted, copied = plan_tensors(module, out_dtype, exclude_frozen_parameters=exclude_frozen_parameters)
     if not entries:
         raise UsageError("the module has no parameters or persistent buffers to save")
     partitioned = any(e.partitioned for e in entries)
     if stage is None and partitioned:
         stage = 3
-    shards = _shard(entries, "safetensors", max_shard_size)
+    shards = plan_shards(entries, "safetensors", max_shard_size)
     groups = plan_gathers(shards, max_gather_bytes)
     num_parameters = _count_parameters(entries)
     written_dtype = out_dtype or _main_dtype(entries)
     notes = [n for n in [_conversion_note(module)] if n]
     if copied:
-        notes.append(f"{len(copied)} shared tensors not declared tied are stored as copies ({', '.join(sorted(copied)[:3])})")
+        some = ", ".join(sorted(copied)[:3])
+        notes.append(f"{len(copied)} shared tensors not declared tied are stored as copies ({some})")
 
     rank = _rank()
     tmp: Path = rank0_decides(lambda: _prepare(out, if_exists, sum(e.nbytes for e in entries)))
@@ -582,13 +605,14 @@ def save_pretrained_from_engine(
                 raise writer.error
             names = list(shards)
             if len(shards) > 1:
-                (tmp / "model.safetensors.index.json").write_text(json.dumps(_index(shards, num_parameters), indent=2, sort_keys=True) + "\n")
+                index = json.dumps(_index(shards, num_parameters), indent=2, sort_keys=True)
+                (tmp / "model.safetensors.index.json").write_text(index + "\n")
                 names.append("model.safetensors.index.json")
             names += _write_side_files(tmp, module, config, written_dtype, notes)
             if if_exists == "add" and out.is_dir():
                 _publish_into(tmp, out)
             else:
-                _publish(tmp, out)
+                publish(tmp, out)
             return names
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

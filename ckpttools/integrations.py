@@ -13,13 +13,24 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .engine_save import DEFAULT_MAX_GATHER_BYTES, EngineSaveResult, _is_engine, rank0_decides, save_pretrained_from_engine
+from .engine_save import (
+    DEFAULT_MAX_GATHER_BYTES,
+    EngineSaveResult,
+    _is_engine,
+    rank0_decides,
+    save_pretrained_from_engine,
+)
 from .hf import existing_weight_files
 
 logger = logging.getLogger(__name__)
 
 PREFIX_CHECKPOINT_DIR = "checkpoint"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 class ConsolidateCallback(TrainerCallback):
@@ -108,7 +119,8 @@ class ConsolidateCallback(TrainerCallback):
     def _skip_reason(self, checkpoint: Path) -> str | None:
         if not checkpoint.is_dir():
             return "the folder does not exist"
-        if not self.force and (existing_weight_files(checkpoint) or any((checkpoint / n).is_file() for n in WEIGHT_FILES)):
+        present = existing_weight_files(checkpoint) or any((checkpoint / n).is_file() for n in WEIGHT_FILES)
+        if present and not self.force:
             return "it already holds weights (pass force=True to replace them)"
         return None
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes, partition
-from .consolidate import _publish, check_free_space, check_output_dir
+from .consolidate import check_free_space, check_output_dir, publish
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from .layout import check_tag_name
 from .reader import ZeroCheckpoint, read_checkpoint
@@ -543,7 +543,7 @@ def _write(root: Path, tag: str, src: _Sources, old_dp: int | None, dp: int | No
         (tmp / ("latest" if dp else "latest_universal")).write_text(tag)
         if dp is None:
             result.notes.append('load it with "checkpoint": {"load_universal": true} in the DeepSpeed config')
-        _publish(tmp, out)
+        publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

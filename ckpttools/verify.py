@@ -37,7 +37,9 @@ ST_DTYPES: dict[str, tuple[str, int]] = {
     "F8_E8M0": ("float8_e8m0fnu", 8), "F6_E2M3": ("float6_e2m3fn", 6), "F6_E3M2": ("float6_e3m2fn", 6),
     "F4": ("float4_e2m1fn_x2", 4),
 }  # fmt: skip
-FLOAT_NAMES = {"float16", "bfloat16", "float32", "float64"} | {n for n, _ in ST_DTYPES.values() if n.startswith("float")}
+FLOAT_NAMES = {"float16", "bfloat16", "float32", "float64"} | {
+    n for n, _ in ST_DTYPES.values() if n.startswith("float")
+}
 
 
 @dataclass(frozen=True)
@@ -99,7 +101,10 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorInfo], dict[str, Any
             return [], None, [f"{path.name}: {size} bytes, too short to be a safetensors file"]
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > size:
-            return [], None, [f"{path.name}: header length {n} does not fit in the file ({size} bytes); truncated or not safetensors"]
+            problem = (
+                f"{path.name}: header length {n} does not fit in the file ({size} bytes); truncated or not safetensors"
+            )
+            return [], None, [problem]
         raw = fh.read(n)
     dupes: list[str] = []
 
@@ -117,7 +122,9 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorInfo], dict[str, Any
     metadata = header.pop("__metadata__", None)
     if metadata is not None and (not isinstance(metadata, dict) or metadata.get("format") not in ("pt", "mlx")):
         fmt = metadata.get("format") if isinstance(metadata, dict) else metadata
-        problems.append(f"{path.name}: metadata format is {fmt!r}, not 'pt'; transformers v4 and huggingface_hub refuse to load it")
+        problems.append(
+            f"{path.name}: metadata format is {fmt!r}, not 'pt'; transformers v4 and huggingface_hub refuse to load it"
+        )
     tensors, spans = [], []
     for name, entry in header.items():
         info, span, problem = _header_entry(path.name, name, entry)
@@ -171,7 +178,11 @@ def _read_bin(path: Path) -> tuple[list[TensorInfo], list[str]]:
         return [], [f"{path.name}: torch.load fails ({type(e).__name__}: {e})"]
     if not isinstance(state, dict):
         return [], [f"{path.name} does not hold a state dict"]
-    infos = [TensorInfo(k, path.name, str(v.dtype).removeprefix("torch."), tuple(v.shape)) for k, v in state.items() if isinstance(v, torch.Tensor)]
+    infos = [
+        TensorInfo(k, path.name, str(v.dtype).removeprefix("torch."), tuple(v.shape))
+        for k, v in state.items()
+        if isinstance(v, torch.Tensor)
+    ]
     return infos, []
 
 
@@ -193,7 +204,9 @@ def _read_index(folder: Path, index_name: str, report: VerifyReport) -> dict[str
         report.problems.append(f"{index_name} has no weight_map object")
         return {}
     if not isinstance(index.get("metadata"), dict):
-        report.problems.append(f'{index_name} has no "metadata" object; transformers 5 fails with KeyError: \'metadata\'')
+        report.problems.append(
+            f"{index_name} has no \"metadata\" object; transformers 5 fails with KeyError: 'metadata'"
+        )
     weight_map = index["weight_map"]
     bad = sorted({f for f in weight_map.values() if not _safe_name(f)}, key=str)
     if bad:
@@ -219,9 +232,15 @@ def collect_tensors(folder: Path, report: VerifyReport) -> dict[str, TensorInfo]
     else:
         weight_map, files = {}, [chosen]
     shard_kind = ".safetensors" if chosen.startswith("model.") else ".bin"
-    stray = sorted(p.name for p in folder.iterdir() if SHARD_RE.match(p.name) and p.name.endswith(shard_kind) and p.name not in files)
+    stray = sorted(
+        p.name
+        for p in folder.iterdir()
+        if SHARD_RE.match(p.name) and p.name.endswith(shard_kind) and p.name not in files
+    )
     if stray:
-        report.problems.append(f"stray shard files that {chosen} does not use (left from another save?): {_names(stray)}")
+        report.problems.append(
+            f"stray shard files that {chosen} does not use (left from another save?): {_names(stray)}"
+        )
     by_file = _read_files(folder, files, report)
     report.files = [f for f in files if f in by_file]
     return _merge(by_file, weight_map, chosen, report)
@@ -243,7 +262,9 @@ def _read_files(folder: Path, files: list[str], report: VerifyReport) -> dict[st
     return by_file
 
 
-def _merge(by_file: dict[str, list[TensorInfo]], weight_map: dict[str, str], index: str, report: VerifyReport) -> dict[str, TensorInfo]:
+def _merge(
+    by_file: dict[str, list[TensorInfo]], weight_map: dict[str, str], index: str, report: VerifyReport
+) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     twice: list[str] = []
     for infos in by_file.values():
@@ -257,7 +278,9 @@ def _merge(by_file: dict[str, list[TensorInfo]], weight_map: dict[str, str], ind
         unlisted = [f"{t.name} ({t.file})" for t in tensors.values() if t.name not in weight_map]
         if unlisted:
             report.problems.append(f"{index} does not list tensors its shards hold: {_names(unlisted)}")
-        wrong = [f"{k} -> {f}" for k, f in weight_map.items() if f in by_file and (k not in tensors or tensors[k].file != f)]
+        wrong = [
+            f"{k} -> {f}" for k, f in weight_map.items() if f in by_file and (k not in tensors or tensors[k].file != f)
+        ]
         if wrong:
             report.problems.append(f"{index} maps keys to files that do not hold them: {_names(wrong)}")
     return tensors
@@ -310,7 +333,8 @@ def build_meta_model(folder: Path) -> MetaModel | str:
         tied={str(k): str(v) for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items()},
         ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
         ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []),
-        keep_fp32=list(getattr(model, "_keep_in_fp32_modules", None) or []) + list(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
+        keep_fp32=list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        + list(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
         rename=_renamer(model, state),
     )
 
@@ -370,14 +394,19 @@ def _check_keys(model: MetaModel, tensors: dict[str, TensorInfo], report: Verify
     arch = model.architecture
     if placeholders:
         report.problems.append(
-            f"empty placeholder tensors where {arch} expects weights (a ZeRO-3 save without gathering?): {_names(placeholders)}"
+            f"empty placeholder tensors where {arch} expects weights (a ZeRO-3 save without gathering?): "
+            f"{_names(placeholders)}"
         )
     if mismatched:
         report.problems.append(f"shape mismatch: {_names(mismatched, 3)}")
     if missing:
-        report.problems.append(f"{arch} expects keys the folder lacks (they would load as random weights): {_names(missing)}")
+        report.problems.append(
+            f"{arch} expects keys the folder lacks (they would load as random weights): {_names(sorted(missing))}"
+        )
     if unexpected:
-        report.problems.append(f"keys {arch} does not have (they would be ignored; wrong prefix?): {_names(unexpected)}")
+        report.problems.append(
+            f"keys {arch} does not have (they would be ignored; wrong prefix?): {_names(sorted(unexpected))}"
+        )
     return loaded
 
 
@@ -403,10 +432,13 @@ def _check_dtype(config: dict[str, Any], tensors: list[TensorInfo], keep_fp32: l
     if off:
         kinds = ", ".join(sorted({t.dtype for t in off}))
         report.problems.append(
-            f"config.json says dtype {declared}, but {len(off)} floating tensors are {kinds} ({_names(t.name for t in off)}); "
+            f"config.json says dtype {declared}, but {len(off)} floating tensors are {kinds} "
+            f"({_names(t.name for t in off)}); "
             f"from_pretrained would silently load them as {declared}"
         )
-    report.checks.append(f"floating weights match config.json dtype {declared}" if not off else "dtype against config.json")
+    report.checks.append(
+        f"floating weights match config.json dtype {declared}" if not off else "dtype against config.json"
+    )
 
 
 def _summarise(tensors: dict[str, TensorInfo], params: list[TensorInfo], report: VerifyReport) -> None:
@@ -439,7 +471,15 @@ def _bit_equal(a: Any, b: Any) -> bool:
     return torch.equal(flat_a, flat_b)
 
 
-def check_against(folder: Path, tensors: dict[str, TensorInfo], against: Path | str, report: VerifyReport, *, tag: str | None = None, step: int | None = None) -> None:
+def check_against(
+    folder: Path,
+    tensors: dict[str, TensorInfo],
+    against: Path | str,
+    report: VerifyReport,
+    *,
+    tag: str | None = None,
+    step: int | None = None,
+) -> None:
     """Compare every tensor with the one rebuilt from the ZeRO shards, one at a time (bounded memory)."""
     from .consolidate import plan_tensors
     from .reader import read_checkpoint
@@ -451,12 +491,16 @@ def check_against(folder: Path, tensors: dict[str, TensorInfo], against: Path | 
     floats = Counter(t.dtype for t in tensors.values() if t.is_floating)
     dtype = dtypes.BY_NAME.get(floats.most_common(1)[0][0], dtypes.FLOAT32) if floats else dtypes.FLOAT32
     plan = {t.name: t for t in plan_tensors(ckpt, dtype, hf_folder=False)[0]}
-    absent = [n for n in plan if n not in tensors and not (n in ckpt.shared_params and ckpt.shared_params[n] in tensors)]
+    absent = [
+        n for n in plan if n not in tensors and not (n in ckpt.shared_params and ckpt.shared_params[n] in tensors)
+    ]
     extra = [n for n in tensors if n not in plan]
     differing, wrong_dtype = [], []
     with RecordReader() as reader:
         for fname in report.files:
-            for name, ours in _iter_file_tensors(folder / fname, [t.name for t in tensors.values() if t.file == fname and t.name in plan]):
+            for name, ours in _iter_file_tensors(
+                folder / fname, [t.name for t in tensors.values() if t.file == fname and t.name in plan]
+            ):
                 out = plan[name]
                 if str(ours.dtype).removeprefix("torch.") != out.dtype.name:
                     wrong_dtype.append(f"{name} is {str(ours.dtype).removeprefix('torch.')}, expected {out.dtype.name}")
@@ -497,7 +541,9 @@ def _iter_file_tensors(path: Path, names: list[str]) -> Iterable[tuple[str, Any]
 # --- entry point ---------------------------------------------------------------------------------------
 
 
-def verify_folder(folder: Path | str, *, against: Path | str | None = None, tag: str | None = None, step: int | None = None) -> VerifyReport:
+def verify_folder(
+    folder: Path | str, *, against: Path | str | None = None, tag: str | None = None, step: int | None = None
+) -> VerifyReport:
     """Check a consolidated folder as from_pretrained will read it.
 
     Args:
@@ -520,7 +566,8 @@ def verify_folder(folder: Path | str, *, against: Path | str | None = None, tag:
     report = VerifyReport(folder=str(folder))
     tensors = collect_tensors(folder, report)
     if report.files:
-        report.checks.append(f"headers of {len(report.files)} weight file(s) and their index")
+        indexed = any((folder / n).is_file() for n in (SAFE_INDEX, BIN_INDEX))
+        report.checks.append(f"headers of {len(report.files)} weight file(s)" + (" and their index" if indexed else ""))
     config = hf.read_config(folder / "config.json") if (folder / "config.json").is_file() else None
     params = list(tensors.values())
     keep_fp32: list[str] = []

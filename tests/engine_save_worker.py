@@ -91,6 +91,36 @@ def released(engine) -> bool:
     return True
 
 
+def error_paths(engine, out: Path) -> None:
+    """Errors reach every rank instead of leaving the others blocked in a collective."""
+    from ckpttools import engine_save
+    from ckpttools.errors import OutputError
+
+    outcome = {}
+    try:
+        save_pretrained_from_engine(engine, out / "hf")  # exists: refused before any gather, on every rank
+        outcome["exists"] = "no error"
+    except OutputError as e:
+        outcome["exists"] = type(e).__name__
+    original = engine_save._ShardWriter._write_tensor
+
+    def failing(self, entry):
+        if entry.name in ("fc2.weight", "transformer.h.0.mlp.c_fc.weight"):
+            raise OSError("simulated disk error")
+        return original(self, entry)
+
+    engine_save._ShardWriter._write_tensor = failing
+    try:
+        save_pretrained_from_engine(engine, out / "hf_fail", max_gather_bytes=512)
+        outcome["write_error"] = "no error"
+    except Exception as e:  # noqa: BLE001
+        outcome["write_error"] = f"{type(e).__name__}: {e}"
+    finally:
+        engine_save._ShardWriter._write_tensor = original
+    outcome["partial_left"] = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
+    (out / f"errors_rank{rank()}.json").write_text(json.dumps(outcome))
+
+
 def run_case(kind: str, stage: int, out: Path) -> None:
     import deepspeed
 
@@ -124,15 +154,17 @@ def run_case(kind: str, stage: int, out: Path) -> None:
     ).to_dict()
     results["hf_fp32"] = save_pretrained_from_engine(engine, out / "hf_fp32", dtype="fp32").to_dict()
     results["released_after_save"] = released(engine) if stage == 3 else None
+    error_paths(engine, out)
 
     # DeepSpeed's own 16-bit weights, taken after ours: our save must not have changed anything.
     if stage == 3:
         reference = engine._zero3_consolidated_16bit_state_dict()
     else:
         reference = engine.module_state_dict() if rank() == 0 else None
+    if rank() == 0:  # copied now: on CPU the reference shares storage with live buffers / ZeRO-2 params
+        fw.save_st(reference, out / "reference.safetensors")
     results["loss_after_save"] = step(engine, kind, next(data))  # the engine still trains
     if rank() == 0:
-        fw.save_st(reference, out / "reference.safetensors")
         results["finite_loss"] = math.isfinite(results["loss_after_save"])
         results["state_dict_keys"] = list(engine.module.state_dict().keys())
         (out / "result.json").write_text(json.dumps(results, indent=1))

@@ -1,0 +1,187 @@
+"""`ckpt verify` and `ckpt push`: parse, call ckpttools.verify / ckpttools.hub, print.
+
+Kept apart from cli.py so `ckpt consolidate` does not pay for huggingface_hub's import. Names from cli.py
+are imported inside the commands: cli.py imports this module while it is still loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+VERIFY_EPILOG = """\b
+Examples:
+  ckpt verify out/model
+  ckpt verify out/model --against out/checkpoint-500 --json
+
+\b
+Exit codes: 0 the folder is sound, 1 problems found (each on its own stderr
+            line, or under "problems" with --json), 2 usage error.
+Set CKPT_DEBUG=1 to see tracebacks."""
+
+PUSH_EPILOG = """\b
+Examples:
+  ckpt push out/model --repo my-org/my-model
+  ckpt push out/checkpoint-500 --repo my-org/my-model --dtype bf16 --revision step-500
+  ckpt push out/model --repo my-org/my-model --create-pr --json
+  ckpt push out/model --repo my-org/my-model --dry-run
+
+\b
+The token comes from --token, HF_TOKEN or `hf auth login` (never printed).
+Repos are created private unless --public; an existing public repo needs --public.
+Re-running after a failure resumes: files already on the Hub are not sent again.
+
+\b
+Exit codes: 0 pushed (or dry run done), 1 the folder failed verification or the
+            checkpoint is bad (nothing sent), 2 usage error or HF_HUB_OFFLINE set,
+            3 Hub, auth or network failure (retrying may help).
+Set CKPT_DEBUG=1 to see tracebacks."""
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+
+
+@click.command("verify", epilog=VERIFY_EPILOG)
+@click.argument("folder", type=click.Path(path_type=Path))
+@click.option(
+    "--against",
+    type=click.Path(path_type=Path),
+    metavar="CKPT",
+    help="ZeRO checkpoint: every tensor must be bit-identical to the one rebuilt from its shards.",
+)
+@click.option("--tag", help="With --against: tag folder to read (default: the content of `latest`).")
+@click.option("--step", type=int, help="With --against and a Trainer output_dir: use checkpoint-STEP.")
+@json_option
+@quiet_option
+@click.pass_context
+def verify_cmd(
+    ctx: click.Context,
+    folder: Path,
+    against: Path | None,
+    tag: str | None,
+    step: int | None,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Check a consolidated folder the way from_pretrained will read it: headers, index, dtype, keys, shapes."""
+    from .errors import UsageError
+    from .verify import verify_folder
+
+    if against is None and (tag is not None or step is not None):
+        raise UsageError("--tag and --step choose the checkpoint for --against; pass --against too")
+    report = verify_folder(folder, against=against, tag=tag, step=step)
+    if as_json:
+        click.echo(json.dumps(report.to_dict()))
+    else:
+        for problem in report.problems:
+            click.echo(f"Error: {problem}", err=True)
+        if not quiet:
+            for note in report.notes:
+                click.echo(f"Note: {note}", err=True)
+        click.echo(_human_verify(report))
+    if not report.ok:
+        ctx.exit(1)
+
+
+def _human_verify(r: Any) -> str:
+    files = ", ".join(r.files) or "no weight file"
+    what = f"{r.num_tensors} tensors, {r.num_parameters:,} parameters, {r.dtype or 'no floating'} weights in {files}"
+    if not r.ok:
+        return f"{r.folder}: {len(r.problems)} problem(s) ({what})"
+    return f"{r.folder}: sound ({what}); checked " + "; ".join(r.checks)
+
+
+@click.command("push", epilog=PUSH_EPILOG)
+@click.argument("path", default=".", type=click.Path(path_type=Path))
+@click.option(
+    "--repo", "repo_id", required=True, metavar="ORG/NAME", help="Repository to push to (created if missing)."
+)
+@click.option("--private/--public", "private", default=None, help="Visibility of a new repo.  [default: private]")
+@click.option("--revision", metavar="BRANCH", help="Branch to push to (created from main if missing), or refs/pr/N.")
+@click.option("--create-pr", is_flag=True, help="Open a pull request against main instead of committing to it.")
+@click.option("--commit-message", "--commit_message", help="Commit title (default: names the model and step).")
+@click.option("--endpoint", metavar="URL", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co).")
+@click.option("--token", help="Hub token (default: HF_TOKEN or the stored `hf auth login`).")
+@click.option("--dry-run", is_flag=True, help="Verify and list the files and bytes that would be sent; send nothing.")
+@click.option("--force", is_flag=True, help="Push even if verification finds problems.")
+@click.option("--source", type=click.Path(path_type=Path), metavar="CKPT",
+              help="The ZeRO checkpoint PATH was consolidated from, recorded in the model card.")  # fmt: skip
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="When PATH is a checkpoint: dtype of the consolidated weights.")  # fmt: skip
+@click.option(
+    "--max-shard-size",
+    "--max_shard_size",
+    default="5GB",
+    show_default=True,
+    help="When PATH is a checkpoint: largest file.",
+)
+@click.option("--tag", help="When PATH is a checkpoint: tag folder to read (default: `latest`).")
+@click.option("--step", type=int, help="When PATH is a Trainer output_dir: use checkpoint-STEP.")
+@click.option("--best", is_flag=True, help="When PATH is a Trainer output_dir: use best_model_checkpoint.")
+@json_option
+@quiet_option
+def push_cmd(
+    path: Path, repo_id: str, private: bool | None, revision: str | None, create_pr: bool,
+    commit_message: str | None, endpoint: str | None, token: str | None, dry_run: bool, force: bool,
+    source: Path | None, dtype: str, max_shard_size: str, tag: str | None, step: int | None, best: bool,
+    as_json: bool, quiet: bool,
+) -> None:  # fmt: skip
+    """Verify a model folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub."""
+    from .cli import progress_enabled
+    from .hub import PushRefusedError, push
+
+    _quiet_hub(quiet, bars=progress_enabled(quiet))
+    try:
+        result = push(
+            path, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
+            endpoint=endpoint, token=token, dry_run=dry_run, force=force, source=source, dtype=dtype,
+            max_shard_size=max_shard_size, tag=tag, step=step, best=best,
+        )  # fmt: skip
+    except PushRefusedError as e:
+        for problem in e.problems:
+            click.echo(f"Error: {problem}", err=True)
+        raise
+    data = result.to_dict()
+    if not quiet:
+        for problem in result.problems:
+            click.echo(f"Warning: pushed despite: {problem}", err=True)
+        for note in result.notes:
+            click.echo(f"Note: {note}", err=True)
+    click.echo(json.dumps(data) if as_json else _human_push(data))
+
+
+def _quiet_hub(quiet: bool, *, bars: bool) -> None:
+    """Progress bars only for a person at a terminal (not in CI, not with -q); -q also drops hub warnings."""
+    from huggingface_hub.utils import disable_progress_bars, logging
+
+    if not bars:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        disable_progress_bars()
+    if quiet:
+        logging.set_verbosity_error()
+
+
+def _human_push(d: dict[str, Any]) -> str:
+    from .cli import human_size
+
+    n, size = len(d["files"]), human_size(d["total_size"])
+    if d["dry_run"]:
+        head = (
+            f"Dry run, nothing sent: would upload {n} files ({size}) to {d['repo_id']} at {d['revision']} "
+            f"({d['visibility']} if created) on {d['endpoint']}"
+        )
+        lines = [head]
+        width = max(len(f["path"]) for f in d["files"])
+        lines += [
+            f"  {f['path']:<{width}}  {human_size(f['size']):>9}"
+            + ("  (generated model card)" if f.get("generated") else "")
+            for f in d["files"]
+        ]
+        return "\n".join(lines)
+    if d["pr_url"]:
+        return f"Opened pull request {d['pr_url']} on {d['repo_id']} ({d['visibility']}): {n} files ({size})"
+    return f"Pushed {n} files ({size}) to {d['repo_id']} ({d['visibility']}) at {d['revision']}: {d['commit_url']}"
