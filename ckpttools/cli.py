@@ -23,7 +23,8 @@ Examples:
   ckpt inspect out/checkpoint-500
   ckpt consolidate out/checkpoint-500 --to safetensors --dtype bf16 --out out/model
   ckpt consolidate out/ --step 500 --json
-  ckpt reshard out/checkpoint-500 --dp 8 --out out/checkpoint-500-dp8
+  ckpt reshard out/checkpoint-500 --dp 8
+  ckpt reshard out/checkpoint-500 --universal
 
 \b
 Exit codes: 0 success, 1 bad checkpoint or failed check, 2 usage error,
