@@ -114,6 +114,8 @@ def ds_config_for(meta: dict, m: int) -> dict:
     cfg["gradient_accumulation_steps"] = 1
     if "train_batch_size" in cfg:
         cfg["train_batch_size"] = GLOBAL_BATCH
+    if os.environ.get("RESHARD_WORKER_LOAD_UNIVERSAL"):  # the one config change a universal load needs
+        cfg.setdefault("checkpoint", {})["load_universal"] = True
     return cfg
 
 

@@ -619,3 +619,28 @@ def test_trainer_resumes_from_a_resharded_checkpoint(case, lab):
     ref = json.loads((src / "trainer_state.json").read_text())
     assert losses[:2] == [h["loss"] for h in ref["log_history"] if "loss" in h]
     assert meta["global_steps"] == 2
+
+
+# --------------------------------------------------------------------------------------------------------
+# universal checkpoints written by ckpt, loaded by DeepSpeed with load_universal at another size
+# --------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture,m", [("z2_dp2_fp32", 3), ("z3_dp2_fp32", 3), ("z1_dp3_fp32", 2)])
+def test_universal_checkpoint_loads_in_deepspeed_at_another_size(fixture, m, tmp_path, monkeypatch):
+    """fp32 masters and Adam moments after a `load_universal` load equal the engine's own at save time.
+
+    (DeepSpeed's universal load restores only optimizer-owned params: frozen params and buffers keep the
+    fresh model's values there, a DeepSpeed limitation the native reshard does not have.)
+    """
+    src = FIXTURES / fixture / "checkpoint"
+    reshard(src, tmp_path / "ucp", universal=True)
+    monkeypatch.setenv("RESHARD_WORKER_LOAD_UNIVERSAL", "1")
+    dump = tmp_path / "dump.safetensors"
+    run = torchrun(m, ["--fixture-meta", FIXTURES / fixture / "meta.json", "--load", tmp_path / "ucp", "--dump", dump])
+    assert run.rc == 0, _short_error(run.output)
+    ours = load_file(dump)
+    ref = load_file(FIXTURES / fixture / "reference" / "full_state.safetensors")
+    problems = [k for k in ref if k.split("/")[0] in ("fp32", "exp_avg", "exp_avg_sq") and not torch.equal(ours[k], ref[k])]
+    assert not problems, problems

@@ -1,0 +1,158 @@
+"""Benchmark `ckpt reshard` against DeepSpeed's `ds_to_universal` on the benchmark checkpoints.
+
+    ./scripts/setup && .venv/bin/python scripts/bench_reshard.py [--sizes 355M] [--stages 2,3] [--runs 3]
+
+Uses the GPT-2 checkpoints `scripts/bench_consolidate.py` builds and caches (DP 4, bf16; built on
+demand). For each, alternating, page cache dropped before every run where permitted:
+
+    ckpt --dp 2         ckpt reshard CKPT --dp 2 --out TMP            (native files for 2 ranks)
+    ckpt --universal    ckpt reshard CKPT --universal --out TMP       (DeepSpeed's universal layout)
+    ds_to_universal     python -m deepspeed.checkpoint.ds_to_universal --input_folder CKPT/TAG
+                            --output_folder TMP/TAG --inject_missing_state   (its defaults: 4 extract
+                            workers, 2 merge workers)
+
+Reports median wall time, peak RSS of the process tree, bytes written, the number of files each tool
+created (ds_to_universal's temporary fragment folder included, sampled while it runs), and the ratios
+against ds_to_universal; checks that both universal outputs hold identical tensors. Writes
+OUT/reshard.json and OUT/reshard.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench_consolidate as bc  # noqa: E402  (shared build and measurement helpers)
+
+
+def count_files(root: Path) -> int:
+    return sum(1 for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+
+
+def measured(cmd: list[str], out: Path, log: Path) -> dict[str, Any]:
+    """run_measured plus the largest number of files under `out` seen while the command ran."""
+    peak = {"files": 0}
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            peak["files"] = max(peak["files"], count_files(out))
+            done.wait(0.25)
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    with open(log, "a") as fh:
+        result = bc.run_measured(cmd, bc.tool_env(), fh)
+    done.set()
+    th.join()
+    result["peak_files"] = max(peak["files"], count_files(out))
+    result["final_files"] = count_files(out)
+    result["out_bytes"] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.exists() else 0
+    return result
+
+
+def tools(ckpt: Path, tag: str, work: Path) -> dict[str, tuple[list[str], Path]]:
+    ckpt_bin = str(bc.ckpt_bin())
+    return {
+        "ckpt --dp 2": ([ckpt_bin, "reshard", str(ckpt), "--dp", "2", "--out", str(work / "dp2"), "--overwrite", "-q"],
+                        work / "dp2"),
+        "ckpt --universal": ([ckpt_bin, "reshard", str(ckpt), "--universal", "--out", str(work / "ucp"), "--overwrite",
+                              "-q"], work / "ucp"),
+        "ds_to_universal": ([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                             str(ckpt / tag), "--output_folder", str(work / "dsu" / tag), "--inject_missing_state"],
+                            work / "dsu"),
+    }  # fmt: skip
+
+
+def same_universal(ours: Path, theirs: Path, tag: str) -> dict[str, Any]:
+    import torch
+
+    bad, n = [], 0
+    for pdir in sorted((ours / tag / "zero").iterdir()):
+        if not pdir.is_dir():
+            continue
+        for state in ("fp32", "exp_avg", "exp_avg_sq"):
+            a = torch.load(pdir / f"{state}.pt", weights_only=False)["param"]
+            b = torch.load(theirs / tag / "zero" / pdir.name / f"{state}.pt", weights_only=False)
+            b = b["param"] if isinstance(b, dict) else b
+            n += 1
+            if not torch.equal(a.flatten(), b.flatten()):
+                bad.append(f"{pdir.name}/{state}")
+    return {"compared": n, "differing": bad}
+
+
+def bench(name: str, ckpt: Path, runs: int, work: Path, log: Path) -> dict[str, Any]:
+    tag = (ckpt / "latest").read_text().strip()
+    entry: dict[str, Any] = {"checkpoint": name, "runs": {}}
+    for _ in range(runs):
+        for tool, (cmd, out) in tools(ckpt, tag, work).items():
+            shutil.rmtree(out, ignore_errors=True)
+            dropped, _why = bc.drop_caches()
+            r = measured(cmd, out, log)
+            r["cache_dropped"] = dropped
+            entry["runs"].setdefault(tool, []).append(r)
+            print(f"  {name} {tool}: {r['wall_s']:.2f} s, rc {r['returncode']}, peak files {r['peak_files']}", flush=True)
+    entry["identical"] = same_universal(work / "ucp", work / "dsu", tag)
+    return entry
+
+
+def summary_md(results: list[dict[str, Any]]) -> str:
+    lines = ["| checkpoint | tool | median time s | peak RSS MB | written MB | files created (peak) | time ratio vs "
+             "ds_to_universal | memory ratio |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for entry in results:
+        med = {t: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "peak_rss_tree", "write_bytes", "peak_files")}
+               for t, rs in entry["runs"].items()}  # fmt: skip
+        ref = med["ds_to_universal"]
+        for tool, m in med.items():
+            lines.append(f"| {entry['checkpoint']} | {tool} | {m['wall_s']:.2f} | {m['peak_rss_tree'] / 1e6:,.0f} | "
+                         f"{m['write_bytes'] / 1e6:,.0f} | {m['peak_files']:,.0f} | {m['wall_s'] / ref['wall_s']:.2f} | "
+                         f"{m['peak_rss_tree'] / ref['peak_rss_tree']:.2f} |")  # fmt: skip
+        ident = entry["identical"]
+        lines.append(f"| {entry['checkpoint']} | universal outputs identical | {not ident['differing']} "
+                     f"({ident['compared']} tensors) | | | | | |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="355M")
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--cache", type=Path, default=bc.DEFAULT_CACHE)
+    ap.add_argument("--out", type=Path, default=bc.REPO / "benchmarks" / "results")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = args.cache / "work-reshard"
+    log = args.cache / "logs" / f"reshard-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for size in args.sizes.split(","):
+        for stage in (int(s) for s in args.stages.split(",")):
+            built = bc.build_checkpoint(size, stage, args.cache, log.parent, False)
+            ckpt = Path(built.get("path") or args.cache / bc.ckpt_name(size, stage))
+            if not (ckpt / "latest").is_file():
+                print(f"skipping {size} ZeRO-{stage}: no checkpoint ({built})")
+                continue
+            work.mkdir(parents=True, exist_ok=True)
+            results.append(bench(f"{size} ZeRO-{stage}", ckpt, args.runs, work, log))
+            shutil.rmtree(work, ignore_errors=True)
+    (args.out / "reshard.json").write_text(json.dumps({"machine": bc.machine_info(args.cache, *bc.drop_caches()),
+                                                       "results": results}, indent=1, default=str))  # fmt: skip
+    md = "# `ckpt reshard` vs DeepSpeed `ds_to_universal`\n\nCommand: `python scripts/bench_reshard.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]) + "`\n\n" + summary_md(results)
+    (args.out / "reshard.md").write_text(md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
