@@ -6,6 +6,9 @@ __version__ = "0.1.0"
 
 from .consolidate import ConsolidateResult, consolidate
 from .engine_save import EngineSaveResult, save_pretrained_from_engine
+from .hub import PushResult, push
+from .reshard import ReshardResult, reshard
+from .verify import VerifyReport, verify_folder
 from .errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -24,12 +27,18 @@ __all__ = [
     "EngineSaveResult",
     "CorruptCheckpointError",
     "OutputError",
+    "PushResult",
+    "ReshardResult",
     "UnsafeCheckpointError",
     "UnsupportedCheckpointError",
+    "VerifyReport",
     "ZeroCheckpoint",
     "__version__",
     "consolidate",
     "inspect_checkpoint",
+    "push",
     "read_checkpoint",
+    "reshard",
     "save_pretrained_from_engine",
+    "verify_folder",
 ]

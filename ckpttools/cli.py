@@ -25,10 +25,12 @@ Examples:
   ckpt consolidate out/ --step 500 --json
   ckpt reshard out/checkpoint-500 --dp 8
   ckpt reshard out/checkpoint-500 --universal
+  ckpt verify out/model --against out/checkpoint-500
+  ckpt push out/model --repo my-org/my-model
 
 \b
-Exit codes: 0 success, 1 bad checkpoint or failed check, 2 usage error,
-            3 remote/auth/network failure.
+Exit codes: 0 success, 1 bad checkpoint or failed check, 2 usage error
+            (or HF_HUB_OFFLINE set for push), 3 remote/auth/network failure.
 Set CKPT_DEBUG=1 to see tracebacks."""
 
 
@@ -229,10 +231,7 @@ def _register_optional_commands() -> None:
     main.add_command(push_cmd)
 
 
-try:
-    _register_optional_commands()
-except ImportError:  # the module is not there yet
-    pass
+_register_optional_commands()
 
 if __name__ == "__main__":
     main()

@@ -17,6 +17,7 @@ import base64
 import hashlib
 import json
 import re
+import sys
 import threading
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -57,6 +58,7 @@ class Fault:
     status: int  # 0: drop the connection without answering
     times: int
     message: str
+    code: str | None
 
 
 class LocalHub:
@@ -71,8 +73,7 @@ class LocalHub:
         self.commits: list[list[dict[str, Any]]] = []  # ndjson lines of every accepted commit
         self.faults: list[Fault] = []
         self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-        self.server.daemon_threads = True
+        self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.hub = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
@@ -80,13 +81,23 @@ class LocalHub:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.server.shutdown()
         self.server.server_close()
 
-    def fail(self, method: str, path: str, status: int = 0, times: int = 1, message: str = "injected failure") -> None:
-        """Answer the next `times` requests matching `method` and the `path` regex with `status` (0: drop the connection)."""
-        self.faults.append(Fault(method, re.compile(path), status, times, message))
+    def fail(
+        self,
+        method: str,
+        path: str,
+        status: int = 0,
+        *,
+        times: int = 1,
+        message: str = "injected failure",
+        code: str | None = None,
+    ) -> None:
+        """Answer the next `times` requests matching `method` and the `path` regex with `status` (0: drop the
+        connection without answering), `message` in X-Error-Message and `code` in X-Error-Code."""
+        self.faults.append(Fault(method, re.compile(path), status, times, message, code))
 
     def requests(self, method: str, pattern: str = "") -> list[dict[str, Any]]:
         return [r for r in self.log if r["method"] == method and re.search(pattern, r["path"])]
@@ -98,9 +109,20 @@ class LocalHub:
     # --- state changes (called with the lock held) ---
 
     def commit(self, repo: Repo, parent: str | None, tree: dict[str, Blob], message: str) -> str:
-        oid = hashlib.sha1(json.dumps([parent, message, sorted((p, b.oid) for p, b in tree.items())]).encode()).hexdigest()
+        oid = hashlib.sha1(
+            json.dumps([parent, message, sorted((p, b.oid) for p, b in tree.items())]).encode()
+        ).hexdigest()
         repo.commits[oid] = tree
         return oid
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], (ConnectionResetError, BrokenPipeError)):
+            return  # a client hanging up (hf_xet does on errors) is not a server failure worth a traceback
+        super().handle_error(request, client_address)
 
 
 class HubError(Exception):
@@ -132,7 +154,9 @@ class _Handler(BaseHTTPRequestHandler):
         entry = {"method": self.command, "path": parts.path, "query": self.query, "status": None}
         with self.hub.lock:
             self.hub.log.append(entry)
-            fault = next((f for f in self.hub.faults if f.method == self.command and f.path.search(parts.path) and f.times), None)
+            fault = next(
+                (f for f in self.hub.faults if f.method == self.command and f.path.search(parts.path) and f.times), None
+            )
             if fault:
                 fault.times -= 1
         if fault and fault.status == 0:
@@ -141,7 +165,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             if fault:
-                raise HubError(fault.status, fault.message)
+                raise HubError(fault.status, fault.message, fault.code)
             status, payload, headers = self._route(parts.path, body)
         except HubError as e:
             status, payload = e.status, {"error": e.message}
@@ -200,16 +224,22 @@ class _Handler(BaseHTTPRequestHandler):
         repo_id = f"{req['organization']}/{req['name']}"
         url = {"url": f"{self.hub.url}/{repo_id}"}
         if self.hub.writable is not None and req["organization"] not in self.hub.writable:
-            raise HubError(403, f"You don't have the rights to create a model under the namespace {req['organization']}")
+            raise HubError(
+                403, f"You don't have the rights to create a model under the namespace {req['organization']}"
+            )
         with self.hub.lock:
             self.hub.created.append(req)
             if repo_id in self.hub.repos:
                 return 409, {"error": "You already created this model repo", **url}, {}
             repo = self.hub.repos[repo_id] = Repo(private=req.get("visibility", "public") == "private")
-            repo.refs["main"] = self.hub.commit(repo, None, {".gitattributes": Blob(GITATTRIBUTES, False)}, "initial commit")
+            repo.refs["main"] = self.hub.commit(
+                repo, None, {".gitattributes": Blob(GITATTRIBUTES, False)}, "initial commit"
+            )
         return 200, url, {}
 
-    def _api(self, repo_id: str, repo: Repo, verb: str | None, rest: str, body: bytes) -> tuple[int, Any, dict[str, str]]:
+    def _api(
+        self, repo_id: str, repo: Repo, verb: str | None, rest: str, body: bytes
+    ) -> tuple[int, Any, dict[str, str]]:
         c = self.command
         if c == "GET" and verb in (None, "revision"):
             sha = self._head(repo, rest or "main")
@@ -256,7 +286,9 @@ class _Handler(BaseHTTPRequestHandler):
             lfs = f["path"].endswith(LFS_SUFFIXES) or f["size"] >= 10 << 20 or b"\0" in sample
             existing = tree.get(f["path"])
             oid = existing.oid if existing is not None and existing.lfs == lfs else None
-            files.append({"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid})
+            files.append(
+                {"path": f["path"], "uploadMode": "lfs" if lfs else "regular", "shouldIgnore": False, "oid": oid}
+            )
         return {"files": files, "commitOid": self._head(repo, rev)}
 
     def _lfs_batch(self, repo_id: str, repo: Repo, req: dict[str, Any]) -> tuple[int, Any, dict[str, str]]:
@@ -264,7 +296,9 @@ class _Handler(BaseHTTPRequestHandler):
         for obj in req["objects"]:
             item = {"oid": obj["oid"], "size": obj["size"], "authenticated": True}
             if obj["oid"] not in repo.lfs:  # already stored objects get no actions: the client skips them
-                item["actions"] = {"upload": {"href": f"{self.hub.url}/lfs-upload/{repo_id}/{obj['oid']}", "header": {}}}
+                item["actions"] = {
+                    "upload": {"href": f"{self.hub.url}/lfs-upload/{repo_id}/{obj['oid']}", "header": {}}
+                }
             objects.append(item)
         return 200, {"transfer": "basic", "objects": objects}, {"Content-Type": "application/vnd.git-lfs+json"}
 
@@ -293,7 +327,11 @@ class _Handler(BaseHTTPRequestHandler):
                         raise HubError(422, f"LFS object {v['oid']} for {v['path']} was never uploaded")
                     tree[v["path"]] = Blob(repo.lfs[v["oid"]], True)
                 elif x["key"] in ("deletedFile", "deletedFolder"):
-                    tree = {p: b for p, b in tree.items() if p != v["path"] and not p.startswith(v["path"].rstrip("/") + "/")}
+                    tree = {
+                        p: b
+                        for p, b in tree.items()
+                        if p != v["path"] and not p.startswith(v["path"].rstrip("/") + "/")
+                    }
             oid = self.hub.commit(repo, head, tree, header["summary"])
             pr_url = None
             if self.query.get("create_pr"):
