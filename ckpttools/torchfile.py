@@ -372,6 +372,14 @@ class RecordReader:
             done += n
         self.bytes_read += len(buf)
 
+    def advise(self, record: Record, start: int, nbytes: int) -> None:
+        """Ask the kernel to start reading these bytes now (a hint; never fails)."""
+        if hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self._fd(record.path), record.offset + start, nbytes, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+
     def readinto(self, record: Record, start: int, buf: memoryview) -> None:
         """Fill `buf` with the record's bytes from `start`."""
         end = start + len(buf)

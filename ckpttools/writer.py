@@ -23,6 +23,7 @@ from .torchfile import RecordReader
 
 CHUNK_BYTES = 16 << 20
 BUFFERS_IN_FLIGHT = 3
+READAHEAD_BYTES = 256 << 20  # asked of the kernel ahead of the reads: fills the page cache, not our memory
 
 ProgressFn = Callable[[int], None]
 
@@ -97,20 +98,32 @@ class _ChunkPump:
             self.free.put(bytearray(chunk_bytes))
         self.scratch = bytearray(chunk_bytes)  # source bytes before a cast
         self.ready: queue.Queue[Any] = queue.Queue(maxsize=BUFFERS_IN_FLIGHT)
-        self.plan = _chunk_plan(tensors, chunk_bytes)
+        self.plan = list(_chunk_plan(tensors, chunk_bytes))
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, name="ckpt-reader", daemon=True)
 
     def _run(self) -> None:
         try:
-            for t, seg, start, n in self.plan:
+            ahead = advised = 0  # chunks up to `ahead` have been advised; `advised` bytes not yet read
+            for i, (t, seg, start, n) in enumerate(self.plan):
                 if self.stop.is_set():
                     return
+                while ahead < len(self.plan) and (ahead <= i or advised < READAHEAD_BYTES):
+                    advised += self._advise(*self.plan[ahead])
+                    ahead += 1
+                advised -= n * seg.tensor.dtype.itemsize
                 buf = self.free.get()
                 self.ready.put((buf, self._fill(buf, t, seg, start, n)))
             self.ready.put(None)
         except BaseException as e:  # handed to the writer thread, which re-raises it
             self.ready.put(e)
+
+    def _advise(self, t: OutputTensor, seg: Segment, start: int, n: int) -> int:
+        """Let the kernel read this chunk in the background (all rank files at once, in parallel)."""
+        item = seg.tensor.dtype.itemsize
+        base, _ = seg.tensor.byte_span()
+        self.reader.advise(seg.tensor.record, base + start * item, n * item)
+        return n * item
 
     def _fill(self, buf: bytearray, t: OutputTensor, seg: Segment, start: int, n: int) -> int:
         src_dtype = seg.tensor.dtype
