@@ -213,6 +213,10 @@ def _copy_record(record: Record, reader: RecordReader, out: Any) -> None:
 
 def _write_new(tensor: NewTensor, reader: RecordReader, out: Any) -> None:
     item = tensor.dtype.itemsize
+    for piece in tensor.pieces:  # let the kernel read every slice (often one per old rank file) in parallel
+        if isinstance(piece, Slice):
+            base, _ = piece.tensor.byte_span()
+            reader.advise(piece.tensor.record, base + piece.start * item, piece.count * item)
     buf = bytearray(CHUNK_BYTES)
     zeros = bytes(min(CHUNK_BYTES, max(1, max((p.count for p in tensor.pieces if isinstance(p, Fill)), default=1) * item)))
     for piece in tensor.pieces:
