@@ -24,7 +24,7 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, Unsupported
 from .layout import check_tag_name
 from .reader import ZeroCheckpoint, read_checkpoint
 from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize, load_pickle
-from .torchwriter import Fill, NewTensor, Slice, write_torch_file
+from .torchwriter import Fill, NewTensor, Slice, write_torch_files
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 _FRAGMENT = DEEPSPEED_STUBS[("deepspeed.utils.tensor_fragment", "fragment_address")]
@@ -562,9 +562,9 @@ def _write_tag(src: _Sources, dp: int | None, tag_dir: Path, prefix: str) -> lis
         files = {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": o for r, o in enumerate(optim_files)}
         for r, m in enumerate(model_files):
             files[f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if src.stage == 3 else "mp_rank_00_model_states.pt"] = m
+    for name in files:
+        (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
     with RecordReader() as reader:
-        for name, obj in files.items():
-            (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
-            write_torch_file(tag_dir / name, obj, reader)
+        write_torch_files([(tag_dir / name, obj) for name, obj in files.items()], reader)
         reader.finish()  # CRC-32 of every source record read
     return [f"{tag_dir.name}/{n}" for n in files]

@@ -11,6 +11,7 @@ is checked against the CRC-32 the zip format stores for it.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import pickle
 import struct
@@ -331,6 +332,26 @@ class _CrcCursor:
         self.lock = threading.Lock()
 
 
+DEFAULT_READAHEAD = 128 << 10  # the kernel's default read-ahead window
+
+
+@functools.lru_cache(maxsize=None)
+def advise_piece(st_dev: int) -> int:
+    """The most bytes one WILLNEED hint makes the kernel read on this device.
+
+    Linux caps each hint at max(read-ahead window, largest I/O) of the backing device and ignores the
+    rest, so a long range must be hinted in pieces of this size. Falls back to the default window.
+    """
+    dev = f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}"
+    for queue in (f"{dev}/queue", f"{dev}/../queue"):  # a partition's queue is its disk's
+        try:
+            limits = [int(Path(queue, name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb")]
+        except (OSError, ValueError):
+            continue
+        return max(DEFAULT_READAHEAD, max(limits) << 10)
+    return DEFAULT_READAHEAD
+
+
 class RecordReader:
     """Reads byte ranges of records with `pread`, verifying each touched record's CRC-32.
 
@@ -375,8 +396,13 @@ class RecordReader:
     def advise(self, record: Record, start: int, nbytes: int) -> None:
         """Ask the kernel to start reading these bytes now (a hint; never fails)."""
         if hasattr(os, "posix_fadvise"):
+            fd, pos, end = self._fd(record.path), record.offset + start, record.offset + start + nbytes
             try:
-                os.posix_fadvise(self._fd(record.path), record.offset + start, nbytes, os.POSIX_FADV_WILLNEED)
+                piece = advise_piece(os.fstat(fd).st_dev)
+                while pos < end:
+                    n = min(piece, end - pos)
+                    os.posix_fadvise(fd, pos, n, os.POSIX_FADV_WILLNEED)
+                    pos += n
             except OSError:
                 pass
 

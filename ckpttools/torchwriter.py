@@ -13,20 +13,25 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import queue
 import struct
+import threading
 import zipfile
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import dtypes
 from .dtypes import DType
-from .errors import UsageError
-from .torchfile import LazyTensor, PickledObject, Record, RecordReader, TorchDevice, TorchSize, ZeroStageEnum
+from .torchfile import (DEEPSPEED_STUBS, LazyTensor, PickledObject, Record, RecordReader, TorchDevice, TorchSize,
+                        ZeroStageEnum)  # fmt: skip
 
 ALIGNMENT = 64
 CHUNK_BYTES = 16 << 20
+BUFFERS_IN_FLIGHT = 4
+READAHEAD_BYTES = 256 << 20  # asked of the kernel ahead of the reads: fills the page cache, not our memory
 
 
 @dataclass(frozen=True)
@@ -60,40 +65,6 @@ class NewTensor:
         return self.shape if self.shape is not None else (self.numel(),)
 
 
-def _deepspeed_classes() -> dict[str, Any]:
-    import importlib
-
-    try:
-        loss_scaler = importlib.import_module("deepspeed.runtime.fp16.loss_scaler")
-        zero_config = importlib.import_module("deepspeed.runtime.zero.config")
-        tensor_fragment = importlib.import_module("deepspeed.utils.tensor_fragment")
-    except ImportError as e:
-        raise UsageError(
-            "writing DeepSpeed checkpoints needs deepspeed installed (pip install 'ckpttools[deepspeed]'), "
-            f"so that its own classes are written into the files ({e})"
-        ) from e
-    return {
-        "deepspeed.runtime.fp16.loss_scaler.LossScaler": loss_scaler.LossScaler,
-        "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler": loss_scaler.DynamicLossScaler,
-        "deepspeed.utils.tensor_fragment.fragment_address": tensor_fragment.fragment_address,
-        "ZeroStageEnum": zero_config.ZeroStageEnum,
-    }
-
-
-def _real_object(stub: PickledObject, classes: dict[str, Any]) -> Any:
-    cls = classes.get(stub.qualname)
-    if cls is None:
-        import argparse
-
-        if stub.qualname == "argparse.Namespace":
-            cls = argparse.Namespace
-        else:
-            raise UsageError(f"cannot write back an object of class {stub.qualname}")
-    obj = cls.__new__(cls)
-    obj.__dict__.update({k: v for k, v in stub.__dict__.items() if k != "args"})
-    return obj
-
-
 class _StorageTable:
     """Assigns storage keys in pickling order; a stored record keeps one key however many views use it."""
 
@@ -119,66 +90,103 @@ class _StorageRef:
         self.key, self.dtype, self.numel = key, dtype, numel
 
 
+class _Global:
+    """A class or function the pickle names by module and name (a GLOBAL opcode), never imported here."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Any:  # pickle's save_reduce insists that reduce functions are callable
+        raise TypeError(f"{self.module}.{self.name} is only named, not loaded")
+
+
+_GLOBALS: dict[tuple[str, str], _Global] = {}
+
+
+def _global(module: str, name: str) -> _Global:
+    """One marker per name, so the pickle memoizes it as torch.save's pickles do."""
+    return _GLOBALS.setdefault((module, name), _Global(module, name))
+
+
+_STORAGE_CLASS = {dtype: name for name, dtype in dtypes.BY_STORAGE.items()}
+_REBUILD_TENSOR = _global("torch._utils", "_rebuild_tensor_v2")
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return tuple(strides)
+
+
+class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
+    """Pickles as `torch.save` does (protocol 2, storages as persistent ids) without importing torch.
+
+    torch and DeepSpeed objects (tensors, dtypes, torch.Size, the loss scaler, ZeroStageEnum) are written
+    as the opcodes their own reductions produce, naming the real classes, so `torch.load` and DeepSpeed
+    get their own objects back and no stand-in class reaches a file. The pure-Python pickler is used
+    because only it lets a GLOBAL be written for a class that is not imported.
+    """
+
+    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, file: Any, table: _StorageTable) -> None:
+        super().__init__(file, protocol=2)
+        self.table = table
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, _StorageRef):
+            return ("storage", _global("torch", _STORAGE_CLASS[obj.dtype]), obj.key, "cpu", obj.numel)
+        return None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, LazyTensor):
+            key = self.table.key_for_record(obj.record, obj.dtype)
+            ref = _StorageRef(key, obj.dtype, obj.record.nbytes // obj.dtype.itemsize)
+            return _REBUILD_TENSOR, (ref, obj.storage_offset, tuple(obj.shape), tuple(obj.stride), False, OrderedDict())
+        if isinstance(obj, NewTensor):
+            ref = _StorageRef(self.table.key_for_new(obj), obj.dtype, obj.numel())
+            shape = obj.view_shape()
+            return _REBUILD_TENSOR, (ref, 0, shape, _contiguous_strides(shape), False, OrderedDict())
+        if isinstance(obj, ZeroStageEnum):  # Enum.__reduce_ex__: the class called with the value
+            return _global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(obj),)
+        if isinstance(obj, TorchSize):
+            return _global("torch", "Size"), (tuple(obj),)
+        if isinstance(obj, TorchDevice):
+            return _global("torch", "device"), tuple(obj)
+        return NotImplemented
+
+    def save_named_global(self, obj: _Global) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+    def save_dtype(self, obj: DType) -> None:  # torch.dtype reduces to its name in module torch
+        self.save(_global("torch", obj.name))
+
+    def save_object(self, obj: PickledObject) -> None:
+        """A plain object as protocol 2 writes it: cls.__new__(cls), then its __dict__ (NEWOBJ, BUILD)."""
+        module, name = obj.qualname.rsplit(".", 1)
+        self.save(_global(module, name))
+        self.save(())
+        self.write(pickle.NEWOBJ)
+        self.memoize(obj)
+        self.save({k: v for k, v in obj.__dict__.items() if k != "args"})
+        self.write(pickle.BUILD)
+
+    dispatch[_Global] = save_named_global
+    dispatch[DType] = save_dtype
+    for _stub in DEEPSPEED_STUBS.values():
+        if isinstance(_stub, type) and issubclass(_stub, PickledObject):
+            dispatch[_stub] = save_object
+    del _stub
+
+
 def _pickle(obj: Any, table: _StorageTable) -> bytes:
-    import torch
-    from torch._utils import _rebuild_tensor_v2
-
-    classes = _deepspeed_classes()
-    storage_types = {
-        "float64": torch.DoubleStorage, "float32": torch.FloatStorage, "float16": torch.HalfStorage,
-        "bfloat16": torch.BFloat16Storage, "int64": torch.LongStorage, "int32": torch.IntStorage,
-        "int16": torch.ShortStorage, "int8": torch.CharStorage, "uint8": torch.ByteStorage, "bool": torch.BoolStorage,
-    }  # fmt: skip
-
-    def tensor_reduce(ref: _StorageRef, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> Any:
-        return _rebuild_tensor_v2, (ref, offset, tuple(shape), tuple(stride), False, OrderedDict())
-
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, o: Any) -> Any:
-            if isinstance(o, _StorageRef):
-                return ("storage", storage_types[o.dtype.name], o.key, "cpu", o.numel)
-            return None
-
-        def reducer_override(self, o: Any) -> Any:
-            if isinstance(o, LazyTensor):
-                key = table.key_for_record(o.record, o.dtype)
-                ref = _StorageRef(key, o.dtype, o.record.nbytes // o.dtype.itemsize)
-                return tensor_reduce(ref, o.storage_offset, o.shape, o.stride)
-            if isinstance(o, NewTensor):
-                ref = _StorageRef(table.key_for_new(o), o.dtype, o.numel())
-                shape = o.view_shape()
-                strides = [1] * len(shape)
-                for i in range(len(shape) - 2, -1, -1):
-                    strides[i] = strides[i + 1] * shape[i + 1]
-                return tensor_reduce(ref, 0, shape, tuple(strides))
-            if isinstance(o, ZeroStageEnum):
-                return classes["ZeroStageEnum"], (int(o),)
-            if isinstance(o, TorchSize):
-                return torch.Size, (tuple(o),)
-            if isinstance(o, TorchDevice):
-                return torch.device, tuple(o)
-            return NotImplemented
-
     buf = io.BytesIO()
-    Pickler(buf, protocol=2).dump(_with_real_objects(obj, classes))
+    _Pickler(buf, table).dump(obj)
     return buf.getvalue()
-
-
-def _with_real_objects(obj: Any, classes: dict[str, Any]) -> Any:
-    """A copy of the container tree with stand-ins replaced by DeepSpeed's real classes and torch dtypes."""
-    if isinstance(obj, DType):
-        return obj.to_torch()  # pickles as GLOBAL torch.<name>, as torch.save writes it
-    if isinstance(obj, PickledObject):
-        real = _real_object(obj, classes)
-        real.__dict__.update({k: _with_real_objects(v, classes) for k, v in real.__dict__.items()})
-        return real
-    if isinstance(obj, dict):
-        return type(obj)((k, _with_real_objects(v, classes)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [_with_real_objects(v, classes) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_with_real_objects(v, classes) for v in obj)
-    return obj
 
 
 def _aligned_info(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
@@ -194,67 +202,151 @@ def _aligned_info(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     return info
 
 
-def _write_record(zf: zipfile.ZipFile, name: str, size: int, fill: Callable[[Any], None]) -> None:
+def _write_record(zf: zipfile.ZipFile, name: str, size: int, chunks: Iterator[memoryview] | bytes) -> None:
     info = _aligned_info(zf, name, size)
     with zf.open(info, "w") as out:
-        fill(out)
-
-
-def _copy_record(record: Record, reader: RecordReader, out: Any) -> None:
-    buf = bytearray(min(CHUNK_BYTES, max(record.nbytes, 1)))
-    pos = 0
-    while pos < record.nbytes:
-        n = min(len(buf), record.nbytes - pos)
-        view = memoryview(buf)[:n]
-        reader.readinto(record, pos, view)
-        out.write(view)
-        pos += n
-
-
-def _write_new(tensor: NewTensor, reader: RecordReader, out: Any) -> None:
-    item = tensor.dtype.itemsize
-    for piece in tensor.pieces:  # let the kernel read every slice (often one per old rank file) in parallel
-        if isinstance(piece, Slice):
-            base, _ = piece.tensor.byte_span()
-            reader.advise(piece.tensor.record, base + piece.start * item, piece.count * item)
-    buf = bytearray(CHUNK_BYTES)
-    zeros = bytes(min(CHUNK_BYTES, max(1, max((p.count for p in tensor.pieces if isinstance(p, Fill)), default=1) * item)))
-    for piece in tensor.pieces:
-        if isinstance(piece, Fill):
-            left = piece.count * item
-            while left:
-                n = min(left, len(zeros))
-                out.write(zeros[:n])
-                left -= n
-            continue
-        if piece.tensor.dtype != tensor.dtype:
-            raise ValueError(f"slice dtype {piece.tensor.dtype} does not match {tensor.dtype}")
-        base, _ = piece.tensor.byte_span()
-        pos, end = base + piece.start * item, base + (piece.start + piece.count) * item
-        while pos < end:
-            n = min(len(buf), end - pos)
-            view = memoryview(buf)[:n]
-            reader.readinto(piece.tensor.record, pos, view)
+        if isinstance(chunks, bytes):
+            out.write(chunks)
+            return
+        left = size
+        while left:
+            view = next(chunks)
             out.write(view)
-            pos += n
+            left -= len(view)
+
+
+# A read of `nbytes` bytes of `record` from byte `start`, or (record None) `nbytes` zero bytes.
+_Op = tuple[Record | None, int, int]
+
+
+def _storage_ops(source: Record | NewTensor, chunk_bytes: int) -> Iterator[_Op]:
+    """The reads and zero fills, at most `chunk_bytes` each, that produce one storage record's bytes."""
+    if isinstance(source, NewTensor):
+        item = source.dtype.itemsize
+        spans: list[_Op] = []
+        for piece in source.pieces:
+            if isinstance(piece, Fill):
+                spans.append((None, 0, piece.count * item))
+                continue
+            if piece.tensor.dtype != source.dtype:
+                raise ValueError(f"slice dtype {piece.tensor.dtype} does not match {source.dtype}")
+            base, _ = piece.tensor.byte_span()
+            spans.append((piece.tensor.record, base + piece.start * item, piece.count * item))
+    else:
+        spans = [(source, 0, source.nbytes)]
+    for record, start, nbytes in spans:
+        for pos in range(0, nbytes, chunk_bytes):
+            yield record, start + pos, min(chunk_bytes, nbytes - pos)
+
+
+@dataclass
+class _PlannedFile:
+    path: Path
+    stem: str
+    data_pkl: bytes
+    storages: list[tuple[str, int, list[_Op]]]  # (key, nbytes, ops)
+
+
+def _plan_file(path: Path, obj: Any, chunk_bytes: int) -> _PlannedFile:
+    table = _StorageTable()
+    data_pkl = _pickle(obj, table)
+    storages = [(key, numel * dtype.itemsize, list(_storage_ops(source, chunk_bytes)))
+                for key, source, dtype, numel in table.entries]  # fmt: skip
+    return _PlannedFile(Path(path), Path(path).stem or "archive", data_pkl, storages)
+
+
+class _ReadPump:
+    """Performs the reads of all planned files on a background thread, a few buffers ahead of the writer.
+
+    Reads (with their CRC-32 checks) and writes (with zipfile's CRC-32) then run at the same time; the
+    kernel is asked to read up to READAHEAD_BYTES ahead, so slices spread over many rank files arrive in
+    parallel. Zero fills share one read-only buffer.
+    """
+
+    def __init__(self, ops: list[_Op], reader: RecordReader, chunk_bytes: int) -> None:
+        self.ops, self.reader = ops, reader
+        self.zeros = memoryview(bytes(chunk_bytes))
+        self.free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(BUFFERS_IN_FLIGHT):
+            self.free.put(bytearray(chunk_bytes))
+        self.ready: queue.Queue[Any] = queue.Queue()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="ckpt-reader", daemon=True)
+        self._held: bytearray | None = None
+
+    def _run(self) -> None:
+        try:
+            ahead, advised = 0, 0  # ops before `ahead` were advised; `advised` bytes of them not read yet
+            for i, (record, start, nbytes) in enumerate(self.ops):
+                while ahead < len(self.ops) and (ahead <= i or advised < READAHEAD_BYTES):
+                    rec, s, n = self.ops[ahead]
+                    if rec is not None:
+                        self.reader.advise(rec, s, n)
+                        advised += n
+                    ahead += 1
+                if record is None:
+                    self.ready.put((None, self.zeros[:nbytes]))
+                    continue
+                advised -= nbytes
+                buf = self.free.get()
+                if self.stop.is_set():
+                    return
+                view = memoryview(buf)[:nbytes]
+                self.reader.readinto(record, start, view)
+                self.ready.put((buf, view))
+        except BaseException as e:  # handed to the writer, which re-raises it
+            self.ready.put((None, e))
+
+    def chunks(self) -> Iterator[memoryview]:
+        """The bytes of every op, in order; each view is valid until the next one is taken."""
+        while True:
+            if self._held is not None:
+                self.free.put(self._held)
+                self._held = None
+            buf, item = self.ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            self._held = buf
+            yield item
+
+    def __enter__(self) -> _ReadPump:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop.set()
+        for _ in range(BUFFERS_IN_FLIGHT + 1):  # wake the pump if it waits for a buffer
+            self.free.put(bytearray(0))
+        self.thread.join()
+
+
+def write_torch_files(files: Sequence[tuple[Path, Any]], reader: RecordReader, *,
+                      chunk_bytes: int = CHUNK_BYTES) -> int:  # fmt: skip
+    """Write each `(path, obj)` (plain containers, LazyTensors, NewTensors, DeepSpeed stand-ins) as a
+    `torch.save` file. Returns the bytes written."""
+    plans = [_plan_file(path, obj, chunk_bytes) for path, obj in files]
+    ops = [op for plan in plans for _, _, storage_ops in plan.storages for op in storage_ops]
+    written = 0
+    with _ReadPump(ops, reader, chunk_bytes) as pump:
+        chunks = pump.chunks()
+        for plan in plans:
+            _write_planned(plan, chunks)
+            written += plan.path.stat().st_size
+    return written
+
+
+def _write_planned(plan: _PlannedFile, chunks: Iterator[memoryview]) -> None:
+    stem = plan.stem
+    with zipfile.ZipFile(plan.path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for name, payload in ((f"{stem}/data.pkl", plan.data_pkl), (f"{stem}/.format_version", b"1"),
+                              (f"{stem}/.storage_alignment", b"64"), (f"{stem}/byteorder", b"little")):  # fmt: skip
+            _write_record(zf, name, len(payload), payload)
+        for key, nbytes, _ in plan.storages:
+            _write_record(zf, f"{stem}/data/{key}", nbytes, chunks)
+        _write_record(zf, f"{stem}/version", 2, b"3\n")
+        _write_record(zf, f"{stem}/.data/serialization_id", 16, os.urandom(8).hex().encode())
 
 
 def write_torch_file(path: Path, obj: Any, reader: RecordReader) -> int:
-    """Write `obj` (plain containers, LazyTensors, NewTensors, DeepSpeed stand-ins) as a torch.save file."""
-    path = Path(path)
-    table = _StorageTable()
-    data_pkl = _pickle(obj, table)
-    stem = path.stem or "archive"
-    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for name, payload in ((f"{stem}/data.pkl", data_pkl), (f"{stem}/.format_version", b"1"),
-                              (f"{stem}/.storage_alignment", b"64"), (f"{stem}/byteorder", b"little")):  # fmt: skip
-            _write_record(zf, name, len(payload), lambda out, p=payload: out.write(p))
-        for key, source, dtype, numel in table.entries:
-            if isinstance(source, NewTensor):
-                _write_record(zf, f"{stem}/data/{key}", numel * dtype.itemsize, lambda out, t=source: _write_new(t, reader, out))
-            else:
-                _write_record(zf, f"{stem}/data/{key}", source.nbytes, lambda out, r=source: _copy_record(r, reader, out))
-        _write_record(zf, f"{stem}/version", 2, lambda out: out.write(b"3\n"))
-        serial = os.urandom(8).hex().encode()
-        _write_record(zf, f"{stem}/.data/serialization_id", len(serial), lambda out: out.write(serial))
-    return path.stat().st_size
+    """Write one object as a `torch.save` file (see `write_torch_files`)."""
+    return write_torch_files([(path, obj)], reader)
