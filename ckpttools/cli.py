@@ -177,7 +177,12 @@ def reshard_cmd(path: Path, dp: int | None, universal: bool, out: Path | None, o
     """
     from .reshard import reshard
 
-    data = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite).to_dict()
+    bar = _Progress("reshard") if progress_enabled(quiet) else None
+    result = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite,
+                     on_start=bar.begin if bar else None, on_progress=bar.advance if bar else None)
+    if bar and bar.total:
+        bar.end()
+    data = result.to_dict()
     if not quiet:
         _notes(data)
     _emit(data, as_json, lambda d: (

@@ -24,9 +24,10 @@ from .errors import CheckpointNotFoundError, CorruptCheckpointError, Unsupported
 from .layout import check_tag_name
 from .reader import ZeroCheckpoint, read_checkpoint
 from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize, load_pickle
-from .torchwriter import Fill, NewTensor, Slice, write_torch_files
+from .torchwriter import Fill, NewTensor, ProgressFn, Slice, write_torch_files
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
+_Progress = tuple[ProgressFn | None, ProgressFn | None]  # (on_start, on_progress)
 _FRAGMENT = DEEPSPEED_STUBS[("deepspeed.utils.tensor_fragment", "fragment_address")]
 Pieces = list[Slice | Fill]
 
@@ -479,6 +480,8 @@ def reshard(
     step: int | None = None,
     best: bool = False,
     overwrite: bool = False,
+    on_start: ProgressFn | None = None,
+    on_progress: ProgressFn | None = None,
 ) -> ReshardResult:
     """Write a native ZeRO checkpoint for `dp` ranks, or (`universal=True`) a universal checkpoint.
 
@@ -487,6 +490,8 @@ def reshard(
         out_dir: output folder; defaults to `dp<M>-<name>` or `universal-<name>` beside the input.
         dp: the new data-parallel size (native output).
         universal: write DeepSpeed's universal format instead, loadable at any DP size.
+        on_start: called once with the number of tensor bytes to write.
+        on_progress: called with the number of bytes written after each chunk.
 
     Example:
         >>> reshard("out/checkpoint-500", "out/dp8-checkpoint-500", dp=8).files[0]
@@ -502,7 +507,7 @@ def reshard(
             raise UsageError(f"{path} is already a universal checkpoint; pass --dp M to turn it into native shards")
         root, tag = (path.parent, path.name) if (path / "zero").is_dir() else (path, tag)
         src, tag = _universal_sources(root, tag)
-        return _write(root, tag, src, None, dp, out_dir, overwrite, prefix=_universal_prefix(src))
+        return _write(root, tag, src, None, dp, out_dir, overwrite, _universal_prefix(src), (on_start, on_progress))
     ckpt = read_checkpoint(path, tag=tag, step=step, best=best)
     if dp == ckpt.dp_world_size and out_dir is None:
         result = ReshardResult(None, ckpt.location.tag, ckpt.zero_stage, dp, dp, [])
@@ -510,7 +515,7 @@ def reshard(
         return result
     src = _zero3_native(ckpt) if ckpt.zero_stage == 3 else _zero12_native(ckpt)
     return _write(ckpt.location.root, ckpt.location.tag, src, ckpt.dp_world_size, dp, out_dir, overwrite,
-                  prefix=ckpt.location.files.optim_prefix)  # fmt: skip
+                  ckpt.location.files.optim_prefix, (on_start, on_progress))  # fmt: skip
 
 
 def _universal_prefix(src: _Sources) -> str:
@@ -524,7 +529,7 @@ def _default_out(root: Path, dp: int | None) -> Path:
 
 
 def _write(root: Path, tag: str, src: _Sources, old_dp: int | None, dp: int | None, out_dir: Any,
-           overwrite: bool, prefix: str) -> ReshardResult:  # fmt: skip
+           overwrite: bool, prefix: str, progress: _Progress) -> ReshardResult:  # fmt: skip
     out = check_output_dir(Path(out_dir) if out_dir else _default_out(root, dp), root, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     check_free_space(out.parent, sum(p.stat().st_size for p in (root / tag).rglob("*") if p.is_file()))
@@ -537,7 +542,7 @@ def _write(root: Path, tag: str, src: _Sources, old_dp: int | None, dp: int | No
             shutil.copytree(root / tag, tmp / tag, dirs_exist_ok=True)
             result.notes.append(f"the checkpoint is already at DP {dp}; copied unchanged")
         else:
-            result.files = _write_tag(src, dp, tmp / tag, prefix)
+            result.files = _write_tag(src, dp, tmp / tag, prefix, progress)
         skip = {tag, "latest", "latest_universal"}
         result.notes += _copy_root_files(root, tmp, old_dp, dp, skip)
         (tmp / ("latest" if dp else "latest_universal")).write_text(tag)
@@ -551,7 +556,7 @@ def _write(root: Path, tag: str, src: _Sources, old_dp: int | None, dp: int | No
     return result
 
 
-def _write_tag(src: _Sources, dp: int | None, tag_dir: Path, prefix: str) -> list[str]:
+def _write_tag(src: _Sources, dp: int | None, tag_dir: Path, prefix: str, progress: _Progress) -> list[str]:
     if dp is None:
         files = _universal_files(src)
         for i, m in enumerate(src.model_files):
@@ -565,6 +570,8 @@ def _write_tag(src: _Sources, dp: int | None, tag_dir: Path, prefix: str) -> lis
     for name in files:
         (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
     with RecordReader() as reader:
-        write_torch_files([(tag_dir / name, obj) for name, obj in files.items()], reader)
+        on_start, on_progress = progress
+        write_torch_files([(tag_dir / name, obj) for name, obj in files.items()], reader, on_start=on_start,
+                          on_progress=on_progress)  # fmt: skip
         reader.finish()  # CRC-32 of every source record read
     return [f"{tag_dir.name}/{n}" for n in files]

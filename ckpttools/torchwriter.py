@@ -18,7 +18,7 @@ import struct
 import threading
 import zipfile
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from .dtypes import DType
 from .torchfile import (DEEPSPEED_STUBS, LazyTensor, PickledObject, Record, RecordReader, TorchDevice, TorchSize,
                         ZeroStageEnum)  # fmt: skip
 
+ProgressFn = Callable[[int], None]
 ALIGNMENT = 64
 CHUNK_BYTES = 16 << 20
 BUFFERS_IN_FLIGHT = 4
@@ -202,7 +203,8 @@ def _aligned_info(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     return info
 
 
-def _write_record(zf: zipfile.ZipFile, name: str, size: int, chunks: Iterator[memoryview] | bytes) -> None:
+def _write_record(zf: zipfile.ZipFile, name: str, size: int, chunks: Iterator[memoryview] | bytes,
+                  on_progress: ProgressFn | None = None) -> None:  # fmt: skip
     info = _aligned_info(zf, name, size)
     with zf.open(info, "w") as out:
         if isinstance(chunks, bytes):
@@ -213,6 +215,8 @@ def _write_record(zf: zipfile.ZipFile, name: str, size: int, chunks: Iterator[me
             view = next(chunks)
             out.write(view)
             left -= len(view)
+            if on_progress:
+                on_progress(len(view))
 
 
 # A read of `nbytes` bytes of `record` from byte `start`, or (record None) `nbytes` zero bytes.
@@ -320,29 +324,34 @@ class _ReadPump:
         self.thread.join()
 
 
-def write_torch_files(files: Sequence[tuple[Path, Any]], reader: RecordReader, *,
-                      chunk_bytes: int = CHUNK_BYTES) -> int:  # fmt: skip
+def write_torch_files(files: Sequence[tuple[Path, Any]], reader: RecordReader, *, chunk_bytes: int = CHUNK_BYTES,
+                      on_start: ProgressFn | None = None, on_progress: ProgressFn | None = None) -> int:  # fmt: skip
     """Write each `(path, obj)` (plain containers, LazyTensors, NewTensors, DeepSpeed stand-ins) as a
-    `torch.save` file. Returns the bytes written."""
+    `torch.save` file, in one pass whose reads run ahead of its writes. Returns the bytes written.
+
+    `on_start` gets the number of tensor bytes to write, `on_progress` the bytes of each chunk written.
+    """
     plans = [_plan_file(path, obj, chunk_bytes) for path, obj in files]
     ops = [op for plan in plans for _, _, storage_ops in plan.storages for op in storage_ops]
+    if on_start:
+        on_start(sum(n for _, _, n in ops))
     written = 0
     with _ReadPump(ops, reader, chunk_bytes) as pump:
         chunks = pump.chunks()
         for plan in plans:
-            _write_planned(plan, chunks)
+            _write_planned(plan, chunks, on_progress)
             written += plan.path.stat().st_size
     return written
 
 
-def _write_planned(plan: _PlannedFile, chunks: Iterator[memoryview]) -> None:
+def _write_planned(plan: _PlannedFile, chunks: Iterator[memoryview], on_progress: ProgressFn | None) -> None:
     stem = plan.stem
     with zipfile.ZipFile(plan.path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for name, payload in ((f"{stem}/data.pkl", plan.data_pkl), (f"{stem}/.format_version", b"1"),
                               (f"{stem}/.storage_alignment", b"64"), (f"{stem}/byteorder", b"little")):  # fmt: skip
             _write_record(zf, name, len(payload), payload)
         for key, nbytes, _ in plan.storages:
-            _write_record(zf, f"{stem}/data/{key}", nbytes, chunks)
+            _write_record(zf, f"{stem}/data/{key}", nbytes, chunks, on_progress)
         _write_record(zf, f"{stem}/version", 2, b"3\n")
         _write_record(zf, f"{stem}/.data/serialization_id", 16, os.urandom(8).hex().encode())
 

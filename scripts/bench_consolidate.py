@@ -261,32 +261,23 @@ def ds_config(stage: int) -> dict[str, Any]:
     }
 
 
-def build_worker(size: str, stage: int, out: Path) -> int:
+def quiet_worker() -> None:
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")
-    import deepspeed
-    import torch
-    import torch.distributed as dist
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     for name in ("DeepSpeed", "deepspeed", "torch.distributed", "transformers"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    t0 = time.time()
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = dist.get_rank()
-    phases: dict[str, dict[str, float]] = {}
 
-    def mark(phase: str) -> None:  # this rank's current and peak RSS, GiB
-        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        phases[phase] = {"rss_gib": round(rss / 2**30, 2), "peak_gib": round(peak / 2**30, 2)}
 
-    mark("imported")
+def build_engine(size: str, stage: int, cfg: dict[str, Any]) -> tuple[Any, Any, int]:
+    """The benchmark's GPT-2 model in a DeepSpeed engine: (engine, GPT2Config, parameter count)."""
+    import deepspeed
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(SEED)
     config = GPT2Config(**SIZES[size])
-    cfg = ds_config(stage)
     # Build directly in bf16 (4 ranks each holding an fp32 model would be wasteful). ZeRO-3 builds
     # under deepspeed.zero.Init, as the HF Trainer does, so no rank ever holds the whole model.
     prev = torch.get_default_dtype()
@@ -299,12 +290,33 @@ def build_worker(size: str, stage: int, out: Path) -> int:
             model = GPT2LMHeadModel(config)
     finally:
         torch.set_default_dtype(prev)
-    mark("model built")
     decay = [p for n, p in model.named_parameters() if not (n.endswith(".bias") or ".ln_" in n)]
     no_decay = [p for n, p in model.named_parameters() if n.endswith(".bias") or ".ln_" in n]
     groups = [{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0.0}]
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    return engine, config, n_params
+
+
+def build_worker(size: str, stage: int, out: Path) -> int:
+    quiet_worker()
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+
+    t0 = time.time()
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    phases: dict[str, dict[str, float]] = {}
+
+    def mark(phase: str) -> None:  # this rank's current and peak RSS, GiB
+        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        phases[phase] = {"rss_gib": round(rss / 2**30, 2), "peak_gib": round(peak / 2**30, 2)}
+
+    mark("imported")
+    cfg = ds_config(stage)
+    engine, config, n_params = build_engine(size, stage, cfg)
     t_init = time.time()
     mark("initialized")
     g = torch.Generator().manual_seed(SEED + rank)

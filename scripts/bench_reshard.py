@@ -13,8 +13,11 @@ demand). For each, alternating, page cache dropped before every run where permit
 
 Reports median wall time, peak RSS of the process tree, bytes written, the number of files each tool
 created (ds_to_universal's temporary fragment folder included, sampled while it runs), and the ratios
-against ds_to_universal; checks that both universal outputs hold identical tensors. Writes
-OUT/reshard.json and OUT/reshard.md.
+against ds_to_universal; checks that both universal outputs hold identical tensors. Then (unless
+--no-load) it times what resuming at DP 2 costs on top: DeepSpeed's `engine.load_checkpoint` at 2 ranks
+(torchrun, gloo, the build's config) of each output, plainly for the native one, with
+`"load_universal": true` for the universal ones, cache dropped before each. Writes OUT/reshard.json
+and OUT/reshard.md.
 """
 
 from __future__ import annotations
@@ -90,9 +93,55 @@ def same_universal(ours: Path, theirs: Path, tag: str) -> dict[str, Any]:
     return {"compared": n, "differing": bad}
 
 
-def bench(name: str, ckpt: Path, runs: int, work: Path, log: Path) -> dict[str, Any]:
+NEW_DP = 2
+
+
+def load_worker(size: str, stage: int, ckpt: Path, tag: str, universal: bool) -> int:
+    """Under torchrun: build the benchmark engine at NEW_DP ranks and time its load_checkpoint."""
+    bc.quiet_worker()
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    cfg = bc.ds_config(stage)
+    if universal:
+        cfg["checkpoint"] = {"load_universal": True}
+    engine, _, _ = bc.build_engine(size, stage, cfg)
+    dist.barrier()
+    t0 = time.perf_counter()
+    path, _ = engine.load_checkpoint(str(ckpt), tag=tag)
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    if path is None:
+        raise SystemExit(f"load_checkpoint found no checkpoint in {ckpt}")
+    if dist.get_rank() == 0:
+        print("LOAD_RESULT " + json.dumps({"load_s": seconds, "steps": engine.global_steps}), flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
+def measure_load(size: str, stage: int, ckpt: Path, tag: str, universal: bool, log: Path) -> dict[str, Any]:
+    """DeepSpeed's load_checkpoint time at NEW_DP ranks (page cache dropped first), and the launch's peak RSS."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NEW_DP), "--nnodes", "1",
+           "--master_addr", "127.0.0.1", "--master_port", str(bc._free_port()), str(Path(__file__).resolve()),
+           "_load", "--size", size, "--stage", str(stage), "--ckpt", str(ckpt), "--tag", tag]  # fmt: skip
+    if universal:
+        cmd.append("--universal")
+    bc.drop_caches()
+    with open(log, "a") as fh:
+        fh.write("$ " + " ".join(cmd) + "\n")
+        fh.flush()
+        r = bc.run_measured(cmd, bc.build_env(), fh)
+    found = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("LOAD_RESULT ")]
+    if r["returncode"] != 0 or not found:
+        return {"error": f"load failed (rc {r['returncode']}); see {log}"}
+    return {**json.loads(found[-1].split(" ", 1)[1]), "peak_rss_tree": r["peak_rss_tree"]}
+
+
+def bench(size: str, stage: int, ckpt: Path, runs: int, work: Path, log: Path, load: bool) -> dict[str, Any]:
+    name = f"{size} ZeRO-{stage}"
     tag = (ckpt / "latest").read_text().strip()
-    entry: dict[str, Any] = {"checkpoint": name, "runs": {}}
+    entry: dict[str, Any] = {"checkpoint": name, "runs": {}, "loads": {}}
     for _ in range(runs):
         for tool, (cmd, out) in tools(ckpt, tag, work).items():
             shutil.rmtree(out, ignore_errors=True)
@@ -102,6 +151,11 @@ def bench(name: str, ckpt: Path, runs: int, work: Path, log: Path) -> dict[str, 
             entry["runs"].setdefault(tool, []).append(r)
             print(f"  {name} {tool}: {r['wall_s']:.2f} s, rc {r['returncode']}, peak files {r['peak_files']}", flush=True)
     entry["identical"] = same_universal(work / "ucp", work / "dsu", tag)
+    if load:
+        for tool, folder, universal in (("ckpt --dp 2", work / "dp2", False), ("ckpt --universal", work / "ucp", True),
+                                        ("ds_to_universal", work / "dsu", True)):  # fmt: skip
+            entry["loads"][tool] = r = measure_load(size, stage, folder, tag, universal, log)
+            print(f"  {name} load after {tool}: {r.get('load_s', r.get('error'))}", flush=True)
     return entry
 
 
@@ -119,16 +173,49 @@ def summary_md(results: list[dict[str, Any]]) -> str:
         ident = entry["identical"]
         lines.append(f"| {entry['checkpoint']} | universal outputs identical | {not ident['differing']} "
                      f"({ident['compared']} tensors) | | | | | |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + resume_md(results)
+
+
+def resume_md(results: list[dict[str, Any]]) -> str:
+    """Convert + DeepSpeed load at NEW_DP: the time until training can continue."""
+    rows = []
+    for entry in results:
+        med = {t: statistics.median(r["wall_s"] for r in rs) for t, rs in entry["runs"].items()}
+        for tool, r in entry.get("loads", {}).items():
+            if "load_s" not in r:
+                rows.append(f"| {entry['checkpoint']} | {tool} | {med[tool]:.2f} | {r['error']} | | |")
+                continue
+            how = "load_checkpoint" if tool == "ckpt --dp 2" else "load_checkpoint, load_universal"
+            total = med[tool] + r["load_s"]
+            rows.append(f"| {entry['checkpoint']} | {tool}, then {how} | {med[tool]:.2f} | {r['load_s']:.2f} | "
+                        f"{total:.2f} | {r['peak_rss_tree'] / 1e6:,.0f} |")  # fmt: skip
+    if not rows:
+        return ""
+    head = (f"\nResuming at DP {NEW_DP}: conversion (median above) plus DeepSpeed's `load_checkpoint` at {NEW_DP} "
+            "ranks (one cold-cache run):\n\n| checkpoint | path | convert s | load s | total s | load peak RSS MB "
+            "(both ranks) |\n|---|---|---|---|---|---|")  # fmt: skip
+    return head + "\n" + "\n".join(rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_load":
+        ap = argparse.ArgumentParser()
+        ap.add_argument("_load")
+        ap.add_argument("--size", required=True)
+        ap.add_argument("--stage", type=int, required=True)
+        ap.add_argument("--ckpt", type=Path, required=True)
+        ap.add_argument("--tag", required=True)
+        ap.add_argument("--universal", action="store_true")
+        a = ap.parse_args(argv)
+        return load_worker(a.size, a.stage, a.ckpt, a.tag, a.universal)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="355M")
     ap.add_argument("--stages", default="2,3")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--cache", type=Path, default=bc.DEFAULT_CACHE)
     ap.add_argument("--out", type=Path, default=bc.REPO / "benchmarks" / "results")
+    ap.add_argument("--no-load", dest="load", action="store_false", help="skip timing DeepSpeed's load at DP 2")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     work = args.cache / "work-reshard"
@@ -143,12 +230,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"skipping {size} ZeRO-{stage}: no checkpoint ({built})")
                 continue
             work.mkdir(parents=True, exist_ok=True)
-            results.append(bench(f"{size} ZeRO-{stage}", ckpt, args.runs, work, log))
+            results.append(bench(size, stage, ckpt, args.runs, work, log, args.load))
             shutil.rmtree(work, ignore_errors=True)
     (args.out / "reshard.json").write_text(json.dumps({"machine": bc.machine_info(args.cache, *bc.drop_caches()),
                                                        "results": results}, indent=1, default=str))  # fmt: skip
     md = "# `ckpt reshard` vs DeepSpeed `ds_to_universal`\n\nCommand: `python scripts/bench_reshard.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]) + "`\n\n" + summary_md(results)
+        argv) + "`\n\n" + summary_md(results)
     (args.out / "reshard.md").write_text(md)
     print(md)
     return 0

@@ -188,3 +188,11 @@ def test_zero3_subgroups_get_their_own_step_tensor(tmp_path):
     steps = [s["step"] for s in state.values()]
     assert len(steps) > 1 and all(torch.is_tensor(s) and s.item() == 2 for s in steps)
     assert len({s.untyped_storage().data_ptr() for s in steps}) == len(steps)
+
+
+def test_progress_reports_every_tensor_byte_once(tmp_path):
+    seen = {"total": None, "done": 0}
+    reshard(_src("z2_dp2_bf16"), tmp_path / "rs", dp=3, on_start=lambda n: seen.update(total=n),
+            on_progress=lambda n: seen.update(done=seen["done"] + n))  # fmt: skip
+    with_tensors = sum(p.stat().st_size for p in (tmp_path / "rs").rglob("*.pt"))
+    assert seen["total"] == seen["done"] and 0.9 * with_tensors < seen["done"] < with_tensors
