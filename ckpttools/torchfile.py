@@ -454,6 +454,35 @@ class RecordReader:
         self.close()
 
 
+READAHEAD_BYTES = 256 << 20  # asked of the kernel ahead of the reads: fills the page cache, not our memory
+
+
+class ReadAhead:
+    """Keeps the kernel reading up to `window` bytes ahead of a known sequence of reads.
+
+    `spans` lists the reads to come as (record, byte start, byte count); a record of None is a span
+    that needs no reading (a zero fill). Call `before(i)` just before performing read i. With every
+    rank file hinted at once, the kernel reads them in parallel while the caller works.
+    """
+
+    def __init__(self, reader: RecordReader, spans: list[tuple[Record | None, int, int]],
+                 window: int = READAHEAD_BYTES) -> None:  # fmt: skip
+        self.reader, self.spans, self.window = reader, spans, window
+        self.ahead = 0  # spans before this one have been hinted
+        self.pending = 0  # hinted bytes not yet read
+
+    def before(self, i: int) -> None:
+        while self.ahead < len(self.spans) and (self.ahead <= i or self.pending < self.window):
+            record, start, nbytes = self.spans[self.ahead]
+            if record is not None:
+                self.reader.advise(record, start, nbytes)
+                self.pending += nbytes
+            self.ahead += 1
+        record, _, nbytes = self.spans[i]
+        if record is not None:
+            self.pending -= nbytes
+
+
 def lazy_tensors(obj: Any) -> list[LazyTensor]:
     """Every LazyTensor inside a nested structure of dicts, lists and tuples."""
     found: list[LazyTensor] = []

@@ -25,14 +25,13 @@ from typing import Any
 
 from . import dtypes
 from .dtypes import DType
-from .torchfile import (DEEPSPEED_STUBS, LazyTensor, PickledObject, Record, RecordReader, TorchDevice, TorchSize,
-                        ZeroStageEnum)  # fmt: skip
+from .torchfile import (DEEPSPEED_STUBS, LazyTensor, PickledObject, ReadAhead, Record, RecordReader, TorchDevice,
+                        TorchSize, ZeroStageEnum)  # fmt: skip
 
 ProgressFn = Callable[[int], None]
 ALIGNMENT = 64
 CHUNK_BYTES = 16 << 20
 BUFFERS_IN_FLIGHT = 4
-READAHEAD_BYTES = 256 << 20  # asked of the kernel ahead of the reads: fills the page cache, not our memory
 
 
 @dataclass(frozen=True)
@@ -262,9 +261,9 @@ def _plan_file(path: Path, obj: Any, chunk_bytes: int) -> _PlannedFile:
 class _ReadPump:
     """Performs the reads of all planned files on a background thread, a few buffers ahead of the writer.
 
-    Reads (with their CRC-32 checks) and writes (with zipfile's CRC-32) then run at the same time; the
-    kernel is asked to read up to READAHEAD_BYTES ahead, so slices spread over many rank files arrive in
-    parallel. Zero fills share one read-only buffer.
+    Reads (with their CRC-32 checks) and writes (with zipfile's CRC-32) then run at the same time, and
+    the kernel reads ahead of both, so slices spread over many rank files arrive in parallel. Zero fills
+    share one read-only buffer.
     """
 
     def __init__(self, ops: list[_Op], reader: RecordReader, chunk_bytes: int) -> None:
@@ -280,18 +279,12 @@ class _ReadPump:
 
     def _run(self) -> None:
         try:
-            ahead, advised = 0, 0  # ops before `ahead` were advised; `advised` bytes of them not read yet
+            read_ahead = ReadAhead(self.reader, self.ops)
             for i, (record, start, nbytes) in enumerate(self.ops):
-                while ahead < len(self.ops) and (ahead <= i or advised < READAHEAD_BYTES):
-                    rec, s, n = self.ops[ahead]
-                    if rec is not None:
-                        self.reader.advise(rec, s, n)
-                        advised += n
-                    ahead += 1
+                read_ahead.before(i)
                 if record is None:
                     self.ready.put((None, self.zeros[:nbytes]))
                     continue
-                advised -= nbytes
                 buf = self.free.get()
                 if self.stop.is_set():
                     return

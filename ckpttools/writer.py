@@ -19,11 +19,10 @@ from typing import Any
 from . import dtypes
 from .dtypes import DType
 from .reader import Segment, TensorSource
-from .torchfile import RecordReader
+from .torchfile import ReadAhead, Record, RecordReader
 
 CHUNK_BYTES = 16 << 20
 BUFFERS_IN_FLIGHT = 3
-READAHEAD_BYTES = 256 << 20  # asked of the kernel ahead of the reads: fills the page cache, not our memory
 
 ProgressFn = Callable[[int], None]
 
@@ -88,6 +87,13 @@ def _chunk_plan(tensors: Sequence[OutputTensor], chunk_bytes: int) -> Iterator[t
                 yield t, s, start, n
 
 
+def _source_span(seg: Segment, start: int, n: int) -> tuple[Record, int, int]:
+    """The bytes of the record that elements [start, start + n) of a segment occupy."""
+    item = seg.tensor.dtype.itemsize
+    base, _ = seg.tensor.byte_span()
+    return seg.tensor.record, base + start * item, n * item
+
+
 class _ChunkPump:
     """Reads and casts chunks on a background thread into a small pool of reusable buffers."""
 
@@ -104,36 +110,24 @@ class _ChunkPump:
 
     def _run(self) -> None:
         try:
-            ahead = advised = 0  # chunks up to `ahead` have been advised; `advised` bytes not yet read
+            read_ahead = ReadAhead(self.reader, [_source_span(seg, start, n) for _, seg, start, n in self.plan])
             for i, (t, seg, start, n) in enumerate(self.plan):
                 if self.stop.is_set():
                     return
-                while ahead < len(self.plan) and (ahead <= i or advised < READAHEAD_BYTES):
-                    advised += self._advise(*self.plan[ahead])
-                    ahead += 1
-                advised -= n * seg.tensor.dtype.itemsize
+                read_ahead.before(i)
                 buf = self.free.get()
                 self.ready.put((buf, self._fill(buf, t, seg, start, n)))
             self.ready.put(None)
         except BaseException as e:  # handed to the writer thread, which re-raises it
             self.ready.put(e)
 
-    def _advise(self, t: OutputTensor, seg: Segment, start: int, n: int) -> int:
-        """Let the kernel read this chunk in the background (all rank files at once, in parallel)."""
-        item = seg.tensor.dtype.itemsize
-        base, _ = seg.tensor.byte_span()
-        self.reader.advise(seg.tensor.record, base + start * item, n * item)
-        return n * item
-
     def _fill(self, buf: bytearray, t: OutputTensor, seg: Segment, start: int, n: int) -> int:
-        src_dtype = seg.tensor.dtype
-        base, _ = seg.tensor.byte_span()
-        src_bytes = n * src_dtype.itemsize
-        if src_dtype == t.dtype:
-            self.reader.readinto(seg.tensor.record, base + start * src_dtype.itemsize, memoryview(buf)[:src_bytes])
+        record, offset, src_bytes = _source_span(seg, start, n)
+        if seg.tensor.dtype == t.dtype:
+            self.reader.readinto(record, offset, memoryview(buf)[:src_bytes])
             return src_bytes
-        self.reader.readinto(seg.tensor.record, base + start * src_dtype.itemsize, memoryview(self.scratch)[:src_bytes])
-        dtypes.cast(self.scratch, src_dtype, buf, t.dtype, n)  # round-to-nearest-even, as the engine's copy_
+        self.reader.readinto(record, offset, memoryview(self.scratch)[:src_bytes])
+        dtypes.cast(self.scratch, seg.tensor.dtype, buf, t.dtype, n)  # round-to-nearest-even, as the engine's copy_
         return n * t.dtype.itemsize
 
     def __iter__(self) -> Iterator[memoryview]:

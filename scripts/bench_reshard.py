@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -38,7 +39,7 @@ import bench_consolidate as bc  # noqa: E402  (shared build and measurement help
 
 
 def count_files(root: Path) -> int:
-    return sum(1 for p in root.rglob("*") if p.is_file()) if root.exists() else 0
+    return sum(len(files) for _, _, files in os.walk(root))  # folders removed meanwhile are skipped
 
 
 def measured(cmd: list[str], out: Path, log: Path) -> dict[str, Any]:
@@ -192,8 +193,8 @@ def resume_md(results: list[dict[str, Any]]) -> str:
     if not rows:
         return ""
     head = (f"\nResuming at DP {NEW_DP}: conversion (median above) plus DeepSpeed's `load_checkpoint` at {NEW_DP} "
-            "ranks (one cold-cache run):\n\n| checkpoint | path | convert s | load s | total s | load peak RSS MB "
-            "(both ranks) |\n|---|---|---|---|---|---|")  # fmt: skip
+            "ranks (one cold-cache run):\n\n| checkpoint | path | convert s | load s | total s | peak RSS of the "
+            "2-rank launch MB (model, engine and load) |\n|---|---|---|---|---|---|")  # fmt: skip
     return head + "\n" + "\n".join(rows) + "\n"
 
 
