@@ -5,11 +5,12 @@ Exit codes: 0 success, 1 bad checkpoint or failed check, 2 usage error, 3 remote
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,21 @@ class _Progress:
             sys.stderr.flush()
 
     def end(self) -> None:
-        sys.stderr.write("\n")
+        if self.last:  # a bar was drawn
+            sys.stderr.write("\n")
+
+
+@contextlib.contextmanager
+def progress_callbacks(label: str, quiet: bool) -> Iterator[dict[str, Callable[[int], None] | None]]:
+    """`on_start`/`on_progress` arguments that draw a bar on stderr, or None for both when no one watches."""
+    if not progress_enabled(quiet):
+        yield {"on_start": None, "on_progress": None}
+        return
+    bar = _Progress(label)
+    try:
+        yield {"on_start": bar.begin, "on_progress": bar.advance}
+    finally:
+        bar.end()
 
 
 def human_size(n: int) -> str:
@@ -140,14 +155,9 @@ def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard
     """Write consolidated weights from a ZeRO checkpoint as a folder from_pretrained loads."""
     from .consolidate import consolidate
 
-    bar = _Progress("consolidate") if progress_enabled(quiet) else None
-    result = consolidate(
-        path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step, best=best,
-        overwrite=overwrite, check_keys=check_keys, on_progress=bar.advance if bar else None,
-        on_start=bar.begin if bar else None,
-    )
-    if bar:
-        bar.end()
+    with progress_callbacks("consolidate", quiet) as progress:
+        result = consolidate(path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
+                             best=best, overwrite=overwrite, check_keys=check_keys, **progress)  # fmt: skip
     data = result.to_dict()
     if not quiet:
         _notes(data)
@@ -177,11 +187,9 @@ def reshard_cmd(path: Path, dp: int | None, universal: bool, out: Path | None, o
     """
     from .reshard import reshard
 
-    bar = _Progress("reshard") if progress_enabled(quiet) else None
-    result = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite,
-                     on_start=bar.begin if bar else None, on_progress=bar.advance if bar else None)
-    if bar and bar.total:
-        bar.end()
+    with progress_callbacks("reshard", quiet) as progress:
+        result = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite,
+                         **progress)  # fmt: skip
     data = result.to_dict()
     if not quiet:
         _notes(data)

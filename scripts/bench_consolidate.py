@@ -54,6 +54,8 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import ds_launch  # noqa: E402
 DEFAULT_CACHE = Path(os.environ.get("CKPTTOOLS_BENCH_CACHE", Path.home() / ".cache" / "ckpttools-bench"))
 DP = 4
 SEQ_LEN = 16
@@ -112,14 +114,8 @@ def snapshot_ckpttools(dest: Path) -> dict[str, Any]:
 
 
 def build_env() -> dict[str, str]:
-    env = tool_env()
-    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONWARNINGS": "ignore", "TORCH_CPP_LOG_LEVEL": "ERROR",
-                # hand freed tensors back to the OS at once: 4 ranks share 24 GiB
-                "MALLOC_MMAP_THRESHOLD_": "1048576"})
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
-    return env
+    # hand freed tensors back to the OS at once: 4 ranks share 24 GiB
+    return ds_launch.worker_env(base=tool_env(), MALLOC_MMAP_THRESHOLD_="1048576")
 
 
 def drop_caches() -> tuple[bool, str]:
@@ -354,12 +350,6 @@ def build_worker(size: str, stage: int, out: Path) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def estimate_build_gib(size: str, stage: int) -> float:
     """Rough peak resident memory of the DP build ranks together (GiB), for the skip decision.
 
@@ -409,9 +399,8 @@ def build_checkpoint(size: str, stage: int, cache: Path, log_dir: Path, force_bu
     partial.mkdir(parents=True)
     log = log_dir / f"build_{name}.log"
     print(f"[build] {name}: torchrun x{DP} (log {log}) ...", flush=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(DP), "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           str(Path(__file__).resolve()), "_build", "--size", size, "--stage", str(stage), "--out", str(partial)]
+    cmd = ds_launch.torchrun_cmd(DP, Path(__file__).resolve(), ["_build", "--size", size, "--stage", stage,
+                                                                 "--out", partial])  # fmt: skip
     with open(log, "wb") as fh:
         fh.write(("$ " + " ".join(cmd) + "\n").encode())
         fh.flush()

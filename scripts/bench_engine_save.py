@@ -24,7 +24,6 @@ import ctypes
 import gc
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
+sys.path.insert(0, str(HERE.parent))
+import ds_launch  # noqa: E402
 MiB = 1 << 20
 
 
@@ -187,24 +188,13 @@ def save_pretrained(engine, out: Path, budget: int):
 # --------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(case: str, args: argparse.Namespace, tmp: Path) -> dict:
     out = tmp / f"{case.replace(':', '_')}.json"
-    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore",
-                "TRANSFORMERS_VERBOSITY": "error",
-                # a fixed mmap threshold: every large buffer is its own mapping, unmapped when freed, so RSS
-                # follows live memory instead of glibc's heap slack (the same for every case)
-                "MALLOC_MMAP_THRESHOLD_": str(128 << 10)})
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(_free_port()), str(HERE), "--worker", case, "--json", str(out), "--tmp", str(tmp),
-           "--layers", str(args.layers), "--hidden", str(args.hidden), "--vocab", str(args.vocab)]
+    # a fixed mmap threshold: every large buffer is its own mapping, unmapped when freed, so RSS follows
+    # live memory instead of glibc's heap slack (the same for every case)
+    env = ds_launch.worker_env(MALLOC_MMAP_THRESHOLD_=str(128 << 10))
+    cmd = ds_launch.torchrun_cmd(2, HERE, ["--worker", case, "--json", out, "--tmp", tmp, "--layers", args.layers,
+                                           "--hidden", args.hidden, "--vocab", args.vocab])  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode != 0:
         raise SystemExit(f"case {case} failed (rc={r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}")

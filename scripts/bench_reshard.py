@@ -36,6 +36,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_consolidate as bc  # noqa: E402  (shared build and measurement helpers)
+import ds_launch  # noqa: E402
 
 
 def count_files(root: Path) -> int:
@@ -123,9 +124,8 @@ def load_worker(size: str, stage: int, ckpt: Path, tag: str, universal: bool) ->
 
 def measure_load(size: str, stage: int, ckpt: Path, tag: str, universal: bool, log: Path) -> dict[str, Any]:
     """DeepSpeed's load_checkpoint time at NEW_DP ranks (page cache dropped first), and the launch's peak RSS."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(NEW_DP), "--nnodes", "1",
-           "--master_addr", "127.0.0.1", "--master_port", str(bc._free_port()), str(Path(__file__).resolve()),
-           "_load", "--size", size, "--stage", str(stage), "--ckpt", str(ckpt), "--tag", tag]  # fmt: skip
+    cmd = ds_launch.torchrun_cmd(NEW_DP, Path(__file__).resolve(), ["_load", "--size", size, "--stage", stage,
+                                                                     "--ckpt", ckpt, "--tag", tag])  # fmt: skip
     if universal:
         cmd.append("--universal")
     bc.drop_caches()

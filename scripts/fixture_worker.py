@@ -431,24 +431,23 @@ class TinyDataset(torch.utils.data.Dataset):
         return self.items[i]
 
 
+def tiny_gpt2_config(tokenizer):
+    """The Trainer fixtures' model: a 2-layer GPT-2 (tied head) sized to the tokenizer."""
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=len(tokenizer), n_positions=32,
+                      bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+
+
 def run_trainer(spec: dict, out: Path) -> None:
     import deepspeed
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
     quiet_loggers()
     tokenizer = build_tokenizer()
     torch.manual_seed(SEED)
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=16,
-        n_head=2,
-        vocab_size=len(tokenizer),
-        n_positions=32,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(tiny_gpt2_config(tokenizer))
     zero = {"stage": spec["zero_stage"]}
     if spec["zero_stage"] == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = bool(spec["gather"])

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKER = HERE / "fixture_worker.py"
+sys.path.insert(0, str(HERE))
+import ds_launch  # noqa: E402
 DEFAULT_OUT = REPO / "fixtures"
 
 Z3_SUB_GROUP_SIZE = 64
@@ -138,61 +138,20 @@ def default_names() -> list[str]:
 # --------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update(
-        {
-            "DS_ACCELERATOR": "cpu",
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "TRANSFORMERS_VERBOSITY": "error",
-            "TORCH_CPP_LOG_LEVEL": "ERROR",
-            "PYTHONWARNINGS": "ignore",
-            "HF_HUB_OFFLINE": "1",
-            "WANDB_DISABLED": "true",
-        }
-    )
-    # torchrun would otherwise inherit a parent's rendezvous settings
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
-    return env
-
-
 def _run(cmd: list[str], log: Path, cwd: Path, timeout: int = 600) -> None:
     with open(log, "ab") as fh:
         fh.write(("\n$ " + " ".join(cmd) + "\n").encode())
         fh.flush()
-        r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=_env(), timeout=timeout)
+        r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=ds_launch.worker_env(), timeout=timeout)
     if r.returncode != 0:
         tail = log.read_text(errors="replace")[-6000:]
         raise RuntimeError(f"command failed (rc={r.returncode}): {' '.join(cmd)}\n--- log tail ---\n{tail}")
 
 
 def _torchrun(nproc: int, args: list[str], log: Path, cwd: Path) -> None:
-    last = None
-    for _ in range(3):  # retry on the (rare) port collision
-        port = _free_port()
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nproc_per_node", str(nproc), "--nnodes", "1",
-            "--master_addr", "127.0.0.1", "--master_port", str(port),
-            str(WORKER), *args,
-        ]
-        try:
-            _run(cmd, log, cwd)
-            return
-        except RuntimeError as e:
-            last = e
-            if "EADDRINUSE" not in str(e) and "address already in use" not in str(e).lower():
-                raise
-    raise last  # type: ignore[misc]
+    run = ds_launch.torchrun(nproc, WORKER, args, cwd=cwd, timeout=600, log=log)
+    if run.rc != 0:
+        raise RuntimeError(f"worker failed (rc={run.rc}): {' '.join(args)}\n--- log tail ---\n{run.tail()}")
 
 
 def _drop_recovery_scripts(root: Path) -> list[str]:
@@ -528,7 +487,7 @@ def _versions() -> dict:
         "'safetensors': safetensors.__version__, 'tokenizers': tokenizers.__version__, "
         "'python': platform.python_version()}))"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env())
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ds_launch.worker_env())
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

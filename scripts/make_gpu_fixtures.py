@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ os.environ["DS_ACCELERATOR"] = os.environ.get("GPU_FIXTURES_ACCELERATOR", "cuda"
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import ds_launch  # noqa: E402
 import fixture_worker as fw  # noqa: E402  (ToyModel, decay_groups, reference writers)
 
 STEPS = 3
@@ -221,30 +221,10 @@ def run_prebuild(op: str) -> None:
 # --------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict:
-    env = dict(os.environ)
-    env.update({
-        "DS_ACCELERATOR": os.environ["DS_ACCELERATOR"],
-        "OMP_NUM_THREADS": "2",
-        "TOKENIZERS_PARALLELISM": "false",
-        "TRANSFORMERS_VERBOSITY": "error",
-        "TORCH_CPP_LOG_LEVEL": "ERROR",
-        "PYTHONWARNINGS": "ignore",
-        "HF_HUB_OFFLINE": "1",
-        # never NVLink multicast on the lent machines
-        "NCCL_NVLS_ENABLE": "0",
-        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-        "NVSHMEM_DISABLE_NVLS": "1",
-    })
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE"):
-        env.pop(k, None)
-    return env
+    # two BLAS threads per rank (one rank per GPU); never NVLink multicast on the lent machines
+    return ds_launch.worker_env(os.environ["DS_ACCELERATOR"], threads=2, NCCL_NVLS_ENABLE="0",
+                                TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")  # fmt: skip
 
 
 def _run(cmd: list[str], log: Path, timeout: int = 420) -> None:
@@ -267,10 +247,8 @@ def make_one(spec: dict, out_dir: Path, log_dir: Path) -> Path:
     log = log_dir / f"{name}.log"
     tmp = Path(tempfile.mkdtemp(prefix=f"gpufix_{name}_"))
     try:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(spec["dp"]),
-               "--nnodes", "1", "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-               str(Path(__file__).resolve()), "worker", "--spec", json.dumps(spec), "--out", str(fdir)]
-        _run(cmd, log)
+        _run(ds_launch.torchrun_cmd(spec["dp"], Path(__file__).resolve(), ["worker", "--spec", json.dumps(spec),
+                                                                          "--out", str(fdir)]), log)  # fmt: skip
         meta = json.loads((fdir / "meta.partial.json").read_text())
         (fdir / "meta.partial.json").unlink()
         ckpt = fdir / "checkpoint"

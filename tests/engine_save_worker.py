@@ -181,17 +181,14 @@ def run_engine(stage: int, out: Path) -> None:
 
 
 def run_trainer(out: Path) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+    from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
     from ckpttools.integrations import ConsolidateCallback
 
     fw.quiet_loggers()
     tokenizer = fw.build_tokenizer()
     torch.manual_seed(SEED)
-    config = GPT2Config(
-        n_layer=2, n_embd=16, n_head=2, vocab_size=len(tokenizer), n_positions=32,
-        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )
+    config = fw.tiny_gpt2_config(tokenizer)
     ds_cfg = {
         "zero_optimization": {"stage": 3, "stage3_gather_16bit_weights_on_model_save": False},
         "bf16": {"enabled": "auto"},

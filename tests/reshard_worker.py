@@ -384,7 +384,7 @@ def trainer_ds_config(meta: dict) -> dict:
 
 
 def run_trainer(a) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments
+    from transformers import GPT2LMHeadModel, PreTrainedTokenizerFast, Trainer, TrainingArguments
 
     t0 = time.time()
     meta = json.loads(Path(a.fixture_meta).read_text())
@@ -392,17 +392,7 @@ def run_trainer(a) -> None:
     FW.quiet_loggers()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(str(resume))
     torch.manual_seed(FW.SEED)
-    config = GPT2Config(
-        n_layer=2,
-        n_embd=16,
-        n_head=2,
-        vocab_size=len(tokenizer),
-        n_positions=32,
-        bos_token_id=tokenizer.eos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = GPT2LMHeadModel(config)
+    model = GPT2LMHeadModel(FW.tiny_gpt2_config(tokenizer))
     args = TrainingArguments(
         output_dir=str(resume.parent),
         use_cpu=True,

@@ -197,3 +197,13 @@ def test_reshard_cli_json_and_bad_sizes(tmp_path):
     _assert_one_line_error(run("reshard", FIXTURES / Z2 / "checkpoint", "--dp", "0"), "at least 1", code=2)
     same = run("reshard", FIXTURES / Z2 / "checkpoint", "--dp", "2")
     assert same.exit_code == 0 and "already at DP 2" in same.stderr and "Nothing written" in same.stdout
+
+
+@pytest.mark.parametrize("command", [["consolidate"], ["reshard", "--dp", "3"]])
+def test_a_person_at_a_terminal_sees_a_progress_bar_that_ends_at_100_percent(command, tmp_path, monkeypatch):
+    monkeypatch.setattr("ckpttools.cli.progress_enabled", lambda quiet: not quiet)  # as on a TTY outside CI
+    res = run(command[0], FIXTURES / Z2 / "checkpoint", *command[1:], "--out", tmp_path / "o")
+    assert res.exit_code == 0, res.output
+    last = res.stderr.split("\r")[-1]
+    assert last.startswith(f"{command[0]}: ") and "(100%)" in last and last.endswith("MB/s\n")
+    assert "(100%)" not in run(command[0], FIXTURES / Z2 / "checkpoint", *command[1:], "--out", tmp_path / "q", "-q").stderr

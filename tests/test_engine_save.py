@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import struct
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -37,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "engine_save_worker.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 
+import ds_launch  # noqa: E402
 import fixture_worker as fw  # noqa: E402  (the toy model with tied/frozen/int/non-persistent buffers)
 
 
@@ -292,36 +291,18 @@ def test_callback_skips_checkpoints_that_hold_weights(tmp_path):
 # --------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-INFRA_FAILURES = ("EADDRINUSE", "address already in use", "Error building extension", "ninja: build stopped")
-
-
 def run_worker(args: list[str], log: Path) -> None:
-    """torchrun the worker with 2 ranks; retried only for a port taken meanwhile or a clashing extension build
-    (~/.cache/torch_extensions is shared with any other DeepSpeed process on the machine)."""
+    """torchrun the worker with 2 ranks, each attempt from an empty output folder."""
     pytest.importorskip("deepspeed")
-    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
-    env.update({"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONWARNINGS": "ignore", "TRANSFORMERS_VERBOSITY": "error", "WANDB_DISABLED": "true"})
-    for attempt in range(3):
-        for leftover in log.parent.iterdir():  # a retry starts from an empty output folder
+
+    def empty_output_folder() -> None:
+        for leftover in log.parent.iterdir():
             if leftover != log:
                 shutil.rmtree(leftover) if leftover.is_dir() else leftover.unlink()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(_free_port()), str(WORKER), *args]
-        with open(log, "wb") as fh:
-            r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=ROOT, timeout=600)
-        if r.returncode == 0:
-            return
-        text = log.read_text(errors="replace")
-        if attempt == 2 or not any(sig in text for sig in INFRA_FAILURES):
-            pytest.fail(f"worker failed (rc={r.returncode}):\n{text[-5000:]}")
+
+    run = ds_launch.torchrun(2, WORKER, args, cwd=ROOT, timeout=600, log=log, before_attempt=empty_output_folder)
+    if run.rc != 0:
+        pytest.fail(f"worker failed (rc={run.rc}):\n{run.tail(5000)}")
 
 
 @pytest.fixture(scope="module", params=[3, 2], ids=["zero3", "zero2"])

@@ -31,10 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import socket
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -58,6 +55,9 @@ from ckpttools import consolidate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "reshard_worker.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+import ds_launch  # noqa: E402
+from ds_launch import Run  # noqa: E402
 STEPS = 3
 BATCH_TIMEOUT = 1200
 SINGLE_TIMEOUT = 420
@@ -87,62 +87,9 @@ def _meta(name: str) -> dict:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ)
-    env.update(
-        {
-            "DS_ACCELERATOR": "cpu",
-            "OMP_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "TRANSFORMERS_VERBOSITY": "error",
-            "TORCH_CPP_LOG_LEVEL": "ERROR",
-            "PYTHONWARNINGS": "ignore",
-            "HF_HUB_OFFLINE": "1",
-            "WANDB_DISABLED": "true",
-        }
-    )
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
-        env.pop(k, None)
-    return env
-
-
-@dataclass
-class Run:
-    rc: int
-    output: str
-    seconds: float
-
-    def tail(self, n: int = 6000) -> str:
-        return self.output[-n:]
-
-
 def torchrun(nproc: int, args: list[str], timeout: int = SINGLE_TIMEOUT) -> Run:
     """The worker under torchrun; never raises for a failing command (the caller looks at rc/output)."""
-    for _ in range(3):  # a port taken between _free_port and bind: try another
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
-            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), str(WORKER), *map(str, args),
-        ]
-        t0 = time.time()
-        try:
-            p = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, errors="replace", timeout=timeout)
-            run = Run(p.returncode, p.stdout, time.time() - t0)
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-            return Run(-9, out + f"\n[timed out after {timeout}s]", time.time() - t0)
-        low = run.output.lower()
-        if run.rc != 0 and ("eaddrinuse" in low or "address already in use" in low):
-            continue
-        return run
-    return run
+    return ds_launch.torchrun(nproc, WORKER, args, cwd=ROOT, timeout=timeout)
 
 
 _EXC_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)$")

@@ -128,3 +128,14 @@ def test_writing_needs_neither_torch_nor_deepspeed_imported(tmp_path):
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert _pickle_bytes(tmp_path / "out.pt") == _pickle_bytes(tmp_path / "src.pt")
+
+
+def test_a_write_failure_stops_the_reader_thread(tmp_path):
+    import threading
+
+    torch.save({"w": torch.randn(100_000)}, tmp_path / "src.pt")
+    src = load_pickle(tmp_path / "src.pt")
+    files = [(tmp_path / "a.pt", src), (tmp_path / "missing" / "b.pt", src)]
+    with RecordReader() as reader, pytest.raises(FileNotFoundError):
+        write_torch_files(files, reader, chunk_bytes=4096)
+    assert not [t for t in threading.enumerate() if t.name == "ckpt-reader"]

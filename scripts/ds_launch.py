@@ -1,0 +1,85 @@
+"""Launching DeepSpeed workers on this machine: torchrun on a free port with a clean, quiet environment.
+
+One place for what the fixture builders, the benchmarks and the multi-process tests all need
+(`import ds_launch` with scripts/ on sys.path).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+# A parent's rendezvous settings would make torchrun join the wrong group.
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+# Failures of the machine's plumbing, worth another attempt: a port taken between free_port() and the
+# bind, or two processes JIT-building the same DeepSpeed op in a shared extensions folder.
+RETRYABLE = ("eaddrinuse", "address already in use", "error building extension", "ninja: build stopped")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(accelerator: str = "cpu", threads: int = 1, base: Mapping[str, str] | None = None,
+               **extra: str) -> dict[str, str]:  # fmt: skip
+    """`base` (default: this process's environment) for DeepSpeed workers: quiet, offline, `threads` BLAS
+    threads per rank (ranks share the cores), no inherited rendezvous, plus `extra`."""
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in RENDEZVOUS_VARS}
+    env.update({
+        "DS_ACCELERATOR": accelerator, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false", "TRANSFORMERS_VERBOSITY": "error", "TORCH_CPP_LOG_LEVEL": "ERROR",
+        "PYTHONWARNINGS": "ignore", "HF_HUB_OFFLINE": "1", "WANDB_DISABLED": "true", **extra,
+    })  # fmt: skip
+    return env
+
+
+def torchrun_cmd(nproc: int, script: Path | str, args: list[str], port: int | None = None) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
+            "--master_addr", "127.0.0.1", "--master_port", str(port or free_port()), str(script), *map(str, args)]  # fmt: skip
+
+
+@dataclass
+class Run:
+    rc: int
+    output: str
+    seconds: float
+
+    def tail(self, n: int = 6000) -> str:
+        return self.output[-n:]
+
+
+def torchrun(nproc: int, script: Path | str, args: list[str], *, env: Mapping[str, str] | None = None,
+             cwd: Path | str | None = None, timeout: float | None = None, log: Path | None = None,
+             before_attempt: Callable[[], None] | None = None, attempts: int = 3) -> Run:  # fmt: skip
+    """Run `script` on `nproc` ranks and return its exit code and output (also appended to `log`).
+
+    Never raises for a failing worker; retried only for RETRYABLE plumbing failures, each attempt
+    preceded by `before_attempt` (e.g. emptying an output folder).
+    """
+    run = Run(-1, "", 0.0)
+    for _ in range(attempts):
+        if before_attempt:
+            before_attempt()
+        cmd = torchrun_cmd(nproc, script, args)
+        t0 = time.time()
+        try:
+            p = subprocess.run(cmd, cwd=cwd, env=dict(env) if env is not None else worker_env(), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, errors="replace", timeout=timeout)  # fmt: skip
+            run = Run(p.returncode, p.stdout, time.time() - t0)
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            run = Run(-9, out + f"\n[timed out after {timeout}s]", time.time() - t0)
+        if log is not None:
+            with open(log, "a") as fh:
+                fh.write(f"\n$ {' '.join(cmd)}\n{run.output}")
+        if run.rc == 0 or not any(sig in run.output.lower() for sig in RETRYABLE):
+            return run
+    return run
