@@ -117,6 +117,13 @@ def _notes(data: dict[str, Any]) -> None:
         click.echo(f"Note: {note}", err=True)
 
 
+def _report(data: dict[str, Any], as_json: bool, quiet: bool, human: Callable[[dict[str, Any]], str]) -> None:
+    """Notes on stderr (unless quiet), then the result on stdout."""
+    if not quiet:
+        _notes(data)
+    _emit(data, as_json, human)
+
+
 checkpoint_path = click.argument("path", type=click.Path(path_type=Path))
 tag_option = click.option("--tag", help="Tag folder to read (default: the content of `latest`).")
 step_option = click.option("--step", type=int, help="With a Trainer output_dir: use checkpoint-STEP (default: newest).")
@@ -158,10 +165,7 @@ def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard
     with progress_callbacks("consolidate", quiet) as progress:
         result = consolidate(path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
                              best=best, overwrite=overwrite, check_keys=check_keys, **progress)  # fmt: skip
-    data = result.to_dict()
-    if not quiet:
-        _notes(data)
-    _emit(data, as_json, lambda d: (
+    _report(result.to_dict(), as_json, quiet, lambda d: (
         f"Wrote {d['num_tensors']} tensors ({d['num_parameters']:,} parameters, {human_size(d['total_size'])}, "
         f"{d['dtype']}) to {d['output_dir']}: {', '.join(d['files'])}"
     ))
@@ -190,10 +194,7 @@ def reshard_cmd(path: Path, dp: int | None, universal: bool, out: Path | None, o
     with progress_callbacks("reshard", quiet) as progress:
         result = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite,
                          **progress)  # fmt: skip
-    data = result.to_dict()
-    if not quiet:
-        _notes(data)
-    _emit(data, as_json, lambda d: (
+    _report(result.to_dict(), as_json, quiet, lambda d: (
         f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from {_dp_name(d['dp_from'])} to {_dp_name(d['dp_to'])}: "
         f"{d['output_dir']}"
         if d["output_dir"] else "Nothing written."

@@ -577,12 +577,17 @@ def main(argv=None) -> int:
         run_engine(spec, out)
     else:
         run_trainer(spec, out)
+    finish_distributed()
+    return 0
+
+
+def finish_distributed() -> None:
+    """Wait for every rank, then leave the process group (a worker's last step)."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -233,11 +233,7 @@ def main() -> int:
         run_engine(a.stage, out)
     else:
         run_trainer(out)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    fw.finish_distributed()
     return 0
 
 

@@ -457,11 +457,7 @@ def main(argv=None) -> int:
         init_dist()
         run_engine({"fixture_meta": a.fixture_meta, "load": a.load, "dump": a.dump, "steps": a.steps,
                     "losses": a.losses, "scramble": not a.no_scramble})
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    FW.finish_distributed()
     return 0
 
 
