@@ -73,6 +73,11 @@ def _flat(pieces: Pieces, shape: tuple[int, ...] | None = None) -> NewTensor:
     return NewTensor(dtypes.FLOAT32, tuple(pieces), shape)
 
 
+def _master(pieces: Pieces) -> NewTensor:
+    """A rank's fp32 master partition: DeepSpeed saves these with requires_grad set."""
+    return NewTensor(dtypes.FLOAT32, tuple(pieces), requires_grad=True)
+
+
 def _fragment(numel: int, start: int) -> Any:
     frag = _FRAGMENT()
     frag.__dict__.update(numel=numel, start=start)
@@ -274,7 +279,7 @@ def _zero12_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[di
             lo = r * size
             n = max(0, min(size, total - lo))
             fp32 = take(vectors["fp32"], lo, n)
-            osd["single_partition_of_fp32_groups"].append(_flat(padded(fp32, size - n) if src.bf16_optimizer else fp32))
+            osd["single_partition_of_fp32_groups"].append(_master(padded(fp32, size - n) if src.bf16_optimizer else fp32))
             state = dict(src.steps[g])
             for key in src.keys[1:]:
                 part = take(vectors[key], lo, n)
@@ -350,7 +355,7 @@ def _zero3_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[dic
             def pieces(key: str) -> Pieces:
                 return [x for p in members for x in _zero3_slice(src.full[(p.name, key)], p.numel, dp, r)]
 
-            flat.append(_flat(pieces("fp32")))
+            flat.append(_master(pieces("fp32")))
             steps = {k: _own_copy(v) for k, v in src.steps[group_of[id(members[0])]].items()}
             state[sg] = {**steps, **{k: _flat(pieces(k)) for k in src.keys[1:]}}
         osd = {**common, "partition_count": dp, "fp32_flat_groups": flat,

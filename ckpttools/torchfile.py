@@ -114,6 +114,7 @@ class LazyTensor:
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     attrs: dict[str, Any] = field(default_factory=dict)
+    requires_grad: bool = False  # as pickled (DeepSpeed's fp32 master partitions have it set)
 
     @property
     def dtype(self) -> DType:
@@ -180,10 +181,12 @@ class LazyTensor:
 # --- The allowlisting unpickler -----------------------------------------------------------------------
 
 
-def _rebuild_tensor(storage: StorageRef, storage_offset: int, size: Any, stride: Any, *_: Any) -> LazyTensor:
+def _rebuild_tensor(storage: StorageRef, storage_offset: int, size: Any, stride: Any, requires_grad: Any = False,
+                    *_: Any) -> LazyTensor:  # fmt: skip
     if not isinstance(storage, StorageRef):
         raise UnsafeCheckpointError("tensor rebuilt from something that is not a stored storage")
-    return LazyTensor(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride))
+    return LazyTensor(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride),
+                      requires_grad=requires_grad is True)  # fmt: skip
 
 
 def _rebuild_from_type(func: Any, _type: Any, args: tuple, state: Any) -> Any:

@@ -1,11 +1,13 @@
-"""Write `torch.save`-compatible zip files by streaming tensor bytes from other checkpoint files.
+"""Write `torch.save` files by streaming tensor bytes from other checkpoint files.
 
 `torch.save` needs every tensor in memory at once; a resharded rank file can be many GB. Here the
 pickle is written first (tensors reduced to storage references, as torch does), then each storage
-record is streamed in fixed-size chunks from its sources, 64-byte aligned like torch's own writer.
-The result loads with `torch.load` (mmap included) and with DeepSpeed. Objects read through
-`torchfile`'s stand-ins are turned back into the real classes, so DeepSpeed gets its own loss
-scaler back and no stand-in class ever reaches a file.
+record is streamed in fixed-size chunks from its sources, 64-byte aligned like torch's own writer,
+with the reads running on a second thread ahead of the writes. The pickle is written opcode for
+opcode as `torch.save` writes it, naming torch's and DeepSpeed's real classes without importing
+either: a DeepSpeed file read and written back unchanged has the same `data.pkl` bytes. The one
+deliberate difference: storages are always located on "cpu", so no `map_location` is needed.
+The result loads with `torch.load` (mmap included) and with DeepSpeed.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class NewTensor:
     dtype: DType
     pieces: tuple[Slice | Fill, ...]
     shape: tuple[int, ...] | None = None  # default: 1-D
+    requires_grad: bool = False  # pickled as torch does; DeepSpeed saves its fp32 master partitions with it set
 
     def numel(self) -> int:
         return sum(p.count for p in self.pieces)
@@ -112,6 +115,7 @@ def _global(module: str, name: str) -> _Global:
 
 _STORAGE_CLASS = {dtype: name for name, dtype in dtypes.BY_STORAGE.items()}
 _REBUILD_TENSOR = _global("torch._utils", "_rebuild_tensor_v2")
+_REBUILD_FROM_TYPE = _global("torch._tensor", "_rebuild_from_type_v2")
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -145,11 +149,14 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
         if isinstance(obj, LazyTensor):
             key = self.table.key_for_record(obj.record, obj.dtype)
             ref = _StorageRef(key, obj.dtype, obj.record.nbytes // obj.dtype.itemsize)
-            return _REBUILD_TENSOR, (ref, obj.storage_offset, tuple(obj.shape), tuple(obj.stride), False, OrderedDict())
+            args = (ref, obj.storage_offset, tuple(obj.shape), tuple(obj.stride), obj.requires_grad, OrderedDict())
+            if obj.attrs:  # a tensor with Python attributes (ZeRO-3's `ds_id`): Tensor.__reduce_ex__'s other form
+                return _REBUILD_FROM_TYPE, (_REBUILD_TENSOR, _global("torch", "Tensor"), args, dict(obj.attrs))
+            return _REBUILD_TENSOR, args
         if isinstance(obj, NewTensor):
             ref = _StorageRef(self.table.key_for_new(obj), obj.dtype, obj.numel())
             shape = obj.view_shape()
-            return _REBUILD_TENSOR, (ref, 0, shape, _contiguous_strides(shape), False, OrderedDict())
+            return _REBUILD_TENSOR, (ref, 0, shape, _contiguous_strides(shape), obj.requires_grad, OrderedDict())
         if isinstance(obj, ZeroStageEnum):  # Enum.__reduce_ex__: the class called with the value
             return _global("deepspeed.runtime.zero.config", "ZeroStageEnum"), (int(obj),)
         if isinstance(obj, TorchSize):

@@ -404,6 +404,7 @@ def build_checkpoint(size: str, stage: int, cache: Path, log_dir: Path, force_bu
     with open(log, "wb") as fh:
         fh.write(("$ " + " ".join(cmd) + "\n").encode())
         fh.flush()
+        ds_launch.prebuild_ops(build_env())  # not timed: a first run's JIT build would race between ranks
         m = run_measured(cmd, env=build_env(), stdout=fh, cwd=cache)
     if m["returncode"] != 0:
         tail = log.read_text(errors="replace")[-3000:]

@@ -195,6 +195,7 @@ def launch(case: str, args: argparse.Namespace, tmp: Path) -> dict:
     env = ds_launch.worker_env(MALLOC_MMAP_THRESHOLD_=str(128 << 10))
     cmd = ds_launch.torchrun_cmd(2, HERE, ["--worker", case, "--json", out, "--tmp", tmp, "--layers", args.layers,
                                            "--hidden", args.hidden, "--vocab", args.vocab])  # fmt: skip
+    ds_launch.prebuild_ops(env)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if r.returncode != 0:
         raise SystemExit(f"case {case} failed (rc={r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}")

@@ -46,6 +46,24 @@ def torchrun_cmd(nproc: int, script: Path | str, args: list[str], port: int | No
             "--master_addr", "127.0.0.1", "--master_port", str(port or free_port()), str(script), *map(str, args)]  # fmt: skip
 
 
+# DeepSpeed JIT-builds this op in every rank's init_distributed on CPU; ranks building it at the same time
+# in an empty extensions folder can abort ("terminate called without an active exception").
+_PREBUILD = ("from deepspeed.accelerator import get_accelerator\n"
+             "builder = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+             "builder is not None and builder.load()\n")  # fmt: skip
+_prebuilt: set[str] = set()
+
+
+def prebuild_ops(env: Mapping[str, str]) -> None:
+    """Build DeepSpeed's JIT ops for `env` once, in one process, before ranks start (best effort)."""
+    key = env.get("DS_ACCELERATOR", "") + "|" + env.get("TORCH_EXTENSIONS_DIR", "")
+    if key in _prebuilt:
+        return
+    _prebuilt.add(key)
+    subprocess.run([sys.executable, "-c", _PREBUILD], env=dict(env), stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=900, check=False)  # fmt: skip
+
+
 @dataclass
 class Run:
     rc: int
@@ -64,6 +82,8 @@ def torchrun(nproc: int, script: Path | str, args: list[str], *, env: Mapping[st
     Never raises for a failing worker; retried only for RETRYABLE plumbing failures, each attempt
     preceded by `before_attempt` (e.g. emptying an output folder).
     """
+    env = dict(env) if env is not None else worker_env()
+    prebuild_ops(env)
     run = Run(-1, "", 0.0)
     for _ in range(attempts):
         if before_attempt:
@@ -71,8 +91,8 @@ def torchrun(nproc: int, script: Path | str, args: list[str], *, env: Mapping[st
         cmd = torchrun_cmd(nproc, script, args)
         t0 = time.time()
         try:
-            p = subprocess.run(cmd, cwd=cwd, env=dict(env) if env is not None else worker_env(), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace", timeout=timeout)  # fmt: skip
+            p = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               errors="replace", timeout=timeout)  # fmt: skip
             run = Run(p.returncode, p.stdout, time.time() - t0)
         except subprocess.TimeoutExpired as e:
             out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")

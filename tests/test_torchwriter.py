@@ -13,6 +13,8 @@ from ckpttools.errors import CorruptCheckpointError
 from ckpttools.torchfile import RecordReader, lazy_tensors, load_pickle
 from ckpttools.torchwriter import Fill, NewTensor, Slice, write_torch_file, write_torch_files
 
+from .conftest import FIXTURES, fixture_names
+
 deepspeed = pytest.importorskip("deepspeed")
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler  # noqa: E402
 from deepspeed.runtime.zero.config import ZeroStageEnum  # noqa: E402
@@ -56,6 +58,41 @@ def test_rewritten_file_has_torch_saves_exact_pickle_and_loads_with_deepspeeds_c
         assert back["loss_scaler"].__dict__ == state["loss_scaler"].__dict__
         assert back["zero_stage"] is ZeroStageEnum.gradients
         assert back["shape"] == state["shape"] and back["device"] == state["device"] and back["dtype"] is torch.bfloat16
+
+
+def _rank_files(name):
+    return sorted(p for p in (FIXTURES / name).rglob("*_states.pt"))
+
+
+@pytest.mark.parametrize("name", [n for n in fixture_names() if not n.startswith("gpu/")])
+def test_every_deepspeed_file_rewritten_unchanged_has_the_same_pickle_bytes(name, tmp_path):
+    """Tensors with requires_grad (fp32 masters), ZeRO-3's ds_id attributes, loss scalers, ds_config: all as written."""
+    for path in _rank_files(name):
+        with RecordReader() as reader:
+            write_torch_file(tmp_path / path.name, load_pickle(path), reader)
+        assert _pickle_bytes(tmp_path / path.name) == _pickle_bytes(path), path
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b) and a.requires_grad == b.requires_grad and a.__dict__ == b.__dict__
+    if isinstance(a, dict):
+        return type(a) is type(b) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "__dict__") and not isinstance(a, type):
+        return type(a) is type(b) and _same(vars(a), vars(b))
+    return a == b
+
+
+@pytest.mark.parametrize("name", [n for n in fixture_names() if n.startswith("gpu/")])
+def test_gpu_written_files_load_back_equal_with_storages_on_the_cpu(name, tmp_path):
+    """The one deliberate difference: storages are written with location "cpu" (no map_location needed)."""
+    for path in _rank_files(name):
+        with RecordReader() as reader:
+            write_torch_file(tmp_path / path.name, load_pickle(path), reader)
+        ours = torch.load(tmp_path / path.name, weights_only=False)
+        assert _same(torch.load(path, weights_only=False, map_location="cpu"), ours), path
 
 
 def test_new_tensors_are_assembled_from_slices_and_zero_fills_across_many_chunks(tmp_path):
