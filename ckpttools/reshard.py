@@ -459,9 +459,9 @@ def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int) -> str:
         if src := old_file(rank):
             shutil.copy2(src, out / f"rng_state_{rank}.pth")
     if new_dp > old_dp:
-        return (f"RNG states: {_ranks(0, old_dp)} keep theirs; {_ranks(old_dp, new_dp)} have none, so the Trainer "
-                "logs that it found no RNG file for them and continues with fresh random streams")
-    return f"RNG states: {_ranks(0, new_dp)} keep theirs; those of {_ranks(new_dp, old_dp)} are dropped"
+        return (f"RNG states: carried over for {_ranks(0, old_dp)}; {_ranks(old_dp, new_dp)} start without one, so "
+                "the Trainer logs that it found no RNG file and continues with fresh random streams there")
+    return f"RNG states: carried over for {_ranks(0, new_dp)}; those of {_ranks(new_dp, old_dp)} are dropped"
 
 
 def _ranks(lo: int, hi: int) -> str:
