@@ -3,7 +3,10 @@
     ./scripts/setup && .venv/bin/python scripts/bench_reshard.py [--sizes 355M] [--stages 2,3] [--runs 3]
 
 Uses the GPT-2 checkpoints `scripts/bench_consolidate.py` builds and caches (DP 4, bf16; built on
-demand). For each, alternating, page cache dropped before every run where permitted:
+demand). For each, `--runs` rounds with every tool once per round, the order rotating from round to
+round; before every run, as in bench_consolidate: the previous output deleted, `sync`, a few seconds to
+settle, the page cache dropped (where permitted) and the Python packages both tools import read back
+in, so each run sees a cold checkpoint and a warm software install:
 
     ckpt --dp 2         ckpt reshard CKPT --dp 2 --out TMP            (native files for 2 ranks)
     ckpt --universal    ckpt reshard CKPT --universal --out TMP       (DeepSpeed's universal layout)
@@ -144,12 +147,18 @@ def bench(size: str, stage: int, ckpt: Path, runs: int, work: Path, log: Path, l
     name = f"{size} ZeRO-{stage}"
     tag = (ckpt / "latest").read_text().strip()
     entry: dict[str, Any] = {"checkpoint": name, "runs": {}, "loads": {}}
-    for _ in range(runs):
-        for tool, (cmd, out) in tools(ckpt, tag, work).items():
+    commands = tools(ckpt, tag, work)
+    names = list(commands)
+    for rnd in range(runs):
+        for tool in names[rnd % len(names):] + names[: rnd % len(names)]:  # the order rotates round by round
+            cmd, out = commands[tool]
             shutil.rmtree(out, ignore_errors=True)
+            os.sync()
+            time.sleep(bc.SETTLE_S)  # write-back and discards of the deleted output settle first
             dropped, _why = bc.drop_caches()
+            warm_s = bc.prewarm_software() if dropped else None  # a cold checkpoint, a warm software install
             r = measured(cmd, out, log)
-            r["cache_dropped"] = dropped
+            r.update(cache_dropped=dropped, prewarm_s=warm_s)
             entry["runs"].setdefault(tool, []).append(r)
             print(f"  {name} {tool}: {r['wall_s']:.2f} s, rc {r['returncode']}, peak files {r['peak_files']}", flush=True)
     entry["identical"] = same_universal(work / "ucp", work / "dsu", tag)
