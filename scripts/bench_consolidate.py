@@ -619,24 +619,27 @@ def fp32_master_ranges(ckpt_dir: Path) -> list[tuple[Path, int, int]]:
     return ranges
 
 
-def run_floor(ranges: list[tuple[Path, int, int]], out_bytes: int, work: Path) -> dict[str, Any]:
-    chunk = 16 << 20
-    buf = bytearray(chunk)
-    mv = memoryview(buf)
-    t0 = time.perf_counter()
-    nread = 0
+def _read_chunks(ranges: list[tuple[Path, int, int]], mv: memoryview) -> Any:
+    """Read the byte ranges in order, 16 MiB `preadv`s into `mv`; yields each chunk's length."""
     for path, off, n in ranges:
         fd = os.open(path, os.O_RDONLY)
         try:
             done = 0
             while done < n:
-                k = os.preadv(fd, [mv[: min(chunk, n - done)]], off + done)
+                k = os.preadv(fd, [mv[: min(len(mv), n - done)]], off + done)
                 if k <= 0:
                     raise OSError(f"short read in {path}")
+                yield k
                 done += k
-            nread += done
         finally:
             os.close(fd)
+
+
+def run_floor(ranges: list[tuple[Path, int, int]], out_bytes: int, work: Path) -> dict[str, Any]:
+    chunk = 16 << 20
+    mv = memoryview(bytearray(chunk))
+    t0 = time.perf_counter()
+    nread = sum(_read_chunks(ranges, mv))
     t1 = time.perf_counter()
     zeros = bytes(chunk)
     target = work / "floor.bin"
@@ -655,26 +658,14 @@ def run_copy_floor(ranges: list[tuple[Path, int, int]], work: Path) -> dict[str,
     """The same bytes copied chunk by chunk (16 MiB pread, then write) into one file, one thread:
     what a consolidation that only moves fp32 bytes must at least do, reads and writes interleaved
     the way the kernel's page cache and dirty-page throttling see them in the tools."""
-    chunk = 16 << 20
-    buf = bytearray(chunk)
-    mv = memoryview(buf)
+    mv = memoryview(bytearray(16 << 20))
     target = work / "copy-floor.bin"
     t0 = time.perf_counter()
     total = 0
     with open(target, "wb") as out:
-        for path, off, n in ranges:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                done = 0
-                while done < n:
-                    k = os.preadv(fd, [mv[: min(chunk, n - done)]], off + done)
-                    if k <= 0:
-                        raise OSError(f"short read in {path}")
-                    out.write(mv[:k])
-                    done += k
-                total += done
-            finally:
-                os.close(fd)
+        for k in _read_chunks(ranges, mv):
+            out.write(mv[:k])
+            total += k
     t1 = time.perf_counter()
     target.unlink()
     return {"returncode": 0, "wall_s": t1 - t0, "read_bytes": total, "write_bytes": total, "output_bytes": total,
