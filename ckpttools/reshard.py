@@ -27,7 +27,7 @@ from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize, loa
 from .torchwriter import Fill, NewTensor, ProgressFn, Slice, write_torch_files
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
-_Progress = tuple[ProgressFn | None, ProgressFn | None]  # (on_start, on_progress)
+_ProgressFns = tuple[ProgressFn | None, ProgressFn | None]  # (on_start, on_progress)
 _FRAGMENT = DEEPSPEED_STUBS[("deepspeed.utils.tensor_fragment", "fragment_address")]
 Pieces = list[Slice | Fill]
 
@@ -534,7 +534,7 @@ def _default_out(root: Path, dp: int | None) -> Path:
 
 
 def _write(root: Path, tag: str, src: _Sources, old_dp: int | None, dp: int | None, out_dir: Any,
-           overwrite: bool, prefix: str, progress: _Progress) -> ReshardResult:  # fmt: skip
+           overwrite: bool, prefix: str, progress: _ProgressFns) -> ReshardResult:  # fmt: skip
     out = check_output_dir(Path(out_dir) if out_dir else _default_out(root, dp), root, overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
     check_free_space(out.parent, sum(p.stat().st_size for p in (root / tag).rglob("*") if p.is_file()))
@@ -561,7 +561,7 @@ def _write(root: Path, tag: str, src: _Sources, old_dp: int | None, dp: int | No
     return result
 
 
-def _write_tag(src: _Sources, dp: int | None, tag_dir: Path, prefix: str, progress: _Progress) -> list[str]:
+def _write_tag(src: _Sources, dp: int | None, tag_dir: Path, prefix: str, progress: _ProgressFns) -> list[str]:
     if dp is None:
         files = _universal_files(src)
         for i, m in enumerate(src.model_files):
