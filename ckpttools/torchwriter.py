@@ -275,9 +275,13 @@ def _storage_ops(source: Record | NewTensor, chunk_bytes: int) -> Iterator[_Op]:
 @dataclass
 class _PlannedFile:
     path: Path
-    stem: str
     data_pkl: bytes
     storages: list[tuple[str, int, list[_Op]]]  # (key, nbytes, ops)
+
+    @property
+    def stem(self) -> str:
+        """The archive's top folder, named after the file as torch.save names it."""
+        return self.path.stem or "archive"
 
 
 def _plan_file(path: Path, obj: Any, chunk_bytes: int) -> _PlannedFile:
@@ -285,7 +289,7 @@ def _plan_file(path: Path, obj: Any, chunk_bytes: int) -> _PlannedFile:
     data_pkl = _pickle(obj, table)
     storages = [(key, numel * dtype.itemsize, list(_storage_ops(source, chunk_bytes)))
                 for key, source, dtype, numel in table.entries]  # fmt: skip
-    return _PlannedFile(Path(path), Path(path).stem or "archive", data_pkl, storages)
+    return _PlannedFile(Path(path), data_pkl, storages)
 
 
 class _ReadPump:
