@@ -6,9 +6,6 @@ __version__ = "0.1.0"
 
 from .consolidate import ConsolidateResult, consolidate
 from .engine_save import EngineSaveResult, save_pretrained_from_engine
-from .hub import PushResult, push
-from .reshard import ReshardResult, reshard
-from .verify import VerifyReport, verify_folder
 from .errors import (
     CheckpointNotFoundError,
     CkptError,
@@ -17,15 +14,18 @@ from .errors import (
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
+from .hub import PushResult, push
 from .inspect import inspect_checkpoint
 from .reader import ZeroCheckpoint, read_checkpoint
+from .reshard import ReshardResult, reshard
+from .verify import VerifyReport, verify_folder
 
 __all__ = [
     "CheckpointNotFoundError",
     "CkptError",
     "ConsolidateResult",
-    "EngineSaveResult",
     "CorruptCheckpointError",
+    "EngineSaveResult",
     "OutputError",
     "PushResult",
     "ReshardResult",

@@ -80,7 +80,9 @@ class _Progress:
             self.last = now
             pct = 100 * self.done / self.total if self.total else 100
             rate = self.done / max(now - self.start, 1e-6) / 1e6
-            sys.stderr.write(f"\r{self.label}: {self.done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB ({pct:3.0f}%) {rate:,.0f} MB/s")
+            sys.stderr.write(
+                f"\r{self.label}: {self.done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB ({pct:3.0f}%) {rate:,.0f} MB/s"
+            )
             sys.stderr.flush()
 
     def end(self) -> None:
@@ -147,41 +149,88 @@ def main() -> None:
 
 @main.command("consolidate", epilog=EPILOG)
 @checkpoint_path
-@click.option("--to", "to", type=click.Choice(["safetensors", "pt"]), default="safetensors", show_default=True, help="Output format.")
-@click.option("--out", "out", type=click.Path(path_type=Path), help="Output folder (default: hf-<checkpoint> beside it).")
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True, help="Output dtype for floating tensors.")
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["safetensors", "pt"]),
+    default="safetensors",
+    show_default=True,
+    help="Output format.",
+)
+@click.option(
+    "--out", "out", type=click.Path(path_type=Path), help="Output folder (default: hf-<checkpoint> beside it)."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default="fp32",
+    show_default=True,
+    help="Output dtype for floating tensors.",
+)
 @click.option("--max-shard-size", "--max_shard_size", default="5GB", show_default=True, help="Largest output file.")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
-@click.option("--check-keys", is_flag=True,
-              help="Also build the model from config.json (meta device) and fail on missing/unexpected keys.")
+@click.option(
+    "--check-keys",
+    is_flag=True,
+    help="Also build the model from config.json (meta device) and fail on missing/unexpected keys.",
+)
 @checkpoint_selection
 @json_option
 @quiet_option
-def consolidate_cmd(path: Path, to: str, out: Path | None, dtype: str, max_shard_size: str, overwrite: bool,
-                    check_keys: bool, tag: str | None, step: int | None, best: bool, as_json: bool, quiet: bool) -> None:
+def consolidate_cmd(
+    path: Path,
+    to: str,
+    out: Path | None,
+    dtype: str,
+    max_shard_size: str,
+    overwrite: bool,
+    check_keys: bool,
+    tag: str | None,
+    step: int | None,
+    best: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
     """Write consolidated weights from a ZeRO checkpoint as a folder from_pretrained loads."""
     from .consolidate import consolidate
 
     with progress_callbacks("consolidate", quiet) as progress:
         result = consolidate(path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
                              best=best, overwrite=overwrite, check_keys=check_keys, **progress)  # fmt: skip
-    _report(result.to_dict(), as_json, quiet, lambda d: (
-        f"Wrote {d['num_tensors']} tensors ({d['num_parameters']:,} parameters, {human_size(d['total_size'])}, "
-        f"{d['dtype']}) to {d['output_dir']}: {', '.join(d['files'])}"
-    ))
+    _report(
+        result.to_dict(),
+        as_json,
+        quiet,
+        lambda d: (
+            f"Wrote {d['num_tensors']} tensors ({d['num_parameters']:,} parameters, {human_size(d['total_size'])}, "
+            f"{d['dtype']}) to {d['output_dir']}: {', '.join(d['files'])}"
+        ),
+    )
 
 
 @main.command("reshard", epilog=EPILOG)
 @checkpoint_path
 @click.option("--dp", "dp", type=int, help="The new data-parallel size (number of ranks): native ZeRO files.")
 @click.option("--universal", is_flag=True, help="Write DeepSpeed's universal checkpoint instead (any DP size).")
-@click.option("--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it).")
+@click.option(
+    "--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it)."
+)
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 @checkpoint_selection
 @json_option
 @quiet_option
-def reshard_cmd(path: Path, dp: int | None, universal: bool, out: Path | None, overwrite: bool, tag: str | None, step: int | None,
-                best: bool, as_json: bool, quiet: bool) -> None:
+def reshard_cmd(
+    path: Path,
+    dp: int | None,
+    universal: bool,
+    out: Path | None,
+    overwrite: bool,
+    tag: str | None,
+    step: int | None,
+    best: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
     """Rewrite a ZeRO checkpoint for a different number of data-parallel ranks.
 
     With --dp M the result loads with DeepSpeed's plain load_checkpoint (and Trainer's
@@ -194,11 +243,17 @@ def reshard_cmd(path: Path, dp: int | None, universal: bool, out: Path | None, o
     with progress_callbacks("reshard", quiet) as progress:
         result = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite,
                          **progress)  # fmt: skip
-    _report(result.to_dict(), as_json, quiet, lambda d: (
-        f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from {_dp_name(d['dp_from'])} to {_dp_name(d['dp_to'])}: "
-        f"{d['output_dir']}"
-        if d["output_dir"] else "Nothing written."
-    ))
+    _report(
+        result.to_dict(),
+        as_json,
+        quiet,
+        lambda d: (
+            f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from {_dp_name(d['dp_from'])} to {_dp_name(d['dp_to'])}: "
+            f"{d['output_dir']}"
+            if d["output_dir"]
+            else "Nothing written."
+        ),
+    )
 
 
 def _dp_name(dp: int | None) -> str:
@@ -231,7 +286,9 @@ def _human_inspect(d: dict[str, Any]) -> str:
         "output size    " + ", ".join(f"{k} {human_size(v)}" for k, v in d["output_bytes"].items()),
     ]
     if ts:
-        lines.append(f"trainer        step {ts.get('global_step')}, epoch {ts.get('epoch')}, last loss {ts.get('last_loss')}")
+        lines.append(
+            f"trainer        step {ts.get('global_step')}, epoch {ts.get('epoch')}, last loss {ts.get('last_loss')}"
+        )
     if d["frozen_excluded"]:
         lines.append("note           saved without frozen params: base-model weights are absent (LoRA/PEFT)")
     return "\n".join(lines)

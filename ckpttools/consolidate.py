@@ -96,7 +96,9 @@ def check_output_dir(out: Path, input_root: Path, overwrite: bool) -> Path:
     if resolved in root.parents:
         raise OutputError(f"output folder {out} contains the checkpoint {root}; writing there could destroy the input")
     if out.exists() and not overwrite:
-        raise OutputError(f"output folder {out} already exists; pass --overwrite to replace it, or choose another --out")
+        raise OutputError(
+            f"output folder {out} already exists; pass --overwrite to replace it, or choose another --out"
+        )
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out} exists and is not a folder")
     return out
@@ -135,14 +137,18 @@ class _KeyCheck:
             return
         missing, unexpected = hf.key_problems(result, written, omitted)
         if ckpt.frozen_excluded:
-            notes.append(f"{len(missing)} base-model weights are absent (the checkpoint was saved without frozen params)")
+            notes.append(
+                f"{len(missing)} base-model weights are absent (the checkpoint was saved without frozen params)"
+            )
             missing = []
         if missing or unexpected:
             parts = []
             if missing:
                 parts.append(f"missing {len(missing)} ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
             if unexpected:
-                parts.append(f"unexpected {len(unexpected)} ({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''})")
+                parts.append(
+                    f"unexpected {len(unexpected)} ({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''})"
+                )
             raise CkptError(
                 f"the consolidated keys do not match {result.architecture} from config.json: {'; '.join(parts)}. "
                 "Is config.json from the same model?"
@@ -252,7 +258,9 @@ def source_summary(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     }
 
 
-def _write_shards(tmp: Path, shards: dict[str, list[OutputTensor]], to: str, reader: RecordReader, on_progress: ProgressFn | None) -> list[str]:
+def _write_shards(
+    tmp: Path, shards: dict[str, list[OutputTensor]], to: str, reader: RecordReader, on_progress: ProgressFn | None
+) -> list[str]:
     for fname, group in shards.items():
         if to == "safetensors":
             write_safetensors(tmp / fname, group, reader, metadata={"format": "pt"}, on_progress=on_progress)

@@ -43,7 +43,10 @@ BOOL = DType("bool", 1, False, "BOOL", "?")
 COMPLEX64 = DType("complex64", 8, False, "C64", "<c8")
 COMPLEX128 = DType("complex128", 16, False, "C128", "<c16")
 
-BY_NAME = {d.name: d for d in (FLOAT64, FLOAT32, FLOAT16, BFLOAT16, INT64, INT32, INT16, INT8, UINT8, BOOL, COMPLEX64, COMPLEX128)}
+BY_NAME = {
+    d.name: d
+    for d in (FLOAT64, FLOAT32, FLOAT16, BFLOAT16, INT64, INT32, INT16, INT8, UINT8, BOOL, COMPLEX64, COMPLEX128)
+}
 BY_NAME.update({"half": FLOAT16, "float": FLOAT32, "double": FLOAT64, "long": INT64, "int": INT32, "short": INT16})
 
 # Storage classes as torch.save pickles them.

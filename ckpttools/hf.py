@@ -82,13 +82,17 @@ def finish_model_keys(proc: Any) -> ModelKeys | str:
     return ModelKeys(data["architecture"], frozenset(data["expected"]), dict(data["tied"]))
 
 
-def key_problems(keys: ModelKeys, written: Iterable[str], omitted_aliases: dict[str, str]) -> tuple[list[str], list[str]]:
+def key_problems(
+    keys: ModelKeys, written: Iterable[str], omitted_aliases: dict[str, str]
+) -> tuple[list[str], list[str]]:
     """(missing, unexpected) keys of the output against the model, tied targets allowed to be absent."""
     written = set(written)
     missing = sorted(k for k in keys.expected - written if k not in keys.tied)
     unexpected = sorted(written - keys.expected)
     untied = sorted(a for a in omitted_aliases if a not in keys.tied and a in keys.expected)
-    return missing + [f"{a} (tied during training, but {keys.architecture} does not tie it on load)" for a in untied], unexpected
+    return missing + [
+        f"{a} (tied during training, but {keys.architecture} does not tie it on load)" for a in untied
+    ], unexpected
 
 
 def write_config(src: Path, dst: Path, dtype: DType) -> None:
@@ -131,4 +135,6 @@ if __name__ == "__main__":  # the child process of start_model_keys
     if isinstance(result, str):
         print(json.dumps({"error": result}))
     else:
-        print(json.dumps({"architecture": result.architecture, "expected": sorted(result.expected), "tied": result.tied}))
+        print(
+            json.dumps({"architecture": result.architecture, "expected": sorted(result.expected), "tied": result.tied})
+        )

@@ -16,10 +16,17 @@ OPTIM_RE = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_ran
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 MODEL_RE = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
 PIPE_LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
-EXPERT_RE = re.compile(r"^(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$|^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$")
+EXPERT_RE = re.compile(
+    r"^(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$|^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$"
+)
 CHECKPOINT_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
 
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 # Files a Trainer folder carries that belong with the consolidated model.
 HF_SIDE_FILES = (
     "generation_config.json",
@@ -73,7 +80,9 @@ def check_tag_name(tag: str) -> str:
         raise CheckpointNotFoundError(f"empty or invalid tag {tag!r}")
     for pure in (PurePosixPath(tag), PureWindowsPath(tag)):
         if pure.is_absolute() or pure.drive or pure.root or len(pure.parts) != 1 or ".." in pure.parts:
-            raise UnsafeCheckpointError(f"tag {tag!r} is not a plain folder name inside the checkpoint; refusing to follow it")
+            raise UnsafeCheckpointError(
+                f"tag {tag!r} is not a plain folder name inside the checkpoint; refusing to follow it"
+            )
     if "\x00" in tag:
         raise UnsafeCheckpointError(f"tag {tag!r} contains a NUL byte")
     return tag
@@ -97,7 +106,9 @@ def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
             f"{where} is a pipeline-parallel checkpoint (layer_XX-model_YY-model_states.pt files); not supported yet"
         )
     if any(EXPERT_RE.match(n) for n in names):
-        raise UnsupportedCheckpointError(f"{where} holds MoE expert files (expert_*/expp_rank_*); MoE is not supported yet")
+        raise UnsupportedCheckpointError(
+            f"{where} holds MoE expert files (expert_*/expp_rank_*); MoE is not supported yet"
+        )
     optim: dict[int, str] = {}
     prefixes: set[str] = set()
     zero3_models: dict[int, str] = {}
@@ -107,7 +118,9 @@ def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
         if m := OPTIM_RE.match(name):
             dp = int(m["dp"])
             if dp in optim:
-                raise CkptError(f"{where} holds two optimizer files for rank {dp} ({optim[dp]}, {name}); remove the stray one")
+                raise CkptError(
+                    f"{where} holds two optimizer files for rank {dp} ({optim[dp]}, {name}); remove the stray one"
+                )
             optim[dp] = name
             prefixes.add(m["prefix"] or "")
             mp_ranks.add(int(m["mp"]))
@@ -122,10 +135,18 @@ def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
             f"{where} is a tensor/model-parallel checkpoint (mp_rank {sorted(mp_ranks)}); only mp_rank_00 is supported"
         )
     if len(prefixes) > 1:
-        raise CkptError(f"{where} mixes optimizer files with different prefixes {sorted(prefixes)}; remove the stale ones")
+        raise CkptError(
+            f"{where} mixes optimizer files with different prefixes {sorted(prefixes)}; remove the stale ones"
+        )
     if not optim:
-        hint = "it holds model states only (saved without optimizer state?)" if (zero3_models or plain_models) else "no *_model_states.pt either"
-        raise CheckpointNotFoundError(f"{where} has no *_optim_states.pt files: {hint}; this is not a ZeRO checkpoint tag folder")
+        hint = (
+            "it holds model states only (saved without optimizer state?)"
+            if (zero3_models or plain_models)
+            else "no *_model_states.pt either"
+        )
+        raise CheckpointNotFoundError(
+            f"{where} has no *_optim_states.pt files: {hint}; this is not a ZeRO checkpoint tag folder"
+        )
     if zero3_models:
         return TagFiles(zero3_models, optim, prefixes.pop(), True)
     if not plain_models:

@@ -137,7 +137,9 @@ def _load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: st
     for rank in range(dp):
         obj = load_pickle(loc.tag_dir / names[rank])
         if not isinstance(obj, dict):
-            raise CorruptCheckpointError(f"{loc.tag_dir / names[rank]} does not hold a dict: not a DeepSpeed {what} file")
+            raise CorruptCheckpointError(
+                f"{loc.tag_dir / names[rank]} does not hold a dict: not a DeepSpeed {what} file"
+            )
         files.append(obj)
     return files
 
@@ -150,9 +152,13 @@ def _require(obj: Mapping[str, Any], key: str, path: Path) -> Any:
 
 def _refuse_unsupported(model_state: Mapping[str, Any], path: Path) -> None:
     if model_state.get("module") is None:
-        raise UnsupportedCheckpointError(f"{path} has no module weights (module is None): a pipeline-parallel checkpoint")
+        raise UnsupportedCheckpointError(
+            f"{path} has no module weights (module is None): a pipeline-parallel checkpoint"
+        )
     if model_state.get("mp_world_size", 1) not in (1, None):
-        raise UnsupportedCheckpointError(f"{path}: tensor/model parallel size {model_state['mp_world_size']} is not supported")
+        raise UnsupportedCheckpointError(
+            f"{path}: tensor/model parallel size {model_state['mp_world_size']} is not supported"
+        )
     if model_state.get("num_experts") or model_state.get("ds_autoep_layers"):
         raise UnsupportedCheckpointError(f"{path} is a MoE checkpoint; MoE experts are not supported yet")
     dims = model_state.get("checkpoint_parallel_dimensions") or {}
@@ -203,7 +209,9 @@ def read_checkpoint(
     osds = [_require(o, "optimizer_state_dict", loc.tag_dir / loc.files.optim_files[r]) for r, o in enumerate(optims)]
     stages = {int(o.get("zero_stage", 1)) for o in osds}
     if len(stages) != 1:
-        raise CorruptCheckpointError(f"{loc.tag_dir}: rank files disagree on the ZeRO stage ({sorted(stages)}); mixed runs?")
+        raise CorruptCheckpointError(
+            f"{loc.tag_dir}: rank files disagree on the ZeRO stage ({sorted(stages)}); mixed runs?"
+        )
     stage = stages.pop()
     if loc.files.zero3_layout != (stage == 3):
         raise CorruptCheckpointError(
@@ -224,7 +232,9 @@ def _common(loc: CheckpointLocation, model0: dict[str, Any], dp: int) -> dict[st
     keys_raw = list(module.keys())
     keys = [strip_prefixes(k) for k in keys_raw]
     if len(set(keys)) != len(keys):
-        raise CorruptCheckpointError(f"{loc.tag_dir}: parameter names collide after stripping module./_orig_mod. prefixes")
+        raise CorruptCheckpointError(
+            f"{loc.tag_dir}: parameter names collide after stripping module./_orig_mod. prefixes"
+        )
     module = {strip_prefixes(k): v for k, v in module.items()}
     buffers = {}
     for raw in model0.get("buffer_names") or []:
@@ -241,7 +251,9 @@ def _check_shapes(loc: CheckpointLocation, param_shapes: Any) -> list[dict[str, 
     return [{strip_prefixes(n): _shape(s) for n, s in g.items()} for g in param_shapes]
 
 
-def _read_zero12(loc: CheckpointLocation, model0: dict[str, Any], osds: list[dict[str, Any]], dp: int, stage: int) -> ZeroCheckpoint:
+def _read_zero12(
+    loc: CheckpointLocation, model0: dict[str, Any], osds: list[dict[str, Any]], dp: int, stage: int
+) -> ZeroCheckpoint:
     path0 = loc.tag_dir / loc.files.model_files[0]
     common = _common(loc, model0, dp)
     module = common["module"]
@@ -292,7 +304,9 @@ def _read_zero12(loc: CheckpointLocation, model0: dict[str, Any], osds: list[dic
     return _assemble(loc, model0, common, stage, dp, "bf16_optimizer" if bf16_optimizer else "zero", masters, bit16)
 
 
-def _read_zero3(loc: CheckpointLocation, models: list[dict[str, Any]], osds: list[dict[str, Any]], dp: int) -> ZeroCheckpoint:
+def _read_zero3(
+    loc: CheckpointLocation, models: list[dict[str, Any]], osds: list[dict[str, Any]], dp: int
+) -> ZeroCheckpoint:
     model0 = models[0]
     path0 = loc.tag_dir / loc.files.model_files[0]
     common = _common(loc, model0, dp)
@@ -387,7 +401,9 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _check_sources(loc: CheckpointLocation, masters: Mapping[str, TensorSource], bit16: Mapping[str, TensorSource]) -> None:
+def _check_sources(
+    loc: CheckpointLocation, masters: Mapping[str, TensorSource], bit16: Mapping[str, TensorSource]
+) -> None:
     for name, src in bit16.items():
         if name in masters and src.shape != masters[name].shape:
             raise CorruptCheckpointError(

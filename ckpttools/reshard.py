@@ -135,12 +135,19 @@ def _zero12_native(ckpt: ZeroCheckpoint) -> _Sources:
     states = [o["base_optimizer_state"] if elastic else o["base_optimizer_state"]["state"] for o in osds]
     keys = ["fp32"] + _moment_keys(states[0][0])
     for g, shapes in enumerate(model0["param_shapes"]):
-        group = [_Param(n, tuple(int(x) for x in s), _numel(s), g, align[g][i] if align else 0) for i, (n, s) in enumerate(shapes.items())]
+        group = [
+            _Param(n, tuple(int(x) for x in s), _numel(s), g, align[g][i] if align else 0)
+            for i, (n, s) in enumerate(shapes.items())
+        ]
         total = sum(p.numel + p.align_pad for p in group)
         size = partition.zero12_partition_size(total, ckpt.dp_world_size)
         real = [max(0, min(size, total - r * size)) for r in range(ckpt.dp_world_size)]
         for key in keys:
-            olds = [o["single_partition_of_fp32_groups"][g] for o in osds] if key == "fp32" else [s[g][key] for s in states]
+            olds = (
+                [o["single_partition_of_fp32_groups"][g] for o in osds]
+                if key == "fp32"
+                else [s[g][key] for s in states]
+            )
             vector: Pieces = [Slice(olds[p.rank], p.start, p.count) for p in partition.split_range(0, total, real)]
             pos = 0
             for p in group:
@@ -165,11 +172,19 @@ def _zero3_native(ckpt: ZeroCheckpoint) -> _Sources:
     params, full = [], {}
     for sg, shapes in enumerate(model0["param_shapes"]):
         numels = [_numel(s) for s in shapes.values()]
-        for (name, shape), numel, off in zip(shapes.items(), numels, partition.zero3_subgroup_offsets(numels, ckpt.dp_world_size)):
+        for (name, shape), numel, off in zip(
+            shapes.items(), numels, partition.zero3_subgroup_offsets(numels, ckpt.dp_world_size)
+        ):
             params.append(_Param(name, tuple(int(x) for x in shape), numel, group_of[sg]))
             for key in keys:
-                olds = [o["fp32_flat_groups"][sg] if key == "fp32" else o["optimizer_state_dict"]["state"][sg][key] for o in osds]
-                full[(name, key)] = [Slice(olds[p.rank], p.start, p.count) for p in partition.zero3_pieces(numel, ckpt.dp_world_size, off)]
+                olds = [
+                    o["fp32_flat_groups"][sg] if key == "fp32" else o["optimizer_state_dict"]["state"][sg][key]
+                    for o in osds
+                ]
+                full[(name, key)] = [
+                    Slice(olds[p.rank], p.start, p.count)
+                    for p in partition.zero3_pieces(numel, ckpt.dp_world_size, off)
+                ]
     # flat order within each param group, as DeepSpeed builds its sub-groups
     params.sort(key=lambda p: p.group)
     first_sg = {g: int(pg["params"][0]) for g, pg in enumerate(inner["param_groups"])}
@@ -272,14 +287,18 @@ def _zero12_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[di
             for _ in range(dp)]  # fmt: skip
     for g in range(src.num_groups):
         group = src.group_params(g)
-        vectors = {key: [piece for p in group for piece in padded(src.full[(p.name, key)], p.align_pad)] for key in src.keys}
+        vectors = {
+            key: [piece for p in group for piece in padded(src.full[(p.name, key)], p.align_pad)] for key in src.keys
+        }
         total = sum(p.numel + p.align_pad for p in group)
         size = partition.zero12_partition_size(total, dp)
         for r, osd in enumerate(osds):
             lo = r * size
             n = max(0, min(size, total - lo))
             fp32 = take(vectors["fp32"], lo, n)
-            osd["single_partition_of_fp32_groups"].append(_master(padded(fp32, size - n) if src.bf16_optimizer else fp32))
+            osd["single_partition_of_fp32_groups"].append(
+                _master(padded(fp32, size - n) if src.bf16_optimizer else fp32)
+            )
             state = dict(src.steps[g])
             for key in src.keys[1:]:
                 part = take(vectors[key], lo, n)
@@ -336,7 +355,9 @@ def _zero3_slice(pieces: Pieces, numel: int, dp: int, rank: int) -> Pieces:
 
 def _zero3_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     ds_config = src.wrapper.get("ds_config") or {}
-    sub_group_size = int(float((ds_config.get("zero_optimization") or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+    sub_group_size = int(
+        float((ds_config.get("zero_optimization") or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+    )
     subgroups: list[list[_Param]] = []
     param_groups = []
     for g, pg in enumerate(src.common["param_groups"]):
@@ -352,6 +373,7 @@ def _zero3_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[dic
     for r in range(dp):
         flat, state = [], {}
         for sg, members in enumerate(subgroups):
+
             def pieces(key: str) -> Pieces:
                 return [x for p in members for x in _zero3_slice(src.full[(p.name, key)], p.numel, dp, r)]
 
@@ -381,7 +403,10 @@ def _zero3_model_files(src: _Sources, subgroups: list[list[_Param]], dp: int) ->
         numel = _numel(shape)
         olds = [m["frozen_param_fragments"][name] for m in src.model_files]
         old_counts = [pc.count for pc in partition.zero3_pieces(numel, old_dp, 0)]
-        frozen[name] = ([Slice(olds[p.rank], p.start, p.count) for p in partition.split_range(0, numel, old_counts)], olds[0].dtype)
+        frozen[name] = (
+            [Slice(olds[p.rank], p.start, p.count) for p in partition.split_range(0, numel, old_counts)],
+            olds[0].dtype,
+        )
     files = []
     for r in range(dp):
         fragments = OrderedDict((n, NewTensor(dt, tuple(_zero3_slice(pcs, sum(x.count for x in pcs), dp, r))))
@@ -459,8 +484,10 @@ def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int) -> str:
         if src := old_file(rank):
             shutil.copy2(src, out / f"rng_state_{rank}.pth")
     if new_dp > old_dp:
-        return (f"RNG states: carried over for {_ranks(0, old_dp)}; {_ranks(old_dp, new_dp)} start without one, so "
-                "the Trainer logs that it found no RNG file and continues with fresh random streams there")
+        return (
+            f"RNG states: carried over for {_ranks(0, old_dp)}; {_ranks(old_dp, new_dp)} start without one, so "
+            "the Trainer logs that it found no RNG file and continues with fresh random streams there"
+        )
     return f"RNG states: carried over for {_ranks(0, new_dp)}; those of {_ranks(new_dp, old_dp)} are dropped"
 
 
@@ -571,7 +598,9 @@ def _write_tag(src: _Sources, dp: int | None, tag_dir: Path, prefix: str, progre
         model_files, optim_files = (_zero3_files if src.stage == 3 else _zero12_files)(src, dp)
         files = {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": o for r, o in enumerate(optim_files)}
         for r, m in enumerate(model_files):
-            files[f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if src.stage == 3 else "mp_rank_00_model_states.pt"] = m
+            files[
+                f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if src.stage == 3 else "mp_rank_00_model_states.pt"
+            ] = m
     for name in files:
         (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
     with RecordReader() as reader:

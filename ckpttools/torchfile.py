@@ -290,7 +290,9 @@ def load_pickle(path: Path) -> Any:
                         '"checkpoint": {"checkpoint_serialization": false}; re-save it with serialization on, '
                         "or convert it once with torch.save(torch.load(f, weights_only=True), f2)"
                     )
-                raise CorruptCheckpointError(f"{path} is not a torch checkpoint (not a zip archive): truncated or damaged")
+                raise CorruptCheckpointError(
+                    f"{path} is not a torch checkpoint (not a zip archive): truncated or damaged"
+                )
             with zipfile.ZipFile(fh) as zf:
                 infos = zf.infolist()
                 pkl = next((i for i in infos if i.filename.endswith("/data.pkl")), None)
@@ -338,7 +340,7 @@ class _CrcCursor:
 DEFAULT_READAHEAD = 128 << 10  # the kernel's default read-ahead window
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def advise_piece(st_dev: int) -> int:
     """The most bytes one WILLNEED hint makes the kernel read on this device.
 
@@ -453,7 +455,7 @@ class RecordReader:
     def __enter__(self) -> RecordReader:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 

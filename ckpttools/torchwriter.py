@@ -27,8 +27,17 @@ from typing import Any
 
 from . import dtypes
 from .dtypes import DType
-from .torchfile import (DEEPSPEED_STUBS, LazyTensor, PickledObject, ReadAhead, Record, RecordReader, TorchDevice,
-                        TorchSize, ZeroStageEnum)  # fmt: skip
+from .torchfile import (
+    DEEPSPEED_STUBS,
+    LazyTensor,
+    PickledObject,
+    ReadAhead,
+    Record,
+    RecordReader,
+    TorchDevice,
+    TorchSize,  # fmt: skip
+    ZeroStageEnum,
+)
 
 ProgressFn = Callable[[int], None]
 ALIGNMENT = 64
@@ -344,7 +353,7 @@ class _ReadPump:
         self.thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop.set()
         for _ in range(BUFFERS_IN_FLIGHT + 1):  # wake the pump if it waits for a buffer
             self.free.put(bytearray(0))

@@ -53,7 +53,11 @@ def output_dtype(source: TensorSource, dtype: DType) -> DType:
     """
     if not source.dtype.is_floating_point:
         return source.dtype
-    if source.kind == "buffer" and dtype is not dtypes.FLOAT32 and source.dtype not in (dtypes.BFLOAT16, dtypes.FLOAT16):
+    if (
+        source.kind == "buffer"
+        and dtype is not dtypes.FLOAT32
+        and source.dtype not in (dtypes.BFLOAT16, dtypes.FLOAT16)
+    ):
         return source.dtype
     return dtype
 
@@ -63,7 +67,11 @@ def safetensors_header(tensors: Sequence[OutputTensor], metadata: dict[str, str]
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": t.dtype.safetensors, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": t.dtype.safetensors,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -194,7 +202,9 @@ def read_tensor(source: TensorSource, reader: RecordReader, dtype: DType | None 
     return out.to(dtype.to_torch()) if dtype is not None and dtype is not source.dtype else out
 
 
-def write_pt(path: Path, tensors: Sequence[OutputTensor], reader: RecordReader, on_progress: ProgressFn | None = None) -> int:
+def write_pt(
+    path: Path, tensors: Sequence[OutputTensor], reader: RecordReader, on_progress: ProgressFn | None = None
+) -> int:
     """Write a `torch.save` state dict (`--to pt`); holds one shard in memory, as torch.save must."""
     state = {}
     for t in tensors:
