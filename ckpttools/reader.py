@@ -1,12 +1,18 @@
-"""Open a DeepSpeed ZeRO checkpoint: check its rank files agree, and describe where every tensor lives.
+"""Open a DeepSpeed ZeRO checkpoint into one validated model that every command consumes.
 
-`read_checkpoint` reads only the small pickles; tensor bytes stay on disk until a writer asks for them
-through the `Segment`s of a `TensorSource`.
+`read_checkpoint` reads only the small pickles and checks every invariant they offer (rank identity,
+agreement between ranks, partition arithmetic, dtypes, names); tensor bytes stay on disk until a writer
+asks for them through the `Segment`s of a `TensorSource`. `check_module_copies` is the one check that
+needs tensor bytes: the ZeRO-1/2 16-bit module weights against the cast fp32 masters.
+
+The model describes each trainable parameter by its fp32 master and every optimizer state under the
+key the optimizer saved it with, as flat slices of the stored partitions: consolidation, resharding and
+the universal format all read from it, none re-parses the pickles.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,7 +21,7 @@ from . import dtypes, partition
 from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
 from .layout import CheckpointLocation, locate
-from .torchfile import LazyTensor, load_pickle
+from .torchfile import LazyTensor, PickledObject, RecordReader, load_pickle
 
 STRIPPED_PREFIXES = ("module.", "_orig_mod.")
 
@@ -37,18 +43,47 @@ class TensorSource:
     shape: tuple[int, ...]
     dtype: DType
     segments: tuple[Segment, ...]
-    kind: str  # "trainable" | "frozen" | "buffer"
+    kind: str  # "trainable" | "frozen" | "buffer" | "state"
 
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return _numel(self.shape)
+
+
+@dataclass(frozen=True)
+class Param:
+    """A trainable parameter: its fp32 master and every optimizer state, in the optimizer's flat order."""
+
+    name: str  # without module./_orig_mod. prefixes
+    file_name: str  # as the checkpoint's param_shapes names it
+    shape: tuple[int, ...]
+    group: int  # optimizer param group
+    align_pad: int  # ZeRO-1/2 parameter_alignment padding after it in the flat buffer
+    fp32: TensorSource
+    states: dict[str, TensorSource]  # by the optimizer's own key: exp_avg, momentum_buffer, sum, ...
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """What the optimizer saved besides the sharded tensors, checked equal on every rank."""
+
+    group_scalars: list[dict[str, Any]]  # per param group: non-sharded state entries (step, ...)
+    common: dict[str, Any]  # loss scaler, clip_grad, zero_stage, param_groups (hyper-parameters), ...
+    file_meta: dict[str, Any]  # the rank file around it (ds_config, ds_version)
+    elastic: bool = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]] | None:
+        groups = self.common.get("param_groups")
+        return groups if isinstance(groups, list) else None
 
 
 @dataclass
 class ZeroCheckpoint:
-    """A parsed ZeRO checkpoint. `keys` is the model's state-dict order (without prefixes)."""
+    """A parsed, validated ZeRO checkpoint. `keys` is the model's state-dict order (without prefixes)."""
 
     location: CheckpointLocation
     zero_stage: int
@@ -58,35 +93,54 @@ class ZeroCheckpoint:
     ds_version: str
     global_steps: int | None
     keys: list[str]
-    masters: dict[str, TensorSource]  # trainable params, fp32 master weights
+    params: list[Param]  # trainable params in flat order, group by group
+    optimizer: OptimizerState
     bit16: dict[str, TensorSource]  # frozen params, and ZeRO-1/2 module copies of trainable ones
     buffers: dict[str, TensorSource]
     shared_params: dict[str, str]  # alias -> owner (tied weights)
     frozen_excluded: bool  # saved with exclude_frozen_parameters: frozen (base) weights are absent
     ds_config: dict[str, Any] = field(default_factory=dict)
-    model_state: dict[str, Any] = field(default_factory=dict)
-    rank_optim_files: list[dict[str, Any]] = field(default_factory=list)  # whole pickles, per DP rank
-    rank_model_files: list[dict[str, Any]] = field(default_factory=list)  # ZeRO-3: per rank; else [rank 0]
+    model_files: list[dict[str, Any]] = field(default_factory=list)  # ZeRO-3: per rank; else [mp_rank_00], as stored
+    source_format: str = "native"  # or "universal"
+
+    @property
+    def masters(self) -> dict[str, TensorSource]:
+        return {p.name: p.fp32 for p in self.params}
+
+    @property
+    def model_state(self) -> dict[str, Any]:
+        return self.model_files[0]
 
     @property
     def frozen_names(self) -> list[str]:
-        return [k for k in self.keys if k in self.bit16 and k not in self.masters]
+        masters = self.masters
+        return [k for k in self.keys if k in self.bit16 and k not in masters]
+
+    @property
+    def state_keys(self) -> list[str]:
+        """Every optimizer state key present (in first-seen order); empty before the first optimizer step."""
+        seen: dict[str, None] = {}
+        for p in self.params:
+            seen.update(dict.fromkeys(p.states))
+        return list(seen)
 
     def sources(self, dtype: DType) -> list[TensorSource]:
         """The source of every output tensor (aliases excluded) for output `dtype`, in `keys` order.
 
         fp32 output takes trainable params from the fp32 masters (what zero_to_fp32 writes). 16-bit output
-        takes ZeRO-1/2 module weights when they already are that dtype (the bytes the engine saves), and
-        otherwise casts the fp32 masters, as the engine does after every step.
+        takes ZeRO-1/2 module weights when they already are that dtype (the bytes the engine saves; checked
+        equal to the cast masters by `check_module_copies`), and otherwise casts the fp32 masters, as the
+        engine does after every step.
         """
+        masters = self.masters
         out = []
         for name in self.keys:
             if name in self.shared_params:
                 continue
-            if name in self.masters:
+            if name in masters:
                 module_copy = self.bit16.get(name)
                 use_module = dtype != dtypes.FLOAT32 and module_copy is not None and module_copy.dtype == dtype
-                out.append(module_copy if use_module else self.masters[name])
+                out.append(module_copy if use_module else masters[name])
             elif name in self.bit16:
                 out.append(self.bit16[name])
             elif name in self.buffers:
@@ -108,18 +162,152 @@ def strip_prefixes(name: str) -> str:
     return name
 
 
-def _shape(value: Any) -> tuple[int, ...]:
+def _numel(shape: Iterable[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+# --- Small typed accessors: every assumption about a pickled value is checked here -------------------------
+
+
+class _File:
+    """One loaded rank file: its path (for messages) and its top-level dict."""
+
+    def __init__(self, path: Path, obj: Any, what: str) -> None:
+        if not isinstance(obj, dict):
+            raise CorruptCheckpointError(f"{path} does not hold a dict: not a DeepSpeed {what} file")
+        self.path, self.obj, self.what = path, obj, what
+
+    def fail(self, problem: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(f"{self.path}: {problem}; the file is damaged or not from this run, re-copy it")
+
+    def get(self, obj: Any, key: str, kind: type | tuple[type, ...], where: str = "") -> Any:
+        if not isinstance(obj, dict) or key not in obj:
+            raise self.fail(f"lacks '{where}{key}'")
+        value = obj[key]
+        if not isinstance(value, kind):
+            raise self.fail(f"'{where}{key}' is a {type(value).__name__}, not {_kind_name(kind)}")
+        return value
+
+    def opt(self, obj: Any, key: str, kind: type | tuple[type, ...], where: str = "") -> Any:
+        value = obj.get(key) if isinstance(obj, dict) else None
+        if value is not None and not isinstance(value, kind):
+            raise self.fail(f"'{where}{key}' is a {type(value).__name__}, not {_kind_name(kind)}")
+        return value
+
+    def tensor(self, value: Any, where: str, *, floating: bool = True) -> LazyTensor:
+        if not isinstance(value, LazyTensor):
+            raise self.fail(f"{where} is a {type(value).__name__}, not a tensor")
+        if floating and not value.dtype.is_floating_point:
+            raise self.fail(f"{where} is stored as {value.dtype.name}, not a floating-point tensor")
+        if not value.is_contiguous():
+            raise self.fail(f"{where} is stored non-contiguously (unexpected in a DeepSpeed file)")
+        value.check_bounds()
+        return value
+
+    def master(self, value: Any, where: str) -> LazyTensor:
+        t = self.tensor(value, where)
+        if t.dtype != dtypes.FLOAT32:
+            raise self.fail(f"{where} (an fp32 master partition) is stored as {t.dtype.name}, not float32")
+        if t.dim() != 1:
+            raise self.fail(f"{where} (a flat partition) has shape {list(t.shape)}, not 1-D")
+        return t
+
+
+def _kind_name(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join("a tensor" if k is LazyTensor else f"a {k.__name__}" for k in kinds)
+
+
+def _shape(f: _File, value: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
+        raise f.fail(f"{where} is not a shape ({value!r:.60})")
     return tuple(int(s) for s in value)
 
 
-def _whole(name: str, t: LazyTensor, kind: str) -> TensorSource:
-    if not t.is_contiguous():
-        raise CorruptCheckpointError(f"tensor {name} is stored non-contiguously; unexpected in a DeepSpeed file")
-    t.check_bounds()
-    return TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), kind)
+def _param_shapes(f: _File, value: Any, key: str) -> list[list[tuple[str, tuple[int, ...]]]]:
+    if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
+        raise f.fail(f"'{key}' is not a list of dicts")
+    groups = []
+    for g, group in enumerate(value):
+        entries = []
+        for name, shape in group.items():
+            if not isinstance(name, str):
+                raise f.fail(f"'{key}'[{g}] holds a parameter name that is not a string")
+            entries.append((name, _shape(f, shape, f"'{key}'[{g}][{name!r}]")))
+        groups.append(entries)
+    return groups
 
 
-def _load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: str, dp: int) -> list[dict[str, Any]]:
+def _flat_state_keys(state: Mapping[str, Any]) -> list[str]:
+    """The sharded entries of an optimizer state (`step` may be a 0-dim tensor: not sharded)."""
+    return [k for k, v in state.items() if isinstance(v, LazyTensor) and v.dim() > 0]
+
+
+def _scalars(state: Mapping[str, Any]) -> dict[str, Any]:
+    flat = set(_flat_state_keys(state))
+    return {k: v for k, v in state.items() if k not in flat}
+
+
+# --- Values that must agree between ranks ------------------------------------------------------------------
+
+
+def fingerprint(value: Any, reader: RecordReader | None = None) -> Any:
+    """A comparable form of a pickled value; small tensors (0-dim steps, scalars) by their bytes."""
+    if isinstance(value, LazyTensor):
+        data = None
+        if reader is not None and value.numel() <= 64:
+            start, length = value.byte_span()
+            buf = bytearray(length)
+            reader.readinto(value.record, start, memoryview(buf))
+            data = bytes(buf)
+        return ("tensor", value.dtype.name, value.shape, data)
+    if isinstance(value, PickledObject):
+        return (type(value).__name__, fingerprint({k: v for k, v in value.__dict__.items() if k != "args"}, reader))
+    if isinstance(value, dict):
+        return tuple((str(k), fingerprint(v, reader)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(fingerprint(v, reader) for v in value)
+    if isinstance(value, float) and value != value:
+        return ("nan",)
+    return value
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _check_agree(files: Sequence[_File], values: Sequence[Any], what: str, reader: RecordReader) -> None:
+    """Every rank file must hold the same `what`; a file from another save or another run differs here."""
+    first = fingerprint(values[0], reader)
+    for f, value in zip(files[1:], values[1:]):
+        if fingerprint(value, reader) != first:
+            raise CorruptCheckpointError(
+                f"{f.path} disagrees with {files[0].path.name} on {what} ({_describe(_plain(value, reader))} vs "
+                f"{_describe(_plain(values[0], reader))}): a rank file from another save or run (stale copy?); "
+                "re-copy the whole tag folder from one save"
+            )
+
+
+def _plain(value: Any, reader: RecordReader) -> Any:
+    """A readable form of a small value for messages (0-dim tensors as numbers)."""
+    if isinstance(value, LazyTensor) and value.numel() == 1:
+        try:
+            return value.load(reader).item()
+        except Exception:  # noqa: BLE001 - only for the message
+            return value
+    if isinstance(value, dict):
+        return {k: _plain(v, reader) for k, v in value.items()}
+    return value
+
+
+# --- Loading -----------------------------------------------------------------------------------------------
+
+
+def _load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: str, dp: int) -> list[_File]:
     missing = sorted(set(range(dp)) - set(names))
     extra = sorted(set(names) - set(range(dp)))
     if missing:
@@ -133,42 +321,157 @@ def _load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: st
             f"{loc.tag_dir}: {what} files for rank {', '.join(map(str, extra))} do not belong to a run with "
             f"dp_world_size={dp}; remove the stray files (left over from another run?)"
         )
-    files = []
-    for rank in range(dp):
-        obj = load_pickle(loc.tag_dir / names[rank])
-        if not isinstance(obj, dict):
-            raise CorruptCheckpointError(
-                f"{loc.tag_dir / names[rank]} does not hold a dict: not a DeepSpeed {what} file"
-            )
-        files.append(obj)
-    return files
+    return [_File(loc.tag_dir / names[r], load_pickle(loc.tag_dir / names[r]), what) for r in range(dp)]
 
 
-def _require(obj: Mapping[str, Any], key: str, path: Path) -> Any:
-    if key not in obj:
-        raise CorruptCheckpointError(f"{path} lacks '{key}': not a DeepSpeed ZeRO checkpoint file (or a damaged one)")
-    return obj[key]
-
-
-def _refuse_unsupported(model_state: Mapping[str, Any], path: Path) -> None:
+def _refuse_unsupported(f: _File) -> None:
+    model_state = f.obj
     if model_state.get("module") is None:
-        raise UnsupportedCheckpointError(
-            f"{path} has no module weights (module is None): a pipeline-parallel checkpoint"
-        )
+        raise UnsupportedCheckpointError(f"{f.path} has no module weights (module is None): a pipeline-parallel checkpoint")
     if model_state.get("mp_world_size", 1) not in (1, None):
-        raise UnsupportedCheckpointError(
-            f"{path}: tensor/model parallel size {model_state['mp_world_size']} is not supported"
-        )
+        raise UnsupportedCheckpointError(f"{f.path}: tensor/model parallel size {model_state['mp_world_size']!r:.20} is not supported")
     if model_state.get("num_experts") or model_state.get("ds_autoep_layers"):
-        raise UnsupportedCheckpointError(f"{path} is a MoE checkpoint; MoE experts are not supported yet")
+        raise UnsupportedCheckpointError(f"{f.path} is a MoE checkpoint; MoE experts are not supported yet")
     dims = model_state.get("checkpoint_parallel_dimensions") or {}
-    if dims.get("pp_degree", 1) > 1 or dims.get("tp_degree", 1) > 1:
-        raise UnsupportedCheckpointError(f"{path}: pipeline/tensor parallel degrees {dims} are not supported")
-    offload = ((model_state.get("ds_config") or {}).get("zero_optimization") or {}).get("offload_optimizer") or {}
-    if isinstance(offload, dict) and offload.get("device") == "nvme":
+    if isinstance(dims, dict) and (dims.get("pp_degree", 1) != 1 or dims.get("tp_degree", 1) != 1):
+        raise UnsupportedCheckpointError(f"{f.path}: pipeline/tensor parallel degrees {dims} are not supported")
+    ds_config = model_state.get("ds_config") if isinstance(model_state.get("ds_config"), dict) else {}
+    zero_cfg = ds_config.get("zero_optimization") if isinstance(ds_config.get("zero_optimization"), dict) else {}
+    offload = zero_cfg.get("offload_optimizer") if isinstance(zero_cfg.get("offload_optimizer"), dict) else {}
+    if offload.get("device") == "nvme":
         raise UnsupportedCheckpointError(
-            f"{path}: the optimizer state was offloaded to NVMe; its fp32 weights are not in the checkpoint files"
+            f"{f.path}: the optimizer state was offloaded to NVMe; its fp32 weights are not in the checkpoint files"
         )
+
+
+def _dp_size(f: _File) -> int:
+    dp = f.get(f.obj, "dp_world_size", int)
+    if isinstance(dp, bool) or not 1 <= dp <= 1 << 20:
+        raise f.fail(f"dp_world_size {dp!r} is not a positive rank count")
+    return int(dp)
+
+
+def _zero_stage(f: _File, osd: dict[str, Any]) -> int:
+    stage = osd.get("zero_stage", 1)  # BF16_Optimizer files carry none (ZeRO-1)
+    if isinstance(stage, bool) or not isinstance(stage, int) or int(stage) not in (1, 2, 3):
+        raise f.fail(f"zero_stage {stage!r:.30} is not 1, 2 or 3")
+    return int(stage)
+
+
+def read_checkpoint(
+    path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
+) -> ZeroCheckpoint:
+    """Open a ZeRO checkpoint and check everything its files say about each other.
+
+    Args:
+        path: a save_dir (holding `latest`), a Trainer `checkpoint-N/` or output_dir, or a tag folder.
+        tag: tag folder to read; defaults to `latest`.
+        step, best: choose a `checkpoint-N` inside a Trainer output_dir.
+
+    Raises:
+        CkptError subclasses naming the problem and the file: missing/extra/swapped/stale rank files,
+        ranks that disagree, damaged files, unsupported layouts.
+
+    Example:
+        >>> ckpt = read_checkpoint("out/checkpoint-500")
+        >>> ckpt.zero_stage, ckpt.dp_world_size
+        (3, 8)
+    """
+    loc = locate(Path(path), tag=tag, step=step, best=best)
+    first = min(loc.files.model_files)
+    model0 = _File(loc.tag_dir / loc.files.model_files[first], load_pickle(loc.tag_dir / loc.files.model_files[first]), "model-states")
+    _refuse_unsupported(model0)
+    dp = _dp_size(model0)
+    optims = _load_rank_files(loc, loc.files.optim_files, "*_optim_states.pt", dp)
+    osds = [f.get(f.obj, "optimizer_state_dict", dict) for f in optims]
+    stages = [_zero_stage(f, o) for f, o in zip(optims, osds)]
+    if len(set(stages)) != 1:
+        raise CorruptCheckpointError(f"{loc.tag_dir}: rank files disagree on the ZeRO stage ({sorted(set(stages))}); mixed runs?")
+    stage = stages[0]
+    if loc.files.zero3_layout != (stage == 3):
+        raise CorruptCheckpointError(
+            f"{loc.tag_dir}: model-state file names do not match ZeRO stage {stage}; files from different runs mixed?"
+        )
+    with RecordReader() as reader:
+        if stage == 3:
+            models = _load_rank_files(loc, loc.files.model_files, "*_model_states.pt", dp)
+            ckpt = _Zero3Reader(loc, models, optims, dp, reader).read()
+        else:
+            ckpt = _Zero12Reader(loc, model0, optims, dp, stage, reader).read()
+        reader.finish()  # the few tiny records read for comparisons (0-dim steps) pass their CRC
+    return ckpt
+
+
+# --- What both layouts share: the module, buffers, ties, frozen params ------------------------------------
+
+
+@dataclass
+class _Module:
+    keys: list[str]
+    tensors: dict[str, Any]  # stripped name -> stored value
+    buffers: dict[str, TensorSource]
+    shared: dict[str, str]
+
+
+def _module(f: _File) -> _Module:
+    module = f.get(f.obj, "module", dict)
+    keys = []
+    for raw in module:
+        if not isinstance(raw, str):
+            raise f.fail("module holds a key that is not a string")
+        keys.append(strip_prefixes(raw))
+    if len(set(keys)) != len(keys):
+        raise f.fail("parameter names collide after stripping module./_orig_mod. prefixes")
+    tensors = {strip_prefixes(k): v for k, v in module.items()}
+    buffers = {}
+    names = f.opt(f.obj, "buffer_names", (list, tuple)) or []
+    for raw in names:
+        if not isinstance(raw, str):
+            raise f.fail("buffer_names holds a name that is not a string")
+        name = strip_prefixes(raw)
+        if name in tensors:
+            t = f.tensor(tensors[name], f"buffer {name}", floating=False)
+            buffers[name] = TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), "buffer")
+    shared_raw = f.opt(f.obj, "shared_params", dict) or {}
+    shared = {}
+    for alias, owner in shared_raw.items():
+        if not isinstance(alias, str) or not isinstance(owner, str):
+            raise f.fail("shared_params holds a name that is not a string")
+        shared[strip_prefixes(alias)] = strip_prefixes(owner)
+    return _Module(keys, tensors, buffers, shared)
+
+
+def _whole(f: _File, name: str, value: Any, kind: str) -> TensorSource:
+    t = f.tensor(value, f"module tensor {name}", floating=kind == "trainable")
+    return TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), kind)
+
+
+def _check_ties(f: _File, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]) -> None:
+    """Each tie names a real owner and an alias that is not itself stored as a parameter."""
+    for alias, owner in mod.shared.items():
+        if alias in params or alias in frozen:
+            raise f.fail(f"shared_params ties {alias} to {owner}, but {alias} is also stored as a parameter of its own")
+        owner_shape = params[owner].shape if owner in params else frozen[owner].shape if owner in frozen else None
+        if owner_shape is None:
+            raise f.fail(f"shared_params ties {alias} to {owner}, which is no parameter of the checkpoint")
+        if alias not in mod.tensors:
+            raise f.fail(f"shared_params names {alias}, which the module does not hold")
+        stored = mod.tensors[alias]
+        if isinstance(stored, LazyTensor) and stored.numel() and stored.shape != owner_shape:
+            raise f.fail(f"tied weight {alias} has shape {list(stored.shape)}, its owner {owner} {list(owner_shape)}")
+
+
+def _check_module_keys(f: _File, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]) -> None:
+    """Every module entry is a trained, frozen or tied parameter or a buffer; every parameter is in the module."""
+    for name in mod.keys:
+        if name not in params and name not in frozen and name not in mod.buffers and name not in mod.shared:
+            raise f.fail(
+                f"module entry {name} is neither a trained parameter (param_shapes), a frozen one, a tied weight "
+                "(shared_params) nor a buffer"
+            )
+    for name in params:
+        if name not in mod.tensors:
+            raise f.fail(f"parameter {name} of param_shapes is missing from the module")
 
 
 def _train_dtype(module: Mapping[str, Any], names: Iterable[str]) -> DType:
@@ -179,240 +482,407 @@ def _train_dtype(module: Mapping[str, Any], names: Iterable[str]) -> DType:
     return dtypes.FLOAT32
 
 
-def read_checkpoint(
-    path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
-) -> ZeroCheckpoint:
-    """Open a ZeRO checkpoint and check its rank files agree.
-
-    Args:
-        path: a save_dir (holding `latest`), a Trainer `checkpoint-N/` or output_dir, or a tag folder.
-        tag: tag folder to read; defaults to `latest`.
-        step, best: choose a `checkpoint-N` inside a Trainer output_dir.
-
-    Raises:
-        CkptError subclasses naming the problem: missing/extra rank files, disagreeing ranks, damaged files,
-        unsupported layouts.
-
-    Example:
-        >>> ckpt = read_checkpoint("out/checkpoint-500")
-        >>> ckpt.zero_stage, ckpt.dp_world_size
-        (3, 8)
-    """
-    loc = locate(Path(path), tag=tag, step=step, best=best)
-    first_model_path = loc.tag_dir / loc.files.model_files[min(loc.files.model_files)]
-    model0 = load_pickle(first_model_path)
-    if not isinstance(model0, dict):
-        raise CorruptCheckpointError(f"{first_model_path} does not hold a dict: not a DeepSpeed model-states file")
-    _refuse_unsupported(model0, first_model_path)
-    dp = int(_require(model0, "dp_world_size", first_model_path))
-    optims = _load_rank_files(loc, loc.files.optim_files, "*_optim_states.pt", dp)
-    osds = [_require(o, "optimizer_state_dict", loc.tag_dir / loc.files.optim_files[r]) for r, o in enumerate(optims)]
-    stages = {int(o.get("zero_stage", 1)) for o in osds}
-    if len(stages) != 1:
-        raise CorruptCheckpointError(
-            f"{loc.tag_dir}: rank files disagree on the ZeRO stage ({sorted(stages)}); mixed runs?"
-        )
-    stage = stages.pop()
-    if loc.files.zero3_layout != (stage == 3):
-        raise CorruptCheckpointError(
-            f"{loc.tag_dir}: model-state file names do not match ZeRO stage {stage}; files from different runs mixed?"
-        )
-    if stage == 3:
-        models = _load_rank_files(loc, loc.files.model_files, "*_model_states.pt", dp)
-        ckpt = _read_zero3(loc, models, osds, dp)
-    else:
-        models = [model0]
-        ckpt = _read_zero12(loc, model0, osds, dp, stage)
-    ckpt.rank_optim_files, ckpt.rank_model_files = optims, models
-    return ckpt
-
-
-def _common(loc: CheckpointLocation, model0: dict[str, Any], dp: int) -> dict[str, Any]:
-    module = model0["module"]
-    keys_raw = list(module.keys())
-    keys = [strip_prefixes(k) for k in keys_raw]
-    if len(set(keys)) != len(keys):
-        raise CorruptCheckpointError(
-            f"{loc.tag_dir}: parameter names collide after stripping module./_orig_mod. prefixes"
-        )
-    module = {strip_prefixes(k): v for k, v in module.items()}
-    buffers = {}
-    for raw in model0.get("buffer_names") or []:
-        name = strip_prefixes(raw)
-        if isinstance(module.get(name), LazyTensor):
-            buffers[name] = _whole(name, module[name], "buffer")
-    shared = {strip_prefixes(a): strip_prefixes(o) for a, o in (model0.get("shared_params") or {}).items()}
-    return {"module": module, "keys": keys, "buffers": buffers, "shared": shared}
-
-
-def _check_shapes(loc: CheckpointLocation, param_shapes: Any) -> list[dict[str, tuple[int, ...]]]:
-    if not isinstance(param_shapes, list) or not all(isinstance(g, dict) for g in param_shapes):
-        raise CorruptCheckpointError(f"{loc.tag_dir}: param_shapes is not a list of dicts")
-    return [{strip_prefixes(n): _shape(s) for n, s in g.items()} for g in param_shapes]
-
-
-def _read_zero12(
-    loc: CheckpointLocation, model0: dict[str, Any], osds: list[dict[str, Any]], dp: int, stage: int
-) -> ZeroCheckpoint:
-    path0 = loc.tag_dir / loc.files.model_files[0]
-    common = _common(loc, model0, dp)
-    module = common["module"]
-    groups = _check_shapes(loc, _require(model0, "param_shapes", path0))
-    bf16_optimizer = "zero_stage" not in osds[0]
-    counts = [o.get("partition_count") for o in osds]
-    for rank, c in enumerate(counts):
-        cs = set(c) if isinstance(c, (list, tuple)) else {c}
-        if cs != {dp}:
-            raise CorruptCheckpointError(
-                f"{loc.tag_dir}: rank {rank}'s optimizer file was written at DP size {sorted(cs)}, but the model states "
-                f"say dp_world_size={dp}; files from different runs are mixed"
-            )
-    masters: dict[str, TensorSource] = {}
-    for g, shapes in enumerate(groups):
-        parts = []
-        for rank, osd in enumerate(osds):
-            fp32 = osd["single_partition_of_fp32_groups"]
-            if g >= len(fp32) or not isinstance(fp32[g], LazyTensor):
-                raise CorruptCheckpointError(f"{loc.tag_dir}: rank {rank} has no fp32 partition for param group {g}")
-            fp32[g].check_bounds()
-            parts.append(fp32[g])
-        names = list(shapes)
-        numels = [_numel(shapes[n]) for n in names]
-        align = (osds[0].get("param_alignment_paddings") or [None] * len(groups))[g]
-        offsets = partition.zero12_param_offsets(numels, align)
-        total = (offsets[-1] + numels[-1]) if names else 0
-        lengths = [p.numel() for p in parts]
-        available = sum(lengths)
-        # Unstripped (BF16_Optimizer) partitions carry the group's alignment padding at the end.
-        expected = partition.zero12_partition_size(total, dp) * dp if bf16_optimizer else total
-        if available != expected:
-            raise CorruptCheckpointError(
-                f"{loc.tag_dir}: param group {g} should hold {expected} fp32 elements across {dp} ranks, "
-                f"found {available}; the files do not match param_shapes (mixed runs or damaged files)"
-            )
-        for name, numel, off in zip(names, numels, offsets):
-            segs = tuple(Segment(parts[p.rank], p.start, p.count) for p in partition.split_range(off, numel, lengths))
-            masters[name] = TensorSource(name, shapes[name], dtypes.FLOAT32, segs, "trainable")
-    bit16 = {}
-    for name, value in module.items():
-        if isinstance(value, LazyTensor) and name not in common["buffers"] and name not in common["shared"]:
-            bit16[name] = _whole(name, value, "trainable" if name in masters else "frozen")
-    for name, value in (model0.get("frozen_param_fragments") or {}).items():
-        name = strip_prefixes(name)
-        if isinstance(value, LazyTensor) and name not in bit16:
-            bit16[name] = _whole(name, value, "frozen")
-    return _assemble(loc, model0, common, stage, dp, "bf16_optimizer" if bf16_optimizer else "zero", masters, bit16)
-
-
-def _read_zero3(
-    loc: CheckpointLocation, models: list[dict[str, Any]], osds: list[dict[str, Any]], dp: int
-) -> ZeroCheckpoint:
-    model0 = models[0]
-    path0 = loc.tag_dir / loc.files.model_files[0]
-    common = _common(loc, model0, dp)
-    for rank, (m, o) in enumerate(zip(models, osds)):
-        if m.get("dp_world_size") != dp or int(o.get("partition_count", -1)) != dp:
-            raise CorruptCheckpointError(
-                f"{loc.tag_dir}: rank {rank} was written at DP size {m.get('dp_world_size')}/{o.get('partition_count')}, "
-                f"rank 0 at {dp}; files from different runs are mixed"
-            )
-    subgroups = _check_shapes(loc, _require(model0, "param_shapes", path0))
-    masters: dict[str, TensorSource] = {}
-    for sg, shapes in enumerate(subgroups):
-        names = list(shapes)
-        numels = [_numel(shapes[n]) for n in names]
-        offsets = partition.zero3_subgroup_offsets(numels, dp)
-        flat_len = sum(partition.zero3_partition_numel(n, dp) for n in numels)
-        flats = []
-        for rank, osd in enumerate(osds):
-            groups = osd.get("fp32_flat_groups") or []
-            if sg >= len(groups) or not isinstance(groups[sg], LazyTensor) or groups[sg].numel() != flat_len:
-                found = groups[sg].numel() if sg < len(groups) and isinstance(groups[sg], LazyTensor) else "none"
-                raise CorruptCheckpointError(
-                    f"{loc.tag_dir}: rank {rank} sub-group {sg} should hold {flat_len} fp32 elements, found {found}; "
-                    "the files do not match param_shapes"
-                )
-            groups[sg].check_bounds()
-            flats.append(groups[sg])
-        for name, numel, off in zip(names, numels, offsets):
-            segs = tuple(Segment(flats[p.rank], p.start, p.count) for p in partition.zero3_pieces(numel, dp, off))
-            masters[name] = TensorSource(name, shapes[name], dtypes.FLOAT32, segs, "trainable")
-    bit16 = _zero3_frozen(loc, models, dp)
-    return _assemble(loc, model0, common, 3, dp, "zero", masters, bit16)
-
-
-def _assemble(
-    loc: CheckpointLocation,
-    model0: dict[str, Any],
-    common: dict[str, Any],
-    stage: int,
-    dp: int,
-    optimizer_kind: str,
-    masters: dict[str, TensorSource],
-    bit16: dict[str, TensorSource],
-) -> ZeroCheckpoint:
-    _check_sources(loc, masters, bit16)
-    return ZeroCheckpoint(
-        location=loc,
-        zero_stage=stage,
-        dp_world_size=dp,
-        train_dtype=_train_dtype(common["module"], masters),
-        optimizer_kind=optimizer_kind,
-        ds_version=str(model0.get("ds_version", "")),
-        global_steps=model0.get("global_steps"),
-        keys=common["keys"],
-        masters=masters,
-        bit16=bit16,
-        buffers=common["buffers"],
-        shared_params=common["shared"],
-        frozen_excluded=_frozen_excluded(loc, masters, bit16),
-        ds_config=model0.get("ds_config") or {},
-        model_state=model0,
-    )
-
-
-def _zero3_frozen(loc: CheckpointLocation, models: list[dict[str, Any]], dp: int) -> dict[str, TensorSource]:
-    shapes = {strip_prefixes(n): _shape(s) for n, s in (models[0].get("frozen_param_shapes") or {}).items()}
-    out = {}
-    for name, shape in shapes.items():
-        numel = _numel(shape)
-        p = partition.zero3_partition_numel(numel, dp)
-        segs = []
-        for rank, m in enumerate(models):
-            frags = {strip_prefixes(k): v for k, v in (m.get("frozen_param_fragments") or {}).items()}
-            frag = frags.get(name)
-            if not isinstance(frag, LazyTensor) or frag.numel() != p:
-                raise CorruptCheckpointError(
-                    f"{loc.tag_dir}: rank {rank} lacks the {p}-element fragment of frozen param {name}"
-                )
-            frag.check_bounds()
-            count = max(0, min(p, numel - rank * p))
-            if count:
-                segs.append(Segment(frag, 0, count))
-        dtype = segs[0].tensor.dtype if segs else dtypes.FLOAT32
-        out[name] = TensorSource(name, shape, dtype, tuple(segs), "frozen")
-    return out
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def _check_sources(
-    loc: CheckpointLocation, masters: Mapping[str, TensorSource], bit16: Mapping[str, TensorSource]
-) -> None:
-    for name, src in bit16.items():
-        if name in masters and src.shape != masters[name].shape:
-            raise CorruptCheckpointError(
-                f"{loc.tag_dir}: {name} has shape {list(src.shape)} in the module but {list(masters[name].shape)} "
-                "in param_shapes; mixed files?"
-            )
-
-
-def _frozen_excluded(loc: CheckpointLocation, masters: Mapping[str, Any], bit16: Mapping[str, Any]) -> bool:
+def _frozen_excluded(loc: CheckpointLocation, params: Mapping[str, Any], bit16: Mapping[str, Any]) -> bool:
     """True when a PEFT/LoRA run saved without its frozen base weights (exclude_frozen_parameters=True)."""
-    peft = (loc.root / "adapter_config.json").is_file() or any("lora_" in k for k in masters)
-    return peft and not any(name not in masters for name in bit16)
+    peft = (loc.root / "adapter_config.json").is_file() or any("lora_" in k for k in params)
+    return peft and not any(name not in params for name in bit16)
+
+
+def _unique_names(f: _File, groups: list[list[tuple[str, tuple[int, ...]]]]) -> None:
+    seen: set[str] = set()
+    for group in groups:
+        for name, _ in group:
+            stripped = strip_prefixes(name)
+            if stripped in seen:
+                raise f.fail(f"param_shapes lists {stripped} twice")
+            seen.add(stripped)
+
+
+def _identity_by_storage(t: Any) -> tuple[Any, ...] | None:
+    if not isinstance(t, LazyTensor):
+        return None
+    return (t.record.path, t.record.name, t.storage_offset, t.shape)
+
+
+def _undeclared_aliases(mod: _Module, params: Mapping[str, Param]) -> list[str]:
+    """Module entries sharing storage with a trained parameter but not listed in shared_params (ZeRO-1/2)."""
+    owners = {_identity_by_storage(mod.tensors.get(n)): n for n in params}
+    return [
+        name
+        for name in mod.keys
+        if name not in params and name not in mod.shared and _identity_by_storage(mod.tensors[name]) in owners
+    ]
+
+
+# --- ZeRO-1/2 ----------------------------------------------------------------------------------------------
+
+
+class _Zero12Reader:
+    def __init__(self, loc: CheckpointLocation, model0: _File, optims: list[_File], dp: int, stage: int, reader: RecordReader) -> None:
+        self.loc, self.model0, self.optims, self.dp, self.stage, self.reader = loc, model0, optims, dp, stage, reader
+        self.osds = [f.obj["optimizer_state_dict"] for f in optims]
+        self.bf16_optimizer = "zero_stage" not in self.osds[0]
+
+    def read(self) -> ZeroCheckpoint:
+        f0 = self.model0
+        mod = _module(f0)
+        groups = _param_shapes(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
+        _unique_names(f0, groups)
+        self._check_ranks_agree(len(groups))
+        elastic = isinstance(self.osds[0].get("base_optimizer_state"), list)
+        states = [self._rank_states(f, o, len(groups), elastic) for f, o in zip(self.optims, self.osds)]
+        params: list[Param] = []
+        for g, shapes in enumerate(groups):
+            params += self._group_params(g, shapes, states)
+        by_name = {p.name: p for p in params}
+        bit16 = self._bit16(mod, by_name)
+        frozen = {n: s for n, s in bit16.items() if n not in by_name}
+        _check_ties(f0, mod, by_name, frozen)
+        _check_module_keys(f0, mod, by_name, frozen)
+        for name, src in bit16.items():
+            if name in by_name and src.shape != by_name[name].shape:
+                raise f0.fail(f"{name} has shape {list(src.shape)} in the module but {list(by_name[name].shape)} in param_shapes")
+        return ZeroCheckpoint(
+            location=self.loc,
+            zero_stage=self.stage,
+            dp_world_size=self.dp,
+            train_dtype=_train_dtype(mod.tensors, by_name),
+            optimizer_kind="bf16_optimizer" if self.bf16_optimizer else "zero",
+            ds_version=str(f0.obj.get("ds_version", "")),
+            global_steps=f0.obj.get("global_steps") if isinstance(f0.obj.get("global_steps"), int) else None,
+            keys=mod.keys,
+            params=params,
+            optimizer=self._optimizer_state(states, elastic),
+            bit16=bit16,
+            buffers=mod.buffers,
+            shared_params=mod.shared,
+            frozen_excluded=_frozen_excluded(self.loc, by_name, bit16),
+            ds_config=f0.obj.get("ds_config") if isinstance(f0.obj.get("ds_config"), dict) else {},
+            model_files=[f0.obj],
+        )
+
+    def _check_ranks_agree(self, num_groups: int) -> None:
+        for f, osd in zip(self.optims, self.osds):
+            counts = osd.get("partition_count")
+            counts = list(counts) if isinstance(counts, (list, tuple)) else [counts]
+            if any(c != self.dp for c in counts) or len(counts) != num_groups:
+                raise CorruptCheckpointError(
+                    f"{f.path} was written for DP size {counts!r:.40} over {len(counts)} param groups, but the model "
+                    f"states say dp_world_size={self.dp} and {num_groups} param groups: files from different runs are mixed"
+                )
+            for key in ("single_partition_of_fp32_groups", "group_paddings"):
+                value = f.get(osd, key, list)
+                if len(value) != num_groups:
+                    raise f.fail(f"'{key}' has {len(value)} entries for {num_groups} param groups")
+        shared = [k for k in ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad",
+                              "param_alignment_paddings", "ds_version") if k in self.osds[0]]  # fmt: skip
+        for key in shared:
+            _check_agree(self.optims, [o.get(key) for o in self.osds], key, self.reader)
+        _check_agree(self.optims, [f.obj.get("ds_config") for f in self.optims], "ds_config", self.reader)
+
+    def _rank_states(self, f: _File, osd: dict[str, Any], num_groups: int, elastic: bool) -> list[dict[str, Any]]:
+        """Per param group, this rank's optimizer state entries (empty before the first optimizer step)."""
+        base = f.get(osd, "base_optimizer_state", (dict, list))
+        if elastic:
+            if not isinstance(base, list) or len(base) != num_groups or not all(isinstance(s, dict) for s in base):
+                raise f.fail(f"elastic base_optimizer_state should hold {num_groups} dicts")
+            return list(base)
+        if not isinstance(base, dict):
+            raise f.fail("base_optimizer_state mixes elastic and rigid layouts across ranks")
+        state = f.get(base, "state", dict, "base_optimizer_state.")
+        f.get(base, "param_groups", list, "base_optimizer_state.")
+        if any(not isinstance(k, int) or not 0 <= k < num_groups for k in state):
+            raise f.fail(f"base_optimizer_state.state is keyed {sorted(map(repr, state))[:4]}, not by param group 0-{num_groups - 1}")
+        out = []
+        for g in range(num_groups):
+            s = state.get(g, {})
+            if not isinstance(s, dict):
+                raise f.fail(f"optimizer state of param group {g} is not a dict")
+            out.append(s)
+        return out
+
+    def _group_params(self, g: int, shapes: list[tuple[str, tuple[int, ...]]], states: list[list[dict[str, Any]]]) -> list[Param]:
+        numels = [_numel(s) for _, s in shapes]
+        align = self._alignment(g, len(shapes))
+        offsets = partition.zero12_param_offsets(numels, align)
+        total = (offsets[-1] + numels[-1] + align[-1]) if shapes else 0
+        size = partition.zero12_partition_size(total, self.dp)
+        real = [max(0, min(size, total - r * size)) for r in range(self.dp)]
+        masters = []
+        for r, (f, osd) in enumerate(zip(self.optims, self.osds)):
+            t = f.master(osd["single_partition_of_fp32_groups"][g], f"the fp32 partition of param group {g}")
+            want = size if self.bf16_optimizer else real[r]
+            if t.numel() != want:
+                raise CorruptCheckpointError(
+                    f"{f.path}: param group {g}'s fp32 partition holds {t.numel()} elements; {len(shapes)} params of "
+                    f"{total} elements at DP {self.dp} give rank {r} {want}. The file does not match param_shapes "
+                    "(mixed runs or damaged files); re-copy the tag folder"
+                )
+            pad = osd["group_paddings"][g]
+            want_pad = (size * self.dp - total if r == self.dp - 1 else 0) if self.bf16_optimizer else size - real[r]
+            if pad != want_pad:
+                raise f.fail(f"group_paddings[{g}] is {pad!r:.20}, the partition arithmetic gives {want_pad}")
+            masters.append(t)
+        keys = self._state_keys(g, states)
+        moments = {k: [self._moment(r, g, k, states[r][g][k], size, real[r]) for r in range(self.dp)] for k in keys}
+        params = []
+        for (name, shape), numel, off in zip(shapes, numels, offsets):
+            pieces = partition.split_range(off, numel, real)
+            fp32 = TensorSource(strip_prefixes(name), shape, dtypes.FLOAT32, _segments(masters, pieces), "trainable")
+            st = {k: TensorSource(fp32.name, shape, ts[0].dtype, _segments(ts, pieces), "state") for k, ts in moments.items()}
+            params.append(Param(fp32.name, name, shape, g, align[len(params)], fp32, st))
+        return params
+
+    def _alignment(self, g: int, n: int) -> list[int]:
+        pads = self.osds[0].get("param_alignment_paddings")
+        if pads is None:
+            return [0] * n
+        f = self.optims[0]
+        if not isinstance(pads, list) or g >= len(pads) or not isinstance(pads[g], list) or len(pads[g]) != n:
+            raise f.fail(f"param_alignment_paddings does not list {n} paddings for param group {g}")
+        if not all(isinstance(p, int) and p >= 0 for p in pads[g]):
+            raise f.fail(f"param_alignment_paddings[{g}] holds a value that is not a non-negative int")
+        return list(pads[g])
+
+    def _state_keys(self, g: int, states: list[list[dict[str, Any]]]) -> list[str]:
+        keys = [_flat_state_keys(s[g]) for s in states]
+        _check_agree(self.optims, [sorted(k) for k in keys], f"the optimizer state keys of param group {g}", self.reader)
+        _check_agree(self.optims, [_scalars(s[g]) for s in states], f"the optimizer step of param group {g}", self.reader)
+        return keys[0]
+
+    def _moment(self, r: int, g: int, key: str, value: Any, size: int, real: int) -> LazyTensor:
+        f = self.optims[r]
+        t = f.tensor(value, f"optimizer state {key!r} of param group {g}")
+        want = real if isinstance(self.osds[r].get("base_optimizer_state"), list) else size
+        if t.dim() != 1 or t.numel() != want:
+            raise f.fail(f"optimizer state {key!r} of param group {g} holds {t.numel()} elements, the partition {want}")
+        return t
+
+    def _optimizer_state(self, states: list[list[dict[str, Any]]], elastic: bool) -> OptimizerState:
+        osd = self.osds[0]
+        sharded = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings")
+        common = {k: v for k, v in osd.items() if k not in sharded}
+        base = osd["base_optimizer_state"]
+        if not elastic:
+            _check_agree(self.optims, [o["base_optimizer_state"]["param_groups"] for o in self.osds], "the optimizer hyper-parameters", self.reader)
+        common["param_groups"] = None if elastic else base["param_groups"]
+        meta = {k: v for k, v in self.optims[0].obj.items() if k != "optimizer_state_dict"}
+        return OptimizerState([_scalars(s) for s in states[0]], common, meta, elastic)
+
+    def _bit16(self, mod: _Module, params: Mapping[str, Param]) -> dict[str, TensorSource]:
+        f0 = self.model0
+        frozen_shapes = f0.opt(f0.obj, "frozen_param_shapes", dict)
+        aliases = set(_undeclared_aliases(mod, params))
+        if aliases:
+            raise f0.fail(
+                f"module entry {sorted(aliases)[0]} shares its storage with a trained parameter but shared_params "
+                "does not list it (a tied weight whose tie record was lost)"
+            )
+        bit16 = {}
+        for name, value in mod.tensors.items():
+            if name in mod.buffers or name in mod.shared:
+                continue
+            if name in params:
+                bit16[name] = _whole(f0, name, value, "trainable")
+            elif frozen_shapes is None or strip_prefixes(name) in {strip_prefixes(k) for k in frozen_shapes}:
+                bit16[name] = _whole(f0, name, value, "frozen")  # ZeRO-1 records no frozen_param_shapes
+        fragments = f0.opt(f0.obj, "frozen_param_fragments", dict) or {}
+        for raw, value in fragments.items():
+            name = strip_prefixes(str(raw))
+            if name not in bit16 and name not in params:
+                bit16[name] = _whole(f0, name, value, "frozen")
+        return bit16
+
+
+def _segments(tensors: Sequence[LazyTensor], pieces: Iterable[partition.Piece]) -> tuple[Segment, ...]:
+    return tuple(Segment(tensors[p.rank], p.start, p.count) for p in pieces)
+
+
+# --- ZeRO-3 ------------------------------------------------------------------------------------------------
+
+
+class _Zero3Reader:
+    def __init__(self, loc: CheckpointLocation, models: list[_File], optims: list[_File], dp: int, reader: RecordReader) -> None:
+        self.loc, self.models, self.optims, self.dp, self.reader = loc, models, optims, dp, reader
+        self.osds = [f.obj["optimizer_state_dict"] for f in optims]
+
+    def read(self) -> ZeroCheckpoint:
+        f0 = self.models[0]
+        mod = _module(f0)
+        self._check_ranks_agree()
+        subgroups = _param_shapes(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
+        _unique_names(f0, subgroups)
+        group_of = self._group_of(len(subgroups))
+        params = []
+        for sg, shapes in enumerate(subgroups):
+            params += self._subgroup_params(sg, shapes, group_of[sg])
+        params.sort(key=lambda p: p.group)  # flat order within each param group, as DeepSpeed builds sub-groups
+        by_name = {p.name: p for p in params}
+        frozen = self._frozen()
+        overlap = sorted(set(frozen) & set(by_name))
+        if overlap:
+            raise f0.fail(f"{overlap[0]} is listed both as a trained and as a frozen parameter")
+        _check_ties(f0, mod, by_name, frozen)
+        _check_module_keys(f0, mod, by_name, frozen)
+        return ZeroCheckpoint(
+            location=self.loc,
+            zero_stage=3,
+            dp_world_size=self.dp,
+            train_dtype=_train_dtype(mod.tensors, by_name),
+            optimizer_kind="zero",
+            ds_version=str(f0.obj.get("ds_version", "")),
+            global_steps=f0.obj.get("global_steps") if isinstance(f0.obj.get("global_steps"), int) else None,
+            keys=mod.keys,
+            params=params,
+            optimizer=self._optimizer_state(group_of, len(subgroups)),
+            bit16=frozen,
+            buffers=mod.buffers,
+            shared_params=mod.shared,
+            frozen_excluded=_frozen_excluded(self.loc, by_name, frozen),
+            ds_config=f0.obj.get("ds_config") if isinstance(f0.obj.get("ds_config"), dict) else {},
+            model_files=[m.obj for m in self.models],
+        )
+
+    def _check_ranks_agree(self) -> None:
+        for m, f, osd in zip(self.models, self.optims, self.osds):
+            count = osd.get("partition_count")
+            if m.obj.get("dp_world_size") != self.dp or count != self.dp or isinstance(count, bool):
+                raise CorruptCheckpointError(
+                    f"{f.path} was written at DP size {m.obj.get('dp_world_size')!r:.20}/{count!r:.20}, rank 0 at "
+                    f"{self.dp}; files from different runs are mixed"
+                )
+            f.get(osd, "fp32_flat_groups", list)
+            inner = f.get(osd, "optimizer_state_dict", dict)
+            f.get(inner, "state", dict, "optimizer_state_dict.")
+            f.get(inner, "param_groups", list, "optimizer_state_dict.")
+        model_keys = ("param_shapes", "frozen_param_shapes", "buffer_names", "global_steps", "global_samples",
+                      "skipped_steps", "ds_config", "ds_version", "lr_scheduler", "mp_world_size")  # fmt: skip
+        for key in model_keys:
+            _check_agree(self.models, [m.obj.get(key) for m in self.models], key, self.reader)
+        _check_agree(self.models, [sorted(map(str, m.obj["module"])) for m in self.models], "the module's keys", self.reader)
+        for m in self.models[1:]:
+            if m.obj.get("shared_params") and m.obj.get("shared_params") != self.models[0].obj.get("shared_params"):
+                raise m.fail("shared_params differs from rank 0's")
+        for key in ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "ds_version"):
+            _check_agree(self.optims, [o.get(key) for o in self.osds], key, self.reader)
+        _check_agree(self.optims, [f.obj.get("ds_config") for f in self.optims], "ds_config", self.reader)
+        inner = [o["optimizer_state_dict"] for o in self.osds]
+        _check_agree(self.optims, [i["param_groups"] for i in inner], "the optimizer hyper-parameters", self.reader)
+        _check_agree(self.optims, [{k: _scalars(v) if isinstance(v, dict) else v for k, v in i["state"].items()} for i in inner],
+                     "the optimizer step", self.reader)  # fmt: skip
+
+    def _group_of(self, num_subgroups: int) -> dict[int, int]:
+        f = self.optims[0]
+        inner = self.osds[0]["optimizer_state_dict"]
+        group_of: dict[int, int] = {}
+        for g, pg in enumerate(inner["param_groups"]):
+            ids = f.get(pg, "params", list, f"param_groups[{g}].")
+            for sg in ids:
+                if not isinstance(sg, int) or sg in group_of or not 0 <= sg < num_subgroups:
+                    raise f.fail(f"param_groups[{g}] lists sub-group {sg!r:.20}, not one of the {num_subgroups} sub-groups of param_shapes")
+                group_of[sg] = g
+        if len(group_of) != num_subgroups:
+            raise f.fail(f"the optimizer's param groups cover {len(group_of)} sub-groups, param_shapes has {num_subgroups}")
+        if list(group_of.values()) != sorted(group_of.values()) or sorted(group_of) != list(group_of):
+            raise f.fail("the optimizer's param groups do not list the sub-groups in order")
+        return group_of
+
+    def _subgroup_params(self, sg: int, shapes: list[tuple[str, tuple[int, ...]]], group: int) -> list[Param]:
+        numels = [_numel(s) for _, s in shapes]
+        offsets = partition.zero3_subgroup_offsets(numels, self.dp)
+        flat_len = sum(partition.zero3_partition_numel(n, self.dp) for n in numels)
+        flats = []
+        for r, (f, osd) in enumerate(zip(self.optims, self.osds)):
+            groups = osd["fp32_flat_groups"]
+            if sg >= len(groups):
+                raise f.fail(f"has no fp32 partition for sub-group {sg}")
+            t = f.master(groups[sg], f"the fp32 partition of sub-group {sg}")
+            if t.numel() != flat_len:
+                raise CorruptCheckpointError(
+                    f"{f.path}: sub-group {sg} should hold {flat_len} fp32 elements, found {t.numel()}; "
+                    "the file does not match param_shapes (mixed runs or damaged files); re-copy the tag folder"
+                )
+            flats.append(t)
+        keys = self._state_keys(sg)
+        moments = {k: [self._moment(r, sg, k, flat_len) for r in range(self.dp)] for k in keys}
+        params = []
+        for (name, shape), numel, off in zip(shapes, numels, offsets):
+            pieces = partition.zero3_pieces(numel, self.dp, off)
+            fp32 = TensorSource(strip_prefixes(name), shape, dtypes.FLOAT32, _segments(flats, pieces), "trainable")
+            st = {k: TensorSource(fp32.name, shape, ts[0].dtype, _segments(ts, pieces), "state") for k, ts in moments.items()}
+            params.append(Param(fp32.name, name, shape, group, 0, fp32, st))
+        return params
+
+    def _state_keys(self, sg: int) -> list[str]:
+        f = self.optims[0]
+        state = self.osds[0]["optimizer_state_dict"]["state"].get(sg, {})
+        if not isinstance(state, dict):
+            raise f.fail(f"optimizer state of sub-group {sg} is not a dict")
+        return _flat_state_keys(state)
+
+    def _moment(self, r: int, sg: int, key: str, flat_len: int) -> LazyTensor:
+        f = self.optims[r]
+        state = self.osds[r]["optimizer_state_dict"]["state"].get(sg)
+        t = f.tensor(state.get(key) if isinstance(state, dict) else None, f"optimizer state {key!r} of sub-group {sg}")
+        if t.dim() != 1 or t.numel() != flat_len:
+            raise f.fail(f"optimizer state {key!r} of sub-group {sg} holds {t.numel()} elements, the partition {flat_len}")
+        return t
+
+    def _optimizer_state(self, group_of: dict[int, int], num_subgroups: int) -> OptimizerState:
+        osd = self.osds[0]
+        inner = osd["optimizer_state_dict"]
+        states = inner["state"]
+        extra = [k for k in states if not isinstance(k, int) or not 0 <= k < num_subgroups]
+        if extra:
+            raise self.optims[0].fail(f"optimizer state is keyed {extra[0]!r:.20}, no sub-group of param_shapes")
+        first_sg = {g: int(pg["params"][0]) for g, pg in enumerate(inner["param_groups"]) if pg["params"]}
+        scalars = [_scalars(states.get(first_sg[g], {})) if g in first_sg else {} for g in range(len(inner["param_groups"]))]
+        common = {k: v for k, v in osd.items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
+        common["param_groups"] = inner["param_groups"]
+        meta = {k: v for k, v in self.optims[0].obj.items() if k != "optimizer_state_dict"}
+        return OptimizerState(scalars, common, meta)
+
+    def _frozen(self) -> dict[str, TensorSource]:
+        f0 = self.models[0]
+        shapes = f0.opt(f0.obj, "frozen_param_shapes", dict) or {}
+        out = {}
+        for raw, shape_value in shapes.items():
+            name = strip_prefixes(str(raw))
+            shape = _shape(f0, shape_value, f"frozen_param_shapes[{name!r}]")
+            numel = _numel(shape)
+            p = partition.zero3_partition_numel(numel, self.dp)
+            segs = []
+            dtype_seen = None
+            for r, m in enumerate(self.models):
+                frags = m.opt(m.obj, "frozen_param_fragments", dict) or {}
+                frag = frags.get(raw)
+                if not isinstance(frag, LazyTensor) or frag.numel() != p:
+                    raise m.fail(f"lacks the {p}-element fragment of frozen param {name}")
+                m.tensor(frag, f"the fragment of frozen param {name}")
+                if dtype_seen is not None and frag.dtype != dtype_seen:
+                    raise m.fail(f"the fragment of frozen param {name} is {frag.dtype.name}, rank 0's {dtype_seen.name}")
+                dtype_seen = frag.dtype
+                count = max(0, min(p, numel - r * p))
+                if count:
+                    segs.append(Segment(frag, 0, count))
+            out[name] = TensorSource(name, shape, dtype_seen or dtypes.FLOAT32, tuple(segs), "frozen")
+        return out
+
+
+# --- The check that needs tensor bytes ---------------------------------------------------------------------
+
+
+def check_module_copies(ckpt: ZeroCheckpoint, reader: RecordReader) -> None:
+    """ZeRO-1/2 save the module's 16-bit weights beside the fp32 masters; the engine copies the cast masters
+    into them after every step, so they must be equal. A swapped, stale or mixed-up optimizer file breaks
+    this even when every file is intact.
+    """
+    from .crosscheck import module_matches_masters
+
+    mismatch = module_matches_masters(ckpt, reader)
+    if mismatch is not None:
+        raise CorruptCheckpointError(
+            f"{ckpt.location.tag_dir}: the fp32 master of {mismatch} does not match the module's "
+            f"{ckpt.train_dtype.name} copy of it: the optimizer files do not belong with "
+            f"{ckpt.location.files.model_files[0]} (files swapped, stale or from another run); re-copy the tag folder"
+        )

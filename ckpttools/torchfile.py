@@ -25,7 +25,7 @@ from typing import Any
 
 from . import dtypes
 from .dtypes import DType
-from .errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
 
@@ -181,12 +181,26 @@ class LazyTensor:
 # --- The allowlisting unpickler -----------------------------------------------------------------------
 
 
-def _rebuild_tensor(storage: StorageRef, storage_offset: int, size: Any, stride: Any, requires_grad: Any = False,
-                    *_: Any) -> LazyTensor:  # fmt: skip
+def _rebuild_tensor(
+    storage: StorageRef, storage_offset: Any, size: Any, stride: Any, requires_grad: Any = False, *_: Any
+) -> LazyTensor:
     if not isinstance(storage, StorageRef):
         raise UnsafeCheckpointError("tensor rebuilt from something that is not a stored storage")
-    return LazyTensor(storage, int(storage_offset), tuple(int(s) for s in size), tuple(int(s) for s in stride),
-                      requires_grad=requires_grad is True)  # fmt: skip
+    if not _is_count(storage_offset) or not _is_dims(size) or not _is_dims(stride) or len(size) != len(stride):
+        raise CorruptCheckpointError(
+            f"{storage.record.path}: a tensor of record {storage.record.name} has an impossible view "
+            f"(offset {storage_offset!r:.20}, size {size!r:.40}, stride {stride!r:.40}); the file is damaged"
+        )
+    dims = tuple(int(s) for s in size)
+    return LazyTensor(storage, int(storage_offset), dims, tuple(int(s) for s in stride), requires_grad=requires_grad is True)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
+
+
+def _is_dims(value: Any) -> bool:
+    return isinstance(value, (tuple, list)) and len(value) <= 64 and all(_is_count(v) for v in value)
 
 
 def _rebuild_from_type(func: Any, _type: Any, args: tuple, state: Any) -> Any:
@@ -270,58 +284,82 @@ def _data_offset(fh: Any, info: zipfile.ZipInfo) -> int:
     return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
 
 
-def load_pickle(path: Path) -> Any:
+GENERIC_ARCHIVE = "archive"  # torch.save to a file object (not a path) names its archive folder so
+
+
+def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
     """Unpickle a `torch.save` zip file through the allowlist; tensors come back as `LazyTensor`s.
 
+    `torch.save(obj, ".../name.pt")` stores everything under a folder `name/` inside the zip, so a file that
+    was renamed, swapped with another or copied over one betrays itself: with `check_identity` such a file
+    is refused.
+
     Raises:
-        CorruptCheckpointError: the file is truncated, not a zip, or its pickle is damaged.
+        CorruptCheckpointError: the file is truncated, not a zip, renamed, or its pickle is damaged.
         UnsupportedCheckpointError: legacy (pre-zip) serialization or big-endian files.
         UnsafeCheckpointError: the pickle references anything outside the allowlist.
     """
     path = Path(path)
     try:
-        with open(path, "rb") as fh:
-            if not zipfile.is_zipfile(fh):
-                fh.seek(0)
-                magic = fh.read(2)
-                if magic == b"\x80\x02" or magic[:1] == b"\x80":
-                    raise UnsupportedCheckpointError(
-                        f"{path} uses torch's legacy (non-zip) format, written with "
-                        '"checkpoint": {"checkpoint_serialization": false}; re-save it with serialization on, '
-                        "or convert it once with torch.save(torch.load(f, weights_only=True), f2)"
-                    )
-                raise CorruptCheckpointError(
-                    f"{path} is not a torch checkpoint (not a zip archive): truncated or damaged"
-                )
-            with zipfile.ZipFile(fh) as zf:
-                infos = zf.infolist()
-                pkl = next((i for i in infos if i.filename.endswith("/data.pkl")), None)
-                if pkl is None:
-                    raise CorruptCheckpointError(f"{path} has no data.pkl: not a torch.save file")
-                prefix = pkl.filename[: -len("data.pkl")]
-                byteorder = next((i for i in infos if i.filename == prefix + "byteorder"), None)
-                if byteorder is not None and zf.read(byteorder).strip() != b"little":
-                    raise UnsupportedCheckpointError(f"{path} was written on a big-endian machine")
-                records = {}
-                for info in infos:
-                    if info.filename.startswith(prefix + "data/"):
-                        if info.compress_type != zipfile.ZIP_STORED:
-                            raise UnsupportedCheckpointError(f"{path}: compressed storage records are not supported")
-                        key = info.filename[len(prefix) + 5 :]
-                        records[key] = Record(path, info.filename, _data_offset(fh, info), info.file_size, info.CRC)
-                data = zf.read(pkl)  # zipfile checks this record's CRC
-    except (zipfile.BadZipFile, zlib.error, EOFError, struct.error) as e:
-        raise CorruptCheckpointError(f"{path} is damaged ({e}); re-copy it from the source") from e
+        data, records, archive = _read_zip(path)
+    except (zipfile.BadZipFile, zlib.error, EOFError, struct.error, UnicodeDecodeError, NotImplementedError,
+            ValueError, OverflowError) as e:  # fmt: skip
+        if isinstance(e, CkptError):
+            raise
+        raise CorruptCheckpointError(f"{path} is damaged ({type(e).__name__}: {e}); re-copy it from the source") from e
+    if check_identity and archive not in (path.stem, GENERIC_ARCHIVE):
+        raise CorruptCheckpointError(
+            f"{path} holds the data of {archive}{path.suffix} (torch.save records the file's own name inside it): "
+            "files were renamed, swapped or copied over each other; restore the original files"
+        )
     size = path.stat().st_size
     for rec in records.values():
         if rec.offset + rec.nbytes > size:
             raise CorruptCheckpointError(f"{path} is truncated: record {rec.name} runs past the end of the file")
     try:
         return _AllowlistUnpickler(data, records, path).load()
-    except (pickle.UnpicklingError, EOFError, TypeError, AttributeError, ValueError, IndexError, KeyError) as e:
-        if isinstance(e, (UnsafeCheckpointError, CorruptCheckpointError)):
-            raise
-        raise CorruptCheckpointError(f"{path}: cannot read its pickle ({type(e).__name__}: {e})") from e
+    except CkptError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure inside a damaged pickle is a damaged file
+        raise CorruptCheckpointError(f"{path}: cannot read its pickle ({type(e).__name__}: {e!s:.100})") from e
+
+
+def _read_zip(path: Path) -> tuple[bytes, dict[str, Record], str]:
+    """The pickle bytes, the storage records and the archive folder name of a torch.save zip."""
+    with open(path, "rb") as fh:
+        if not zipfile.is_zipfile(fh):
+            fh.seek(0)
+            magic = fh.read(2)
+            if magic == b"\x80\x02" or magic[:1] == b"\x80":
+                raise UnsupportedCheckpointError(
+                    f"{path} uses torch's legacy (non-zip) format, written with "
+                    '"checkpoint": {"checkpoint_serialization": false}; re-save it with serialization on, '
+                    "or convert it once with torch.save(torch.load(f, weights_only=True), f2)"
+                )
+            raise CorruptCheckpointError(f"{path} is not a torch checkpoint (not a zip archive): truncated or damaged")
+        with zipfile.ZipFile(fh) as zf:
+            infos = zf.infolist()
+            pkls = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+            if len(pkls) != 1:
+                raise CorruptCheckpointError(f"{path} has {len(pkls)} data.pkl entries: not a torch.save file")
+            pkl = pkls[0]
+            prefix = pkl.filename[: -len("data.pkl")]
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise CorruptCheckpointError(
+                        f"{path}: entry {info.filename} is compressed, which torch.save never does; the file is not "
+                        "a checkpoint DeepSpeed wrote"
+                    )
+            byteorder = next((i for i in infos if i.filename == prefix + "byteorder"), None)
+            if byteorder is not None and zf.read(byteorder).strip() != b"little":
+                raise UnsupportedCheckpointError(f"{path} was written on a big-endian machine")
+            records = {}
+            for info in infos:
+                if info.filename.startswith(prefix + "data/"):
+                    key = info.filename[len(prefix) + 5 :]
+                    records[key] = Record(path, info.filename, _data_offset(fh, info), info.file_size, info.CRC)
+            data = zf.read(pkl)  # zipfile checks this record's CRC
+    return data, records, prefix[:-1]
 
 
 # --- Reading bytes with CRC checks --------------------------------------------------------------------
