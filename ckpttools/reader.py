@@ -222,7 +222,9 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
 
 
 def _shape(f: _File, value: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(value, (tuple, list)) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value):
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value
+    ):
         raise f.fail(f"{where} is not a shape ({value!r:.60})")
     return tuple(int(s) for s in value)
 
@@ -327,9 +329,13 @@ def _load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: st
 def _refuse_unsupported(f: _File) -> None:
     model_state = f.obj
     if model_state.get("module") is None:
-        raise UnsupportedCheckpointError(f"{f.path} has no module weights (module is None): a pipeline-parallel checkpoint")
+        raise UnsupportedCheckpointError(
+            f"{f.path} has no module weights (module is None): a pipeline-parallel checkpoint"
+        )
     if model_state.get("mp_world_size", 1) not in (1, None):
-        raise UnsupportedCheckpointError(f"{f.path}: tensor/model parallel size {model_state['mp_world_size']!r:.20} is not supported")
+        raise UnsupportedCheckpointError(
+            f"{f.path}: tensor/model parallel size {model_state['mp_world_size']!r:.20} is not supported"
+        )
     if model_state.get("num_experts") or model_state.get("ds_autoep_layers"):
         raise UnsupportedCheckpointError(f"{f.path} is a MoE checkpoint; MoE experts are not supported yet")
     dims = model_state.get("checkpoint_parallel_dimensions") or {}
@@ -379,14 +385,20 @@ def read_checkpoint(
     """
     loc = locate(Path(path), tag=tag, step=step, best=best)
     first = min(loc.files.model_files)
-    model0 = _File(loc.tag_dir / loc.files.model_files[first], load_pickle(loc.tag_dir / loc.files.model_files[first]), "model-states")
+    model0 = _File(
+        loc.tag_dir / loc.files.model_files[first],
+        load_pickle(loc.tag_dir / loc.files.model_files[first]),
+        "model-states",
+    )
     _refuse_unsupported(model0)
     dp = _dp_size(model0)
     optims = _load_rank_files(loc, loc.files.optim_files, "*_optim_states.pt", dp)
     osds = [f.get(f.obj, "optimizer_state_dict", dict) for f in optims]
     stages = [_zero_stage(f, o) for f, o in zip(optims, osds)]
     if len(set(stages)) != 1:
-        raise CorruptCheckpointError(f"{loc.tag_dir}: rank files disagree on the ZeRO stage ({sorted(set(stages))}); mixed runs?")
+        raise CorruptCheckpointError(
+            f"{loc.tag_dir}: rank files disagree on the ZeRO stage ({sorted(set(stages))}); mixed runs?"
+        )
     stage = stages[0]
     if loc.files.zero3_layout != (stage == 3):
         raise CorruptCheckpointError(
@@ -474,6 +486,11 @@ def _check_module_keys(f: _File, mod: _Module, params: Mapping[str, Param], froz
             raise f.fail(f"parameter {name} of param_shapes is missing from the module")
 
 
+def check_ties_and_keys(f: _File, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]) -> None:
+    _check_ties(f, mod, params, frozen)
+    _check_module_keys(f, mod, params, frozen)
+
+
 def _train_dtype(module: Mapping[str, Any], names: Iterable[str]) -> DType:
     for name in names:
         t = module.get(name)
@@ -518,7 +535,9 @@ def _undeclared_aliases(mod: _Module, params: Mapping[str, Param]) -> list[str]:
 
 
 class _Zero12Reader:
-    def __init__(self, loc: CheckpointLocation, model0: _File, optims: list[_File], dp: int, stage: int, reader: RecordReader) -> None:
+    def __init__(
+        self, loc: CheckpointLocation, model0: _File, optims: list[_File], dp: int, stage: int, reader: RecordReader
+    ) -> None:
         self.loc, self.model0, self.optims, self.dp, self.stage, self.reader = loc, model0, optims, dp, stage, reader
         self.osds = [f.obj["optimizer_state_dict"] for f in optims]
         self.bf16_optimizer = "zero_stage" not in self.osds[0]
@@ -535,13 +554,15 @@ class _Zero12Reader:
         for g, shapes in enumerate(groups):
             params += self._group_params(g, shapes, states)
         by_name = {p.name: p for p in params}
-        bit16 = self._bit16(mod, by_name)
+        bit16 = zero12_bit16(f0, mod, by_name)
         frozen = {n: s for n, s in bit16.items() if n not in by_name}
         _check_ties(f0, mod, by_name, frozen)
         _check_module_keys(f0, mod, by_name, frozen)
         for name, src in bit16.items():
             if name in by_name and src.shape != by_name[name].shape:
-                raise f0.fail(f"{name} has shape {list(src.shape)} in the module but {list(by_name[name].shape)} in param_shapes")
+                raise f0.fail(
+                    f"{name} has shape {list(src.shape)} in the module but {list(by_name[name].shape)} in param_shapes"
+                )
         return ZeroCheckpoint(
             location=self.loc,
             zero_stage=self.stage,
@@ -592,7 +613,9 @@ class _Zero12Reader:
         state = f.get(base, "state", dict, "base_optimizer_state.")
         f.get(base, "param_groups", list, "base_optimizer_state.")
         if any(not isinstance(k, int) or not 0 <= k < num_groups for k in state):
-            raise f.fail(f"base_optimizer_state.state is keyed {sorted(map(repr, state))[:4]}, not by param group 0-{num_groups - 1}")
+            raise f.fail(
+                f"base_optimizer_state.state is keyed {sorted(map(repr, state))[:4]}, not by param group 0-{num_groups - 1}"
+            )
         out = []
         for g in range(num_groups):
             s = state.get(g, {})
@@ -601,7 +624,9 @@ class _Zero12Reader:
             out.append(s)
         return out
 
-    def _group_params(self, g: int, shapes: list[tuple[str, tuple[int, ...]]], states: list[list[dict[str, Any]]]) -> list[Param]:
+    def _group_params(
+        self, g: int, shapes: list[tuple[str, tuple[int, ...]]], states: list[list[dict[str, Any]]]
+    ) -> list[Param]:
         numels = [_numel(s) for _, s in shapes]
         align = self._alignment(g, len(shapes))
         offsets = partition.zero12_param_offsets(numels, align)
@@ -629,7 +654,10 @@ class _Zero12Reader:
         for (name, shape), numel, off in zip(shapes, numels, offsets):
             pieces = partition.split_range(off, numel, real)
             fp32 = TensorSource(strip_prefixes(name), shape, dtypes.FLOAT32, _segments(masters, pieces), "trainable")
-            st = {k: TensorSource(fp32.name, shape, ts[0].dtype, _segments(ts, pieces), "state") for k, ts in moments.items()}
+            st = {
+                k: TensorSource(fp32.name, shape, ts[0].dtype, _segments(ts, pieces), "state")
+                for k, ts in moments.items()
+            }
             params.append(Param(fp32.name, name, shape, g, align[len(params)], fp32, st))
         return params
 
@@ -646,8 +674,12 @@ class _Zero12Reader:
 
     def _state_keys(self, g: int, states: list[list[dict[str, Any]]]) -> list[str]:
         keys = [_flat_state_keys(s[g]) for s in states]
-        _check_agree(self.optims, [sorted(k) for k in keys], f"the optimizer state keys of param group {g}", self.reader)
-        _check_agree(self.optims, [_scalars(s[g]) for s in states], f"the optimizer step of param group {g}", self.reader)
+        _check_agree(
+            self.optims, [sorted(k) for k in keys], f"the optimizer state keys of param group {g}", self.reader
+        )
+        _check_agree(
+            self.optims, [_scalars(s[g]) for s in states], f"the optimizer step of param group {g}", self.reader
+        )
         return keys[0]
 
     def _moment(self, r: int, g: int, key: str, value: Any, size: int, real: int) -> LazyTensor:
@@ -664,34 +696,40 @@ class _Zero12Reader:
         common = {k: v for k, v in osd.items() if k not in sharded}
         base = osd["base_optimizer_state"]
         if not elastic:
-            _check_agree(self.optims, [o["base_optimizer_state"]["param_groups"] for o in self.osds], "the optimizer hyper-parameters", self.reader)
+            _check_agree(
+                self.optims,
+                [o["base_optimizer_state"]["param_groups"] for o in self.osds],
+                "the optimizer hyper-parameters",
+                self.reader,
+            )
         common["param_groups"] = None if elastic else base["param_groups"]
         meta = {k: v for k, v in self.optims[0].obj.items() if k != "optimizer_state_dict"}
         return OptimizerState([_scalars(s) for s in states[0]], common, meta, elastic)
 
-    def _bit16(self, mod: _Module, params: Mapping[str, Param]) -> dict[str, TensorSource]:
-        f0 = self.model0
-        frozen_shapes = f0.opt(f0.obj, "frozen_param_shapes", dict)
-        aliases = set(_undeclared_aliases(mod, params))
-        if aliases:
-            raise f0.fail(
-                f"module entry {sorted(aliases)[0]} shares its storage with a trained parameter but shared_params "
-                "does not list it (a tied weight whose tie record was lost)"
-            )
-        bit16 = {}
-        for name, value in mod.tensors.items():
-            if name in mod.buffers or name in mod.shared:
-                continue
-            if name in params:
-                bit16[name] = _whole(f0, name, value, "trainable")
-            elif frozen_shapes is None or strip_prefixes(name) in {strip_prefixes(k) for k in frozen_shapes}:
-                bit16[name] = _whole(f0, name, value, "frozen")  # ZeRO-1 records no frozen_param_shapes
-        fragments = f0.opt(f0.obj, "frozen_param_fragments", dict) or {}
-        for raw, value in fragments.items():
-            name = strip_prefixes(str(raw))
-            if name not in bit16 and name not in params:
-                bit16[name] = _whole(f0, name, value, "frozen")
-        return bit16
+
+def zero12_bit16(f0: _File, mod: _Module, params: Mapping[str, Param]) -> dict[str, TensorSource]:
+    """The ZeRO-0/1/2 module's 16-bit copies of trained params, and the frozen params (module or fragments)."""
+    frozen_shapes = f0.opt(f0.obj, "frozen_param_shapes", dict)
+    aliases = set(_undeclared_aliases(mod, params))
+    if aliases:
+        raise f0.fail(
+            f"module entry {sorted(aliases)[0]} shares its storage with a trained parameter but shared_params "
+            "does not list it (a tied weight whose tie record was lost)"
+        )
+    bit16 = {}
+    for name, value in mod.tensors.items():
+        if name in mod.buffers or name in mod.shared:
+            continue
+        if name in params:
+            bit16[name] = _whole(f0, name, value, "trainable")
+        elif frozen_shapes is None or strip_prefixes(name) in {strip_prefixes(k) for k in frozen_shapes}:
+            bit16[name] = _whole(f0, name, value, "frozen")  # ZeRO-1 records no frozen_param_shapes
+    fragments = f0.opt(f0.obj, "frozen_param_fragments", dict) or {}
+    for raw, value in fragments.items():
+        name = strip_prefixes(str(raw))
+        if name not in bit16 and name not in params:
+            bit16[name] = _whole(f0, name, value, "frozen")
+    return bit16
 
 
 def _segments(tensors: Sequence[LazyTensor], pieces: Iterable[partition.Piece]) -> tuple[Segment, ...]:
@@ -702,7 +740,9 @@ def _segments(tensors: Sequence[LazyTensor], pieces: Iterable[partition.Piece]) 
 
 
 class _Zero3Reader:
-    def __init__(self, loc: CheckpointLocation, models: list[_File], optims: list[_File], dp: int, reader: RecordReader) -> None:
+    def __init__(
+        self, loc: CheckpointLocation, models: list[_File], optims: list[_File], dp: int, reader: RecordReader
+    ) -> None:
         self.loc, self.models, self.optims, self.dp, self.reader = loc, models, optims, dp, reader
         self.osds = [f.obj["optimizer_state_dict"] for f in optims]
 
@@ -718,7 +758,7 @@ class _Zero3Reader:
             params += self._subgroup_params(sg, shapes, group_of[sg])
         params.sort(key=lambda p: p.group)  # flat order within each param group, as DeepSpeed builds sub-groups
         by_name = {p.name: p for p in params}
-        frozen = self._frozen()
+        frozen = zero3_frozen(self.models, self.dp)
         overlap = sorted(set(frozen) & set(by_name))
         if overlap:
             raise f0.fail(f"{overlap[0]} is listed both as a trained and as a frozen parameter")
@@ -759,7 +799,9 @@ class _Zero3Reader:
                       "skipped_steps", "ds_config", "ds_version", "lr_scheduler", "mp_world_size")  # fmt: skip
         for key in model_keys:
             _check_agree(self.models, [m.obj.get(key) for m in self.models], key, self.reader)
-        _check_agree(self.models, [sorted(map(str, m.obj["module"])) for m in self.models], "the module's keys", self.reader)
+        _check_agree(
+            self.models, [sorted(map(str, m.obj["module"])) for m in self.models], "the module's keys", self.reader
+        )
         for m in self.models[1:]:
             if m.obj.get("shared_params") and m.obj.get("shared_params") != self.models[0].obj.get("shared_params"):
                 raise m.fail("shared_params differs from rank 0's")
@@ -779,10 +821,14 @@ class _Zero3Reader:
             ids = f.get(pg, "params", list, f"param_groups[{g}].")
             for sg in ids:
                 if not isinstance(sg, int) or sg in group_of or not 0 <= sg < num_subgroups:
-                    raise f.fail(f"param_groups[{g}] lists sub-group {sg!r:.20}, not one of the {num_subgroups} sub-groups of param_shapes")
+                    raise f.fail(
+                        f"param_groups[{g}] lists sub-group {sg!r:.20}, not one of the {num_subgroups} sub-groups of param_shapes"
+                    )
                 group_of[sg] = g
         if len(group_of) != num_subgroups:
-            raise f.fail(f"the optimizer's param groups cover {len(group_of)} sub-groups, param_shapes has {num_subgroups}")
+            raise f.fail(
+                f"the optimizer's param groups cover {len(group_of)} sub-groups, param_shapes has {num_subgroups}"
+            )
         if list(group_of.values()) != sorted(group_of.values()) or sorted(group_of) != list(group_of):
             raise f.fail("the optimizer's param groups do not list the sub-groups in order")
         return group_of
@@ -809,7 +855,10 @@ class _Zero3Reader:
         for (name, shape), numel, off in zip(shapes, numels, offsets):
             pieces = partition.zero3_pieces(numel, self.dp, off)
             fp32 = TensorSource(strip_prefixes(name), shape, dtypes.FLOAT32, _segments(flats, pieces), "trainable")
-            st = {k: TensorSource(fp32.name, shape, ts[0].dtype, _segments(ts, pieces), "state") for k, ts in moments.items()}
+            st = {
+                k: TensorSource(fp32.name, shape, ts[0].dtype, _segments(ts, pieces), "state")
+                for k, ts in moments.items()
+            }
             params.append(Param(fp32.name, name, shape, group, 0, fp32, st))
         return params
 
@@ -825,7 +874,9 @@ class _Zero3Reader:
         state = self.osds[r]["optimizer_state_dict"]["state"].get(sg)
         t = f.tensor(state.get(key) if isinstance(state, dict) else None, f"optimizer state {key!r} of sub-group {sg}")
         if t.dim() != 1 or t.numel() != flat_len:
-            raise f.fail(f"optimizer state {key!r} of sub-group {sg} holds {t.numel()} elements, the partition {flat_len}")
+            raise f.fail(
+                f"optimizer state {key!r} of sub-group {sg} holds {t.numel()} elements, the partition {flat_len}"
+            )
         return t
 
     def _optimizer_state(self, group_of: dict[int, int], num_subgroups: int) -> OptimizerState:
@@ -836,37 +887,41 @@ class _Zero3Reader:
         if extra:
             raise self.optims[0].fail(f"optimizer state is keyed {extra[0]!r:.20}, no sub-group of param_shapes")
         first_sg = {g: int(pg["params"][0]) for g, pg in enumerate(inner["param_groups"]) if pg["params"]}
-        scalars = [_scalars(states.get(first_sg[g], {})) if g in first_sg else {} for g in range(len(inner["param_groups"]))]
+        scalars = [
+            _scalars(states.get(first_sg[g], {})) if g in first_sg else {} for g in range(len(inner["param_groups"]))
+        ]
         common = {k: v for k, v in osd.items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
         common["param_groups"] = inner["param_groups"]
         meta = {k: v for k, v in self.optims[0].obj.items() if k != "optimizer_state_dict"}
         return OptimizerState(scalars, common, meta)
 
-    def _frozen(self) -> dict[str, TensorSource]:
-        f0 = self.models[0]
-        shapes = f0.opt(f0.obj, "frozen_param_shapes", dict) or {}
-        out = {}
-        for raw, shape_value in shapes.items():
-            name = strip_prefixes(str(raw))
-            shape = _shape(f0, shape_value, f"frozen_param_shapes[{name!r}]")
-            numel = _numel(shape)
-            p = partition.zero3_partition_numel(numel, self.dp)
-            segs = []
-            dtype_seen = None
-            for r, m in enumerate(self.models):
-                frags = m.opt(m.obj, "frozen_param_fragments", dict) or {}
-                frag = frags.get(raw)
-                if not isinstance(frag, LazyTensor) or frag.numel() != p:
-                    raise m.fail(f"lacks the {p}-element fragment of frozen param {name}")
-                m.tensor(frag, f"the fragment of frozen param {name}")
-                if dtype_seen is not None and frag.dtype != dtype_seen:
-                    raise m.fail(f"the fragment of frozen param {name} is {frag.dtype.name}, rank 0's {dtype_seen.name}")
-                dtype_seen = frag.dtype
-                count = max(0, min(p, numel - r * p))
-                if count:
-                    segs.append(Segment(frag, 0, count))
-            out[name] = TensorSource(name, shape, dtype_seen or dtypes.FLOAT32, tuple(segs), "frozen")
-        return out
+
+def zero3_frozen(models: Sequence[_File], dp: int) -> dict[str, TensorSource]:
+    """ZeRO-3 frozen params: each rank's ceil(n/dp) fragment, in rank order."""
+    f0 = models[0]
+    shapes = f0.opt(f0.obj, "frozen_param_shapes", dict) or {}
+    out = {}
+    for raw, shape_value in shapes.items():
+        name = strip_prefixes(str(raw))
+        shape = _shape(f0, shape_value, f"frozen_param_shapes[{name!r}]")
+        numel = _numel(shape)
+        p = partition.zero3_partition_numel(numel, dp)
+        segs = []
+        dtype_seen = None
+        for r, m in enumerate(models):
+            frags = m.opt(m.obj, "frozen_param_fragments", dict) or {}
+            frag = frags.get(raw)
+            if not isinstance(frag, LazyTensor) or frag.numel() != p:
+                raise m.fail(f"lacks the {p}-element fragment of frozen param {name}")
+            m.tensor(frag, f"the fragment of frozen param {name}")
+            if dtype_seen is not None and frag.dtype != dtype_seen:
+                raise m.fail(f"the fragment of frozen param {name} is {frag.dtype.name}, rank 0's {dtype_seen.name}")
+            dtype_seen = frag.dtype
+            count = max(0, min(p, numel - r * p))
+            if count:
+                segs.append(Segment(frag, 0, count))
+        out[name] = TensorSource(name, shape, dtype_seen or dtypes.FLOAT32, tuple(segs), "frozen")
+    return out
 
 
 # --- The check that needs tensor bytes ---------------------------------------------------------------------

@@ -19,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes, partition
-from .consolidate import check_free_space, check_output_dir, publish
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, UsageError
-from .layout import check_tag_name
-from .reader import ZeroCheckpoint, read_checkpoint
-from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize, load_pickle
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .reader import Param, TensorSource, ZeroCheckpoint, check_module_copies, strip_prefixes
+from .sources import open_checkpoint
+from .staging import check_output_dir, staged_folder
+from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize
 from .torchwriter import Fill, NewTensor, ProgressFn, Slice, write_torch_files
+from .universal import MASTER, universal_files
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 _ProgressFns = tuple[ProgressFn | None, ProgressFn | None]  # (on_start, on_progress)
@@ -91,240 +92,88 @@ def _numel(shape: Any) -> int:
     return n
 
 
-# --- Where each state of each parameter lives ---------------------------------------------------------------
+# --- The checkpoint model, as pieces of stored tensors -----------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Param:
-    name: str  # as DeepSpeed names it in param_shapes
-    shape: tuple[int, ...]
-    numel: int
-    group: int  # optimizer param group
-    align_pad: int = 0  # ZeRO-1/2 parameter_alignment padding after this param
+def pieces_of(src: TensorSource) -> Pieces:
+    return [Slice(s.tensor, s.start, s.count) for s in src.segments]
 
 
-@dataclass
-class _Sources:
-    """A checkpoint's parameters in flat order and, per state, the stored slices making up each one."""
-
-    stage: int
-    params: list[_Param]
-    keys: list[str]  # "fp32" and the optimizer moments ("exp_avg", "exp_avg_sq")
-    full: dict[tuple[str, str], Pieces]  # (param name, key) -> flat pieces of the whole parameter
-    steps: list[Any]  # per param group: the optimizer `state` entries that are not tensors (step, ...)
-    common: dict[str, Any]  # optimizer-state entries that are not sharded (loss scaler, param_groups, ...)
-    wrapper: dict[str, Any]  # the rank file around them (ds_config, ds_version)
-    model_files: list[dict[str, Any]]  # ZeRO-1/2: [mp_rank_00]; ZeRO-3: per old rank (frozen fragments)
-    bf16_optimizer: bool = False
-    elastic: bool = False
-
-    def group_params(self, g: int) -> list[_Param]:
-        return [p for p in self.params if p.group == g]
-
-    @property
-    def num_groups(self) -> int:
-        return 1 + max((p.group for p in self.params), default=-1)
+def _state(p: Param, key: str) -> TensorSource:
+    return p.fp32 if key == MASTER else p.states[key]
 
 
-def _zero12_native(ckpt: ZeroCheckpoint) -> _Sources:
-    model0 = ckpt.rank_model_files[0]
-    osds = [f["optimizer_state_dict"] for f in ckpt.rank_optim_files]
-    elastic = isinstance(osds[0].get("base_optimizer_state"), list)
-    align = osds[0].get("param_alignment_paddings")
-    params, full, steps = [], {}, []
-    states = [o["base_optimizer_state"] if elastic else o["base_optimizer_state"]["state"] for o in osds]
-    keys = ["fp32"] + _moment_keys(states[0][0])
-    for g, shapes in enumerate(model0["param_shapes"]):
-        group = [
-            _Param(n, tuple(int(x) for x in s), _numel(s), g, align[g][i] if align else 0)
-            for i, (n, s) in enumerate(shapes.items())
-        ]
-        total = sum(p.numel + p.align_pad for p in group)
-        size = partition.zero12_partition_size(total, ckpt.dp_world_size)
-        real = [max(0, min(size, total - r * size)) for r in range(ckpt.dp_world_size)]
-        for key in keys:
-            olds = (
-                [o["single_partition_of_fp32_groups"][g] for o in osds]
-                if key == "fp32"
-                else [s[g][key] for s in states]
-            )
-            vector: Pieces = [Slice(olds[p.rank], p.start, p.count) for p in partition.split_range(0, total, real)]
-            pos = 0
-            for p in group:
-                full[(p.name, key)] = take(vector, pos, p.numel)
-                pos += p.numel + p.align_pad
-        params += group
-        steps.append({k: v for k, v in states[0][g].items() if k not in keys})
-    sharded = ("base_optimizer_state", "single_partition_of_fp32_groups", "param_slice_mappings")
-    common = {k: v for k, v in osds[0].items() if k not in sharded}
-    base = osds[0]["base_optimizer_state"]
-    common["param_groups"] = None if elastic else base["param_groups"]
-    return _Sources(ckpt.zero_stage, params, keys, full, steps, common, _wrapper(ckpt.rank_optim_files[0]),
-                    [model0], ckpt.optimizer_kind == "bf16_optimizer", elastic)  # fmt: skip
+def _group_params(ckpt: ZeroCheckpoint, g: int) -> list[Param]:
+    return [p for p in ckpt.params if p.group == g]
 
 
-def _zero3_native(ckpt: ZeroCheckpoint) -> _Sources:
-    model0 = ckpt.rank_model_files[0]
-    osds = [f["optimizer_state_dict"] for f in ckpt.rank_optim_files]
-    inner = osds[0]["optimizer_state_dict"]
-    keys = ["fp32"] + _moment_keys(inner["state"][0])
-    group_of = {int(sg): g for g, pg in enumerate(inner["param_groups"]) for sg in pg["params"]}
-    params, full = [], {}
-    for sg, shapes in enumerate(model0["param_shapes"]):
-        numels = [_numel(s) for s in shapes.values()]
-        for (name, shape), numel, off in zip(
-            shapes.items(), numels, partition.zero3_subgroup_offsets(numels, ckpt.dp_world_size)
-        ):
-            params.append(_Param(name, tuple(int(x) for x in shape), numel, group_of[sg]))
-            for key in keys:
-                olds = [
-                    o["fp32_flat_groups"][sg] if key == "fp32" else o["optimizer_state_dict"]["state"][sg][key]
-                    for o in osds
-                ]
-                full[(name, key)] = [
-                    Slice(olds[p.rank], p.start, p.count)
-                    for p in partition.zero3_pieces(numel, ckpt.dp_world_size, off)
-                ]
-    # flat order within each param group, as DeepSpeed builds its sub-groups
-    params.sort(key=lambda p: p.group)
-    first_sg = {g: int(pg["params"][0]) for g, pg in enumerate(inner["param_groups"])}
-    steps = [{k: v for k, v in inner["state"][first_sg[g]].items() if k not in keys} for g in range(len(first_sg))]
-    common = {k: v for k, v in osds[0].items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
-    common["param_groups"] = inner["param_groups"]
-    return _Sources(3, params, keys, full, steps, common, _wrapper(ckpt.rank_optim_files[0]), ckpt.rank_model_files)
+def _num_groups(ckpt: ZeroCheckpoint) -> int:
+    return max(len(ckpt.optimizer.group_scalars), 1 + max((p.group for p in ckpt.params), default=-1))
 
 
-def _wrapper(optim_file: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in optim_file.items() if k != "optimizer_state_dict"}
+def _group_keys(group: list[Param]) -> list[str]:
+    """The optimizer's own state keys of a param group (none before the first optimizer step)."""
+    keys = list(group[0].states) if group else []
+    for p in group:
+        if sorted(p.states) != sorted(keys):
+            raise CorruptCheckpointError(f"{p.name} has optimizer states {sorted(p.states)}, its group {sorted(keys)}")
+    return keys
 
 
-def _is_flat_state(value: Any) -> bool:
-    return isinstance(value, LazyTensor) and value.dim() > 0  # `step` may be a 0-dim tensor: not sharded
-
-
-def _moment_keys(state: dict[str, Any]) -> list[str]:
-    return [k for k, v in state.items() if _is_flat_state(v)]
-
-
-# --- Universal checkpoints (read) ---------------------------------------------------------------------------
-
-
-def _universal_tensor(path: Path) -> LazyTensor:
-    obj = load_pickle(path)
-    tensor = obj.get("param") if isinstance(obj, dict) else obj
-    if not isinstance(tensor, LazyTensor):
-        raise CorruptCheckpointError(f"{path} holds no tensor")
-    return tensor
-
-
-def _universal_sources(root: Path, tag: str | None) -> tuple[_Sources, str]:
-    latest = root / "latest_universal"
-    if tag is None:
-        if not latest.is_file():
-            raise CheckpointNotFoundError(f"{root} has no latest_universal file; pass --tag")
-        tag = latest.read_text().strip()
-    tag = check_tag_name(tag)
-    tag_dir = root / tag
-    zero = tag_dir / "zero"
-    if not (zero / "optimizer_state.pt").is_file():
-        raise CheckpointNotFoundError(f"{zero / 'optimizer_state.pt'} is missing: not a universal checkpoint tag")
-    common = load_pickle(zero / "optimizer_state.pt")
-    stage = int(common.get("zero_stage", 1))
-    model_names = sorted(p.name for p in tag_dir.glob("*_model_states.pt"))
-    if not model_names:
-        raise CheckpointNotFoundError(f"{tag_dir} has no *_model_states.pt file")
-    if stage == 3:
-        ranked = sorted(model_names, key=lambda n: int(n.split("_")[3]))
-        model_files = [load_pickle(tag_dir / n) for n in ranked]
-        group_shapes = model_files[0]["param_shapes"]
-        inner = common["optimizer_state_dict"]
-        group_of = {int(sg): g for g, pg in enumerate(inner["param_groups"]) for sg in pg["params"]}
-        shapes = [(n, s, group_of[sg]) for sg, g in enumerate(group_shapes) for n, s in g.items()]
-        steps_src = [{k: v for k, v in inner["state"][int(pg["params"][0])].items() if not _is_flat_state(v)}
-                     for pg in inner["param_groups"]]  # fmt: skip
-    else:
-        model_files = [load_pickle(tag_dir / "mp_rank_00_model_states.pt")]
-        shapes = [(n, s, g) for g, group in enumerate(model_files[0]["param_shapes"]) for n, s in group.items()]
-        steps_src = None
-    align = common.get("param_alignment_paddings")
-    params, full, keys = [], {}, ["fp32", "exp_avg", "exp_avg_sq"]
-    index_in_group: dict[int, int] = {}
-    for name, shape, g in shapes:
-        i = index_in_group.get(g, 0)
-        index_in_group[g] = i + 1
-        pad = align[g][i] if (align and stage != 3) else 0
-        params.append(_Param(name, tuple(int(x) for x in shape), _numel(shape), g, pad))
-        for key in keys:
-            path = zero / name / f"{key}.pt"
-            if not path.is_file():
-                raise CheckpointNotFoundError(f"universal checkpoint lacks {path}")
-            tensor = _universal_tensor(path)
-            if tensor.numel() != _numel(shape):
-                raise CorruptCheckpointError(f"{path} holds {tensor.numel()} elements, {name} has {_numel(shape)}")
-            full[(name, key)] = [Slice(tensor, 0, tensor.numel())]
-    params.sort(key=lambda p: p.group)
-    if steps_src is None:
-        steps_src = []
-        for g in range(1 + max(p.group for p in params)):
-            first = next(p for p in params if p.group == g)
-            step = zero / first.name / "step.pt"
-            steps_src.append({"step": load_pickle(step)} if step.is_file() else {})
-    wrapper = {"ds_config": model_files[0].get("ds_config"), "ds_version": model_files[0].get("ds_version")}
-    src = _Sources(stage, params, keys, full, steps_src, {**common}, wrapper, model_files, "zero_stage" not in common)
-    if stage == 3:
-        src.model_files = model_files
-    return src, tag
+def _new(dtype: dtypes.DType, pieces: Pieces, shape: tuple[int, ...] | None = None) -> NewTensor:
+    return NewTensor(dtype, tuple(pieces), shape)
 
 
 # --- Native ZeRO-1/2 rank files -----------------------------------------------------------------------------
 
 
-def _zero12_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    common = {k: v for k, v in src.common.items() if k != "param_groups"}
+def _zero12_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    opt = ckpt.optimizer
+    bf16_optimizer = ckpt.optimizer_kind == "bf16_optimizer"
+    num_groups = _num_groups(ckpt)
+    common = {k: v for k, v in opt.common.items() if k != "param_groups"}
     osds = [{**common, "single_partition_of_fp32_groups": [], "group_paddings": [], "param_slice_mappings": [],
-             "partition_count": [dp] * src.num_groups,
-             "base_optimizer_state": [] if src.elastic else {"state": {}, "param_groups": src.common["param_groups"]}}
+             "partition_count": [dp] * num_groups,
+             "base_optimizer_state": [] if opt.elastic else {"state": {}, "param_groups": opt.param_groups}}
             for _ in range(dp)]  # fmt: skip
-    for g in range(src.num_groups):
-        group = src.group_params(g)
-        vectors = {
-            key: [piece for p in group for piece in padded(src.full[(p.name, key)], p.align_pad)] for key in src.keys
-        }
+    for g in range(num_groups):
+        group = _group_params(ckpt, g)
+        keys = _group_keys(group)
         total = sum(p.numel + p.align_pad for p in group)
         size = partition.zero12_partition_size(total, dp)
+        vectors = {k: [x for p in group for x in padded(pieces_of(_state(p, k)), p.align_pad)] for k in [MASTER, *keys]}
         for r, osd in enumerate(osds):
             lo = r * size
             n = max(0, min(size, total - lo))
-            fp32 = take(vectors["fp32"], lo, n)
-            osd["single_partition_of_fp32_groups"].append(
-                _master(padded(fp32, size - n) if src.bf16_optimizer else fp32)
-            )
-            state = dict(src.steps[g])
-            for key in src.keys[1:]:
+            fp32 = take(vectors[MASTER], lo, n)
+            osd["single_partition_of_fp32_groups"].append(_master(padded(fp32, size - n) if bf16_optimizer else fp32))
+            state = dict(opt.group_scalars[g]) if g < len(opt.group_scalars) else {}
+            for key in keys:
                 part = take(vectors[key], lo, n)
-                state[key] = _flat(part if src.elastic else padded(part, size - n))
-            if src.elastic:
+                state[key] = _new(group[0].states[key].dtype, part if opt.elastic else padded(part, size - n))
+            if opt.elastic:
                 osd["base_optimizer_state"].append(state)
-            else:
+            elif state:  # before the first optimizer step the torch optimizer has no state at all
                 osd["base_optimizer_state"]["state"][g] = state
             # BF16_Optimizer records the whole group's padding on the last rank only
-            pad = (size * dp - total if r == dp - 1 else 0) if src.bf16_optimizer else size - n
+            pad = (size * dp - total if r == dp - 1 else 0) if bf16_optimizer else size - n
             osd["group_paddings"].append(pad)
             osd["param_slice_mappings"].append(_slice_mappings(group, lo, lo + n))
-    if src.bf16_optimizer:
+    if bf16_optimizer:
         for osd in osds:
             osd.pop("param_alignment_paddings", None)
-    return [{**src.model_files[0], "dp_world_size": dp}], [{**src.wrapper, "optimizer_state_dict": o} for o in osds]
+    model = {**ckpt.model_files[0], "dp_world_size": dp}
+    return [model], [{**opt.file_meta, "optimizer_state_dict": o} for o in osds]
 
 
-def _slice_mappings(group: list[_Param], lo: int, hi: int) -> OrderedDict[str, Any]:
+def _slice_mappings(group: list[Param], lo: int, hi: int) -> OrderedDict[str, Any]:
     """DeepSpeed's param_slice_mappings: each param touching [lo, hi) with its (numel, start) in the partition."""
     mapping: OrderedDict[str, Any] = OrderedDict()
     off = 0
     for p in group:
         start, end = max(off, lo), min(off + p.numel, hi)
         if start < end:
-            mapping[p.name] = _fragment(end - start, start - lo)
+            mapping[p.file_name] = _fragment(end - start, start - lo)
         off += p.numel + p.align_pad
     return mapping
 
@@ -353,37 +202,48 @@ def _zero3_slice(pieces: Pieces, numel: int, dp: int, rank: int) -> Pieces:
     return padded(take(pieces, rank * p, n) if n else [], p - n)
 
 
-def _zero3_files(src: _Sources, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    ds_config = src.wrapper.get("ds_config") or {}
-    sub_group_size = int(
-        float((ds_config.get("zero_optimization") or {}).get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
-    )
-    subgroups: list[list[_Param]] = []
+def _sub_group_size(ckpt: ZeroCheckpoint) -> int:
+    zero_cfg = (ckpt.optimizer.file_meta.get("ds_config") or {}).get("zero_optimization") or {}
+    try:
+        size = int(float(zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+    except (TypeError, ValueError, OverflowError) as e:
+        raise CorruptCheckpointError(f"the run's zero_optimization.sub_group_size {zero_cfg.get('sub_group_size')!r:.30} is not a number") from e
+    return max(size, 1)
+
+
+def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    opt = ckpt.optimizer
+    groups = opt.param_groups or []
+    sub_group_size = _sub_group_size(ckpt)
+    subgroups: list[list[Param]] = []
     param_groups = []
-    for g, pg in enumerate(src.common["param_groups"]):
-        group = src.group_params(g)
+    for g, pg in enumerate(groups):
+        group = _group_params(ckpt, g)
         ids = []
         for members in split_subgroups([partition.zero3_partition_numel(p.numel, dp) for p in group], sub_group_size):
             ids.append(len(subgroups))
             subgroups.append([group[i] for i in members])
         param_groups.append({**pg, "params": ids})
-    group_of = {id(p): p.group for p in src.params}
-    common = {k: v for k, v in src.common.items() if k != "param_groups"}
+    common = {k: v for k, v in opt.common.items() if k != "param_groups"}
     optim_files = []
     for r in range(dp):
         flat, state = [], {}
         for sg, members in enumerate(subgroups):
+            g = members[0].group
+            keys = _group_keys(_group_params(ckpt, g))
 
-            def pieces(key: str) -> Pieces:
-                return [x for p in members for x in _zero3_slice(src.full[(p.name, key)], p.numel, dp, r)]
+            def pieces(key: str, members: list[Param] = members) -> Pieces:
+                return [x for p in members for x in _zero3_slice(pieces_of(_state(p, key)), p.numel, dp, r)]
 
-            flat.append(_master(pieces("fp32")))
-            steps = {k: _own_copy(v) for k, v in src.steps[group_of[id(members[0])]].items()}
-            state[sg] = {**steps, **{k: _flat(pieces(k)) for k in src.keys[1:]}}
+            flat.append(_master(pieces(MASTER)))
+            entry = {k: _own_copy(v) for k, v in opt.group_scalars[g].items()}
+            entry.update({k: _new(members[0].states[k].dtype, pieces(k)) for k in keys})
+            if entry:  # before the first optimizer step the torch optimizer has no state at all
+                state[sg] = entry
         osd = {**common, "partition_count": dp, "fp32_flat_groups": flat,
                "optimizer_state_dict": {"state": state, "param_groups": param_groups}}  # fmt: skip
-        optim_files.append({**src.wrapper, "optimizer_state_dict": osd})
-    return _zero3_model_files(src, subgroups, dp), optim_files
+        optim_files.append({**opt.file_meta, "optimizer_state_dict": osd})
+    return _zero3_model_files(ckpt, subgroups, dp), optim_files
 
 
 def _own_copy(value: Any) -> Any:
@@ -394,55 +254,19 @@ def _own_copy(value: Any) -> Any:
     return value
 
 
-def _zero3_model_files(src: _Sources, subgroups: list[list[_Param]], dp: int) -> list[dict[str, Any]]:
-    model0 = src.model_files[0]
-    old_dp = len(src.model_files)
-    param_shapes = [OrderedDict((p.name, TorchSize(p.shape)) for p in members) for members in subgroups]
-    frozen = {}
-    for name, shape in (model0.get("frozen_param_shapes") or {}).items():
-        numel = _numel(shape)
-        olds = [m["frozen_param_fragments"][name] for m in src.model_files]
-        old_counts = [pc.count for pc in partition.zero3_pieces(numel, old_dp, 0)]
-        frozen[name] = (
-            [Slice(olds[p.rank], p.start, p.count) for p in partition.split_range(0, numel, old_counts)],
-            olds[0].dtype,
-        )
+def _zero3_model_files(ckpt: ZeroCheckpoint, subgroups: list[list[Param]], dp: int) -> list[dict[str, Any]]:
+    model0 = ckpt.model_files[0]
+    param_shapes = [OrderedDict((p.file_name, TorchSize(p.shape)) for p in members) for members in subgroups]
+    frozen_raw = model0.get("frozen_param_shapes") or {}
     files = []
     for r in range(dp):
-        fragments = OrderedDict((n, NewTensor(dt, tuple(_zero3_slice(pcs, sum(x.count for x in pcs), dp, r))))
-                                for n, (pcs, dt) in frozen.items())  # fmt: skip
+        fragments = OrderedDict()
+        for raw in frozen_raw:
+            src = ckpt.bit16[strip_prefixes(raw)]
+            fragments[raw] = NewTensor(src.dtype, tuple(_zero3_slice(pieces_of(src), src.numel(), dp, r)))
         files.append({**model0, "dp_world_size": dp, "param_shapes": param_shapes,
-                      "frozen_param_fragments": fragments if frozen else model0.get("frozen_param_fragments"),
+                      "frozen_param_fragments": fragments if frozen_raw else model0.get("frozen_param_fragments"),
                       "shared_params": model0.get("shared_params") if r == 0 else {}})  # fmt: skip
-    return files
-
-
-# --- Universal checkpoints (write) --------------------------------------------------------------------------
-
-
-def _universal_files(src: _Sources) -> dict[str, Any]:
-    """Relative path -> object: DeepSpeed's universal layout, one folder per parameter.
-
-    Every state file is `{"param": full-shape fp32, "cat_dim": 0}` with a `step.pt` beside it, for all
-    stages (ds_to_universal writes bare flat tensors and no step.pt for ZeRO-3; DeepSpeed reads both).
-    The shared optimizer state is lean: no rank's shard is copied into it.
-    """
-    files: dict[str, Any] = {}
-    for p in src.params:
-        for key in src.keys:
-            files[f"zero/{p.name}/{key}.pt"] = {"param": _flat(src.full[(p.name, key)], p.shape), "cat_dim": 0}
-        if "step" in src.steps[p.group]:
-            files[f"zero/{p.name}/step.pt"] = src.steps[p.group]["step"]
-    common = dict(src.common)
-    if src.stage == 3:  # DeepSpeed reads the step from state[0]; keyed like its sub-groups, without tensors
-        groups = src.common["param_groups"]
-        common["optimizer_state_dict"] = {
-            "state": {int(pg["params"][0]): dict(src.steps[g]) for g, pg in enumerate(groups)},
-            "param_groups": groups,
-        }
-    elif common.get("param_groups") is None:
-        raise UnsupportedCheckpointError("elastic ZeRO-1/2 checkpoints carry no param_groups; reshard natively instead")
-    files["zero/optimizer_state.pt"] = common
     return files
 
 
@@ -498,10 +322,6 @@ def _ranks(lo: int, hi: int) -> str:
 # --- Entry point --------------------------------------------------------------------------------------------
 
 
-def is_universal(path: Path) -> bool:
-    return (path / "latest_universal").is_file() or (path / "zero" / "optimizer_state.pt").is_file()
-
-
 def reshard(
     path: Path | str,
     out_dir: Path | str | None = None,
@@ -531,28 +351,21 @@ def reshard(
     """
     if universal == (dp is not None):
         raise UsageError("pass exactly one of --dp M or --universal")
-    if dp is not None and dp < 1:
-        raise UsageError(f"--dp must be at least 1, not {dp}")
-    path = Path(path)
-    if path.is_dir() and is_universal(path):
-        if universal:
-            raise UsageError(f"{path} is already a universal checkpoint; pass --dp M to turn it into native shards")
-        root, tag = (path.parent, path.name) if (path / "zero").is_dir() else (path, tag)
-        src, tag = _universal_sources(root, tag)
-        return _write(root, tag, src, None, dp, out_dir, overwrite, _universal_prefix(src), (on_start, on_progress))
-    ckpt = read_checkpoint(path, tag=tag, step=step, best=best)
-    if dp == ckpt.dp_world_size and out_dir is None:
+    if dp is not None and not 1 <= dp <= 1 << 20:
+        raise UsageError(f"--dp must be at least 1 (and at most {1 << 20}), not {dp}")
+    ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
+    if universal and ckpt.source_format == "universal":
+        raise UsageError(f"{path} is already a universal checkpoint; pass --dp M to turn it into native shards")
+    if dp == ckpt.dp_world_size and ckpt.source_format == "native" and out_dir is None:
         result = ReshardResult(None, ckpt.location.tag, ckpt.zero_stage, dp, dp, [])
         result.notes.append(f"the checkpoint is already at DP {dp}; nothing to do")
         return result
-    src = _zero3_native(ckpt) if ckpt.zero_stage == 3 else _zero12_native(ckpt)
-    return _write(ckpt.location.root, ckpt.location.tag, src, ckpt.dp_world_size, dp, out_dir, overwrite,
-                  ckpt.location.files.optim_prefix, (on_start, on_progress))  # fmt: skip
-
-
-def _universal_prefix(src: _Sources) -> str:
-    ds_config = src.wrapper.get("ds_config") or {}
-    return "bf16_" if (ds_config.get("bf16") or {}).get("enabled") else ""
+    if universal and ckpt.optimizer.param_groups is None:
+        raise UnsupportedCheckpointError(
+            f"{ckpt.location.tag_dir} is an elastic ZeRO-1/2 checkpoint: it carries no param_groups, which the "
+            "universal format needs; reshard it natively with --dp M instead"
+        )
+    return _write(ckpt, dp, out_dir, overwrite, (on_start, on_progress))
 
 
 def _default_out(root: Path, dp: int | None) -> Path:
@@ -560,52 +373,52 @@ def _default_out(root: Path, dp: int | None) -> Path:
     return root.parent / (f"dp{dp}-{root.name}" if dp else f"universal-{root.name}")
 
 
-def _write(root: Path, tag: str, src: _Sources, old_dp: int | None, dp: int | None, out_dir: Any,
-           overwrite: bool, prefix: str, progress: _ProgressFns) -> ReshardResult:  # fmt: skip
-    out = check_output_dir(Path(out_dir) if out_dir else _default_out(root, dp), root, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(out.parent, sum(p.stat().st_size for p in (root / tag).rglob("*") if p.is_file()))
-    result = ReshardResult(None, tag, src.stage, old_dp, dp, [])
-    tmp = out.parent / f".{out.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        (tmp / tag).mkdir(parents=True)
-        if dp is not None and dp == old_dp:
-            shutil.copytree(root / tag, tmp / tag, dirs_exist_ok=True)
-            result.notes.append(f"the checkpoint is already at DP {dp}; copied unchanged")
-        else:
-            result.files = _write_tag(src, dp, tmp / tag, prefix, progress)
-        skip = {tag, "latest", "latest_universal"}
-        result.notes += _copy_root_files(root, tmp, old_dp, dp, skip)
-        (tmp / ("latest" if dp else "latest_universal")).write_text(tag)
-        if dp is None:
-            result.notes.append('load it with "checkpoint": {"load_universal": true} in the DeepSpeed config')
-        publish(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _write(ckpt: ZeroCheckpoint, dp: int | None, out_dir: Any, overwrite: bool, progress: _ProgressFns) -> ReshardResult:
+    loc = ckpt.location
+    old_dp = ckpt.dp_world_size if ckpt.source_format == "native" else None
+    out = check_output_dir(Path(out_dir) if out_dir else _default_out(loc.root, dp), loc.root, overwrite)
+    needed = sum(p.stat().st_size for p in loc.tag_dir.rglob("*") if p.is_file())
+    result = ReshardResult(None, loc.tag, ckpt.zero_stage, old_dp, dp, [])
+    with RecordReader() as reader:
+        check_module_copies(ckpt, reader)  # before anything is written
+        with staged_folder(out, overwrite=overwrite, needed_bytes=needed) as tmp:
+            (tmp / loc.tag).mkdir()
+            result.files = _write_tag(ckpt, dp, tmp / loc.tag, reader, progress)
+            if dp is not None and dp == old_dp:
+                result.notes.append(f"the checkpoint is already at DP {dp}; rewritten as it is, every record checked")
+            skip = {loc.tag, "latest", "latest_universal"}
+            result.notes += _copy_root_files(loc.root, tmp, old_dp, dp, skip)
+            (tmp / ("latest" if dp else "latest_universal")).write_text(loc.tag)
+            if dp is None:
+                result.notes.append('load it with "checkpoint": {"load_universal": true} in the DeepSpeed config')
     result.output_dir = str(out)
     return result
 
 
-def _write_tag(src: _Sources, dp: int | None, tag_dir: Path, prefix: str, progress: _ProgressFns) -> list[str]:
+def _rank_files(ckpt: ZeroCheckpoint, dp: int) -> dict[str, Any]:
+    model_files, optim_files = (_zero3_files if ckpt.zero_stage == 3 else _zero12_files)(ckpt, dp)
+    prefix = ckpt.location.files.optim_prefix
+    files = {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": o for r, o in enumerate(optim_files)}
+    for r, m in enumerate(model_files):
+        files[_model_file_name(ckpt, r)] = m
+    return files
+
+
+def _model_file_name(ckpt: ZeroCheckpoint, rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if ckpt.zero_stage == 3 else "mp_rank_00_model_states.pt"
+
+
+def _write_tag(ckpt: ZeroCheckpoint, dp: int | None, tag_dir: Path, reader: RecordReader, progress: _ProgressFns) -> list[str]:
     if dp is None:
-        files = _universal_files(src)
-        for i, m in enumerate(src.model_files):
-            name = f"zero_pp_rank_{i}_mp_rank_00_model_states.pt" if src.stage == 3 else "mp_rank_00_model_states.pt"
-            files[name] = m
+        files = universal_files(ckpt)
+        for r, m in enumerate(ckpt.model_files):
+            files[_model_file_name(ckpt, r)] = m
     else:
-        model_files, optim_files = (_zero3_files if src.stage == 3 else _zero12_files)(src, dp)
-        files = {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": o for r, o in enumerate(optim_files)}
-        for r, m in enumerate(model_files):
-            files[
-                f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" if src.stage == 3 else "mp_rank_00_model_states.pt"
-            ] = m
+        files = _rank_files(ckpt, dp)
     for name in files:
         (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
-    with RecordReader() as reader:
-        on_start, on_progress = progress
-        write_torch_files([(tag_dir / name, obj) for name, obj in files.items()], reader, on_start=on_start,
-                          on_progress=on_progress)  # fmt: skip
-        reader.finish()  # CRC-32 of every source record read
+    on_start, on_progress = progress
+    write_torch_files([(tag_dir / name, obj) for name, obj in files.items()], reader, on_start=on_start,
+                      on_progress=on_progress)  # fmt: skip
+    reader.finish()  # CRC-32 of every source record read
     return [f"{tag_dir.name}/{n}" for n in files]

@@ -1,0 +1,112 @@
+"""The one way every command writes an output folder: a private temp sibling, renamed into place when complete.
+
+A failed, interrupted (SIGINT, SIGTERM) or refused run leaves nothing behind; two runs aimed at the same
+output never share a temp folder, and the loser of a race fails instead of mixing files with the winner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+
+from .errors import OutputError
+
+SPACE_MARGIN = 64 << 20
+
+
+def check_output_dir(out: Path, input_root: Path, overwrite: bool) -> Path:
+    """Refuse an output folder that exists (without overwrite), or that overlaps the input checkpoint."""
+    out = Path(out).absolute()
+    root = input_root.resolve()
+    resolved = out.resolve()
+    if resolved == root or root in resolved.parents:
+        raise OutputError(f"output folder {out} lies inside the checkpoint {root}; choose a folder outside it")
+    if resolved in root.parents:
+        raise OutputError(f"output folder {out} contains the checkpoint {root}; writing there could destroy the input")
+    if out.exists() and not overwrite:
+        raise OutputError(f"output folder {out} already exists; pass --overwrite to replace it, or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise OutputError(f"{out} exists and is not a folder")
+    return out
+
+
+def check_free_space(folder: Path, needed: int) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < needed + SPACE_MARGIN:
+        raise OutputError(
+            f"not enough free disk space in {folder}: the output needs {_gb(needed)}, {_gb(free)} is free; "
+            "free some space or pass --out on another disk"
+        )
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so every cleanup path runs."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def staged_folder(out: Path, *, overwrite: bool, needed_bytes: int = 0) -> Iterator[Path]:
+    """Yield a fresh temp folder beside `out`; on success it becomes `out`, on any failure it is removed.
+
+    Args:
+        out: the final folder (already checked with `check_output_dir`).
+        overwrite: an existing `out` is replaced (moved aside, then removed) only when set.
+        needed_bytes: refuse before writing anything when the disk has less free space than this.
+    """
+    out = Path(out).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if needed_bytes:
+        check_free_space(out.parent, needed_bytes)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir()
+    try:
+        with _sigterm_as_interrupt():
+            yield tmp
+            _publish(tmp, out, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+    """Rename the finished folder into place; an old output is moved aside first and removed after."""
+    old = None
+    if out.exists():
+        if not overwrite:
+            raise OutputError(f"output folder {out} appeared while this run was writing (another run?); nothing replaced")
+        old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        out.rename(old)
+    try:
+        tmp.rename(out)
+    except OSError as e:
+        if old is not None and not out.exists():
+            old.rename(out)  # put the previous output back
+        raise OutputError(f"cannot move the finished output into {out} ({e.strerror}); nothing replaced") from e
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
