@@ -7,16 +7,17 @@ inputs are never touched.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, hf
+from . import dtypes, hf, staging
 from .dtypes import DType
-from .errors import CkptError, OutputError, UsageError
-from .reader import TensorSource, ZeroCheckpoint, read_checkpoint
+from .errors import CkptError, UsageError
+from .reader import TensorSource, ZeroCheckpoint, check_module_copies
+from .sources import open_checkpoint
+from .staging import check_free_space as check_free_space  # re-exported: engine_save
+from .staging import check_output_dir, staged_folder
 from .torchfile import RecordReader
 from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, write_pt, write_safetensors
 
@@ -47,7 +48,9 @@ def default_output_dir(ckpt: ZeroCheckpoint) -> Path:
     return root.parent / f"hf-{root.name}"
 
 
-def plan_tensors(ckpt: ZeroCheckpoint, dtype: DType, *, hf_folder: bool) -> tuple[list[OutputTensor], dict[str, str]]:
+def plan_tensors(
+    ckpt: ZeroCheckpoint, dtype: DType, *, hf_folder: bool, config: dict[str, Any] | None = None
+) -> tuple[list[OutputTensor], dict[str, str]]:
     """Output tensors in model order, and the tied aliases left out.
 
     In a Hugging Face folder whose config ties word embeddings, a tied alias (lm_head.weight -> wte.weight)
@@ -55,7 +58,8 @@ def plan_tensors(ckpt: ZeroCheckpoint, dtype: DType, *, hf_folder: bool) -> tupl
     (and configs with tie_word_embeddings false) keep every alias as its own tensor, so
     `load_state_dict(strict=True)` works.
     """
-    config = hf.read_config(ckpt.location.root / "config.json") or {}
+    if config is None:
+        config = hf.read_config(ckpt.location.root / "config.json") or {}
     hf_folder = hf_folder and config.get("tie_word_embeddings", True) is not False
     tensors = [OutputTensor(s.name, s, output_dtype(s, dtype)) for s in ckpt.sources(dtype)]
     by_name = {t.name: t for t in tensors}
@@ -84,37 +88,6 @@ def plan_shards(tensors: list[OutputTensor], fmt: str, max_shard_size: int | str
     )
     by_name = {t.name: t for t in tensors}
     return {fname: [by_name[n] for n in names] for fname, names in split.filename_to_tensors.items()}
-
-
-def check_output_dir(out: Path, input_root: Path, overwrite: bool) -> Path:
-    """Refuse an output folder that exists (without overwrite), or that overlaps the input checkpoint."""
-    out = out.absolute()
-    root = input_root.resolve()
-    resolved = out.resolve()
-    if resolved == root or root in resolved.parents:
-        raise OutputError(f"output folder {out} lies inside the checkpoint {root}; choose a folder outside it")
-    if resolved in root.parents:
-        raise OutputError(f"output folder {out} contains the checkpoint {root}; writing there could destroy the input")
-    if out.exists() and not overwrite:
-        raise OutputError(
-            f"output folder {out} already exists; pass --overwrite to replace it, or choose another --out"
-        )
-    if out.exists() and not out.is_dir():
-        raise OutputError(f"{out} exists and is not a folder")
-    return out
-
-
-def check_free_space(folder: Path, needed: int) -> None:
-    free = shutil.disk_usage(folder).free
-    if free < needed + SPACE_MARGIN:
-        raise OutputError(
-            f"not enough free disk space in {folder}: the output needs {_gb(needed)}, {_gb(free)} is free; "
-            "free some space or pass --out on another disk"
-        )
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
 
 
 class _KeyCheck:
@@ -196,37 +169,32 @@ def consolidate(
         raise UsageError(f"--to must be one of {', '.join(FORMATS)}, not {to!r}")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    ckpt = read_checkpoint(path, tag=tag, step=step, best=best)
+    ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
     out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt.location.root, overwrite)
     out_dtype = DTYPES[dtype]
-    config = ckpt.location.root / "config.json"
-    hf_folder = config.is_file()
-    keycheck = _KeyCheck(config if (hf_folder and check_keys) else None)
-    tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=hf_folder)
+    config_path = ckpt.location.root / "config.json"
+    config = hf.load_config(config_path) if config_path.is_file() else None  # read once, refused before writing
+    keycheck = _KeyCheck(config_path if (config is not None and check_keys) else None)
+    tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=config is not None, config=config or {})
     shards = plan_shards(tensors, to, max_shard_size)
     total = sum(t.nbytes for t in tensors)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    check_free_space(out.parent, total)
     notes: list[str] = []
     if ckpt.frozen_excluded:
         notes.append("this checkpoint holds only trainable (e.g. LoRA) weights: base weights are absent, as saved")
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
-        if on_start:
-            on_start(total)
         with RecordReader() as reader:
-            files = _write_shards(tmp, shards, to, reader, on_progress)
-            keycheck.problems(ckpt, [t.name for t in tensors], omitted, notes)
-            files += _write_hf_files(tmp, ckpt, shards, tensors, to, out_dtype)
-            if check_existing and hf_folder:
-                notes += compare_with_existing(ckpt, reader)
-            reader.finish()  # CRC-32 of every record read; raises before anything is published
-        publish(tmp, out)
+            check_module_copies(ckpt, reader)  # before anything is written
+            with staged_folder(out, overwrite=overwrite, needed_bytes=total) as tmp:
+                if on_start:
+                    on_start(total)
+                files = _write_shards(tmp, shards, to, reader, on_progress)
+                keycheck.problems(ckpt, [t.name for t in tensors], omitted, notes)
+                files += _write_hf_files(tmp, ckpt, shards, tensors, to, out_dtype, config)
+                if check_existing and config is not None:
+                    notes += compare_with_existing(ckpt, reader)
+                reader.finish()  # CRC-32 of every record read; raises before anything is published
     except BaseException:
         keycheck.cancel()
-        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ConsolidateResult(
         output_dir=str(out),
@@ -276,6 +244,7 @@ def _write_hf_files(
     tensors: list[OutputTensor],
     to: str,
     dtype: DType,
+    config: dict[str, Any] | None,
 ) -> list[str]:
     files = []
     if len(shards) > 1:
@@ -291,22 +260,16 @@ def _write_hf_files(
         (tmp / name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         files.append(name)
     root = ckpt.location.root
-    if (root / "config.json").is_file():
-        hf.write_config(root / "config.json", tmp / "config.json", dtype)
+    if config is not None:
+        hf.write_config(config, tmp / "config.json", dtype)
         files.append("config.json")
     files += hf.copy_side_files(root, ckpt.location.side_files, tmp)
     return files
 
 
 def publish(tmp: Path, out: Path) -> None:
-    """Rename the finished folder into place; an old output is moved aside first and removed after."""
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        out.rename(old)
-    tmp.rename(out)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    """Rename a finished folder into place, replacing an old output (for callers staging by hand)."""
+    staging.publish(tmp, out, overwrite=True)
 
 
 def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader) -> list[str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .dtypes import DType
+from .errors import CkptError
 
 
 @dataclass(frozen=True)
@@ -21,12 +22,41 @@ class ModelKeys:
     tied: dict[str, str]  # target -> source, as transformers v5 declares them
 
 
-def read_config(path: Path) -> dict[str, Any] | None:
+class ConfigError(CkptError):
+    """A config.json that cannot be used: unreadable, not UTF-8, not JSON, not an object."""
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """Read and validate a config.json once; a UTF-8 byte-order mark is tolerated (and not written back).
+
+    Raises:
+        ConfigError: one line naming the file and what is wrong with it.
+    """
     try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); fix or replace the model config") from e
+    try:
+        config = json.loads(text)
+    except RecursionError as e:
+        raise ConfigError(f"{path} nests too deeply to be a model config") from e
+    except ValueError as e:  # JSONDecodeError, and integers longer than Python's digit limit
+        raise ConfigError(f"{path} is not valid JSON ({str(e)[:100]}); fix or replace the model config") from e
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(config).__name__}, not an object; fix or replace the model config"
+        )
+    return config
+
+
+def read_config(path: Path) -> dict[str, Any] | None:
+    """The config as a dict, or None when it is absent or unusable (callers that only peek at it)."""
+    try:
+        return load_config(path)
+    except ConfigError:
         return None
-    return config if isinstance(config, dict) else None
 
 
 def model_keys(config_path: Path) -> ModelKeys | str:
@@ -95,9 +125,9 @@ def key_problems(
     ], unexpected
 
 
-def write_config(src: Path, dst: Path, dtype: DType) -> None:
-    """Copy config.json with its dtype set to the dtype written (v5 loads with dtype="auto")."""
-    config = json.loads(src.read_text())
+def write_config(src: Path | dict[str, Any], dst: Path, dtype: DType) -> None:
+    """Write config.json with its dtype set to the dtype written (v5 loads with dtype="auto")."""
+    config = dict(src) if isinstance(src, dict) else load_config(src)
     name = dtype.name
     if "torch_dtype" in config or "dtype" not in config:
         config["torch_dtype"] = name

@@ -8,13 +8,16 @@ from typing import Any
 
 from . import dtypes, hf
 from .consolidate import DTYPES, plan_tensors, source_summary
-from .reader import ZeroCheckpoint, read_checkpoint
+from .reader import ZeroCheckpoint
+from .sources import open_checkpoint
 
 
 def _trainer_state(root: Path) -> dict[str, Any]:
     try:
         state = json.loads((root / "trainer_state.json").read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(state, dict):
         return {}
     losses = [e["loss"] for e in state.get("log_history", []) if isinstance(e, dict) and "loss" in e]
     return {
@@ -28,18 +31,21 @@ def _trainer_state(root: Path) -> dict[str, Any]:
 def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     """Everything `ckpt inspect` reports, as plain JSON-able values."""
     loc = ckpt.location
-    hf_folder = (loc.root / "config.json").is_file()
+    config_path = loc.root / "config.json"
+    config = hf.load_config(config_path) if config_path.is_file() else None
     trainable = [s for s in ckpt.masters.values()]
     frozen = [ckpt.bit16[n] for n in ckpt.frozen_names]
     sizes = {}
     for name, dtype in DTYPES.items():
-        tensors, _ = plan_tensors(ckpt, dtype, hf_folder=hf_folder)
+        tensors, _ = plan_tensors(ckpt, dtype, hf_folder=config is not None, config=config or {})
         sizes[name] = sum(t.nbytes for t in tensors)
     tags = sorted(p.name for p in loc.root.iterdir() if p.is_dir() and any(p.glob("*_model_states.pt")))
     existing = hf.existing_weight_files(loc.root)
     return {
         **source_summary(ckpt),
         "optimizer": ckpt.optimizer_kind,
+        "optimizer_states": ckpt.state_keys,
+        "format": ckpt.source_format,
         "tags": tags,
         "trainer_output_dir": str(loc.output_dir) if loc.output_dir else None,
         "num_parameters": sum(s.numel() for s in trainable + frozen),
@@ -59,4 +65,4 @@ def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
 
 
 def inspect_checkpoint(path: Path | str, **kwargs: Any) -> dict[str, Any]:
-    return summarize(read_checkpoint(path, **kwargs))
+    return summarize(open_checkpoint(path, **kwargs))

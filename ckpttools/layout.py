@@ -174,9 +174,12 @@ def _pick_trainer_checkpoint(folder: Path, step: int | None, best: bool) -> Path
         newest = ckpts[max(ckpts)]
         state_file = newest / "trainer_state.json"
         try:
-            best_path = json.loads(state_file.read_text()).get("best_model_checkpoint")
-        except (OSError, ValueError) as e:
-            raise CheckpointNotFoundError(f"cannot read {state_file} to find the best checkpoint: {e}") from e
+            state = json.loads(state_file.read_bytes().decode("utf-8-sig"))
+        except (OSError, ValueError, RecursionError) as e:
+            raise CheckpointNotFoundError(f"cannot read {state_file} to find the best checkpoint: {e!s:.100}") from e
+        best_path = state.get("best_model_checkpoint") if isinstance(state, dict) else None
+        if best_path is not None and not isinstance(best_path, str):
+            raise CheckpointNotFoundError(f"{state_file} records best_model_checkpoint {best_path!r:.40}, not a path")
         if not best_path:
             raise CheckpointNotFoundError(
                 f"{state_file} records no best_model_checkpoint (the run had no metric_for_best_model); use --step"

@@ -31,7 +31,9 @@ def check_output_dir(out: Path, input_root: Path, overwrite: bool) -> Path:
     if resolved in root.parents:
         raise OutputError(f"output folder {out} contains the checkpoint {root}; writing there could destroy the input")
     if out.exists() and not overwrite:
-        raise OutputError(f"output folder {out} already exists; pass --overwrite to replace it, or choose another --out")
+        raise OutputError(
+            f"output folder {out} already exists; pass --overwrite to replace it, or choose another --out"
+        )
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out} exists and is not a folder")
     return out
@@ -88,18 +90,20 @@ def staged_folder(out: Path, *, overwrite: bool, needed_bytes: int = 0) -> Itera
     try:
         with _sigterm_as_interrupt():
             yield tmp
-            _publish(tmp, out, overwrite)
+            publish(tmp, out, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 
-def _publish(tmp: Path, out: Path, overwrite: bool) -> None:
+def publish(tmp: Path, out: Path, overwrite: bool) -> None:
     """Rename the finished folder into place; an old output is moved aside first and removed after."""
     old = None
     if out.exists():
         if not overwrite:
-            raise OutputError(f"output folder {out} appeared while this run was writing (another run?); nothing replaced")
+            raise OutputError(
+                f"output folder {out} appeared while this run was writing (another run?); nothing replaced"
+            )
         old = out.parent / f".{out.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
         out.rename(old)
     try:
