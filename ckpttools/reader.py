@@ -12,6 +12,7 @@ the universal format all read from it, none re-parses the pickles.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,7 +104,7 @@ class ZeroCheckpoint:
     model_files: list[dict[str, Any]] = field(default_factory=list)  # ZeRO-3: per rank; else [mp_rank_00], as stored
     source_format: str = "native"  # or "universal"
 
-    @property
+    @functools.cached_property
     def masters(self) -> dict[str, TensorSource]:
         return {p.name: p.fp32 for p in self.params}
 
@@ -243,6 +244,16 @@ def _param_shapes(f: _File, value: Any, key: str) -> list[list[tuple[str, tuple[
     return groups
 
 
+def _check_param_groups(f: _File, groups: list[Any], expected: int | None) -> None:
+    """The optimizer's param groups: dicts with a `params` list (one flat param per group for ZeRO-1/2)."""
+    if expected is not None and len(groups) != expected:
+        raise f.fail(f"the optimizer has {len(groups)} param groups, param_shapes {expected}")
+    for g, pg in enumerate(groups):
+        f.get(pg, "params", list, f"param_groups[{g}].")
+        if any(not isinstance(k, str) for k in pg):
+            raise f.fail(f"param_groups[{g}] has a key that is not a string")
+
+
 def _flat_state_keys(state: Mapping[str, Any]) -> list[str]:
     """The sharded entries of an optimizer state (`step` may be a 0-dim tensor: not sharded)."""
     return [k for k, v in state.items() if isinstance(v, LazyTensor) and v.dim() > 0]
@@ -287,11 +298,27 @@ def _check_agree(files: Sequence[_File], values: Sequence[Any], what: str, reade
     first = fingerprint(values[0], reader)
     for f, value in zip(files[1:], values[1:]):
         if fingerprint(value, reader) != first:
+            where, ours, theirs = _first_difference(value, values[0], reader)
             raise CorruptCheckpointError(
-                f"{f.path} disagrees with {files[0].path.name} on {what} ({_describe(_plain(value, reader))} vs "
-                f"{_describe(_plain(values[0], reader))}): a rank file from another save or run (stale copy?); "
+                f"{f.path} disagrees with {files[0].path.name} on {what}{where} ({_describe(_plain(ours, reader))} vs "
+                f"{_describe(_plain(theirs, reader))}): a rank file from another save or run (stale copy?); "
                 "re-copy the whole tag folder from one save"
             )
+
+
+def _first_difference(a: Any, b: Any, reader: RecordReader, path: str = "") -> tuple[str, Any, Any]:
+    """Where two pickled values first differ, as `.key[i]`, and the differing parts."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if key not in a or key not in b:
+                return f"{path}.{key}", a.get(key, "(absent)"), b.get(key, "(absent)")
+            if fingerprint(a[key], reader) != fingerprint(b[key], reader):
+                return _first_difference(a[key], b[key], reader, f"{path}.{key}")
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if fingerprint(x, reader) != fingerprint(y, reader):
+                return _first_difference(x, y, reader, f"{path}[{i}]")
+    return path, a, b
 
 
 def _plain(value: Any, reader: RecordReader) -> Any:
@@ -611,7 +638,7 @@ class _Zero12Reader:
         if not isinstance(base, dict):
             raise f.fail("base_optimizer_state mixes elastic and rigid layouts across ranks")
         state = f.get(base, "state", dict, "base_optimizer_state.")
-        f.get(base, "param_groups", list, "base_optimizer_state.")
+        _check_param_groups(f, f.get(base, "param_groups", list, "base_optimizer_state."), num_groups)
         if any(not isinstance(k, int) or not 0 <= k < num_groups for k in state):
             raise f.fail(
                 f"base_optimizer_state.state is keyed {sorted(map(repr, state))[:4]}, not by param group 0-{num_groups - 1}"
@@ -794,7 +821,7 @@ class _Zero3Reader:
             f.get(osd, "fp32_flat_groups", list)
             inner = f.get(osd, "optimizer_state_dict", dict)
             f.get(inner, "state", dict, "optimizer_state_dict.")
-            f.get(inner, "param_groups", list, "optimizer_state_dict.")
+            _check_param_groups(f, f.get(inner, "param_groups", list, "optimizer_state_dict."), None)
         model_keys = ("param_shapes", "frozen_param_shapes", "buffer_names", "global_steps", "global_samples",
                       "skipped_steps", "ds_config", "ds_version", "lr_scheduler", "mp_world_size")  # fmt: skip
         for key in model_keys:
@@ -863,11 +890,14 @@ class _Zero3Reader:
         return params
 
     def _state_keys(self, sg: int) -> list[str]:
-        f = self.optims[0]
-        state = self.osds[0]["optimizer_state_dict"]["state"].get(sg, {})
-        if not isinstance(state, dict):
-            raise f.fail(f"optimizer state of sub-group {sg} is not a dict")
-        return _flat_state_keys(state)
+        keys = []
+        for f, osd in zip(self.optims, self.osds):
+            state = osd["optimizer_state_dict"]["state"].get(sg, {})
+            if not isinstance(state, dict):
+                raise f.fail(f"optimizer state of sub-group {sg} is not a dict")
+            keys.append(_flat_state_keys(state))
+        _check_agree(self.optims, [sorted(k) for k in keys], f"the optimizer state keys of sub-group {sg}", self.reader)
+        return keys[0]
 
     def _moment(self, r: int, sg: int, key: str, flat_len: int) -> LazyTensor:
         f = self.optims[r]
