@@ -2,10 +2,10 @@
 
 DeepSpeed refuses to load a checkpoint saved at another DP size. The fp32 master weights and every
 optimizer state are laid out by pure arithmetic (see `partition`), so they can be re-cut offline.
-Every state of every parameter is first described as the flat list of stored slices it is made of
-(a `_Sources`: from native rank files or from universal per-parameter files); the new files are then
-planned as slices of those plus zero padding, exactly as DeepSpeed lays them out for the new size,
-and streamed into place. Native results load with a plain `engine.load_checkpoint` at the new size
+The validated checkpoint model (`reader.read_checkpoint`, or `universal.read_universal`) already describes
+every state of every parameter as the flat stored slices it is made of; the new files are planned as
+slices of those plus zero padding, exactly as DeepSpeed lays them out for the new size, and streamed
+into place. Native results load with a plain `engine.load_checkpoint` at the new size
 and the user's unchanged config; universal ones with `"checkpoint": {"load_universal": true}`.
 """
 
@@ -70,10 +70,6 @@ def padded(pieces: Pieces, pad: int) -> Pieces:
     return pieces + [Fill(pad)] if pad > 0 else pieces
 
 
-def _flat(pieces: Pieces, shape: tuple[int, ...] | None = None) -> NewTensor:
-    return NewTensor(dtypes.FLOAT32, tuple(pieces), shape)
-
-
 def _master(pieces: Pieces) -> NewTensor:
     """A rank's fp32 master partition: DeepSpeed saves these with requires_grad set."""
     return NewTensor(dtypes.FLOAT32, tuple(pieces), requires_grad=True)
@@ -83,13 +79,6 @@ def _fragment(numel: int, start: int) -> Any:
     frag = _FRAGMENT()
     frag.__dict__.update(numel=numel, start=start)
     return frag
-
-
-def _numel(shape: Any) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 # --- The checkpoint model, as pieces of stored tensors -----------------------------------------------------
