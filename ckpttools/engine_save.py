@@ -19,14 +19,14 @@ import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import IO, Any
 
 from . import dtypes, hf
-from .consolidate import check_free_space, plan_shards, publish
+from .consolidate import plan_shards, publish
 from .dtypes import DType
 from .errors import CkptError, OutputError, UnsupportedCheckpointError, UsageError
-from .writer import CHUNK_BYTES, output_dtype, safetensors_header
+from .staging import check_free_space
+from .writer import CHUNK_BYTES, safetensors_header, written_dtype
 
 DEFAULT_MAX_GATHER_BYTES = 64 << 20  # 64 MiB: large enough to keep all-gathers efficient, small beside any real model
 SAFE_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
@@ -125,13 +125,17 @@ def rank0_decides(fn: Callable[[], Any]) -> Any:
 
 def _portable(e: BaseException) -> CkptError:
     """The exception to raise on the other ranks: rank 0's own CkptError if it pickles, else a summary."""
-    if isinstance(e, CkptError):
-        try:
-            pickle.loads(pickle.dumps(e))
-            return e
-        except Exception:  # noqa: BLE001
-            pass
+    if isinstance(e, CkptError) and _pickles(e):
+        return e
     return CkptError(f"rank 0 failed: {type(e).__name__}: {e}")
+
+
+def _pickles(e: CkptError) -> bool:
+    try:
+        pickle.loads(pickle.dumps(e))
+    except Exception:  # noqa: BLE001 - whatever stops it pickling, the summary is sent instead
+        return False
+    return True
 
 
 # --------------------------------------------------------------------------------------------------
@@ -236,7 +240,7 @@ def plan_tensors(
         src = dtypes.from_torch(t.dtype)
         out = src
         if dtype is not None and t.dtype.is_floating_point:
-            out = output_dtype(SimpleNamespace(dtype=src, kind=kind), dtype)  # the rule `ckpt consolidate` follows
+            out = written_dtype(src, kind, dtype)  # the rule `ckpt consolidate` follows
         entries.append(_Entry(name, kind, t, shape, src, out, partitioned, _ident(t, partitioned)))
     groups: dict[tuple[Any, ...], list[str]] = {}
     for e in entries:
@@ -250,7 +254,7 @@ def plan_tensors(
         kept = [n for n in names if not is_target(n)] or names[:1]
         owner = kept[0]
         omitted.update({n: owner for n in names if n not in kept})
-        copied.update({n: owner for n in kept[1:]})
+        copied.update(dict.fromkeys(kept[1:], owner))
     return [e for e in entries if e.name not in omitted], omitted, copied
 
 

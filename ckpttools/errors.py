@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class CkptError(Exception):
     """Base class: a problem with the user's input or environment, shown as one line, not a traceback."""
 
     exit_code = 1
+    problems: Sequence[str] = ()  # the findings behind the message, if any: the CLI prints one per line before it
 
 
 class CheckpointNotFoundError(CkptError, FileNotFoundError):

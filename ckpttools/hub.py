@@ -306,7 +306,8 @@ def _http_message(ex: Any, endpoint: str, repo_id: str, revision: str, token: st
             f"authentication failed at {endpoint} (HTTP 401: {why}); set HF_TOKEN, run `hf auth login`, or pass --token"
         )
     if status == 403:
-        return f"permission denied (HTTP 403) on {where}{said}; the token needs write access to {repo_id.split('/')[0]}"
+        owner = repo_id.split("/", maxsplit=1)[0]
+        return f"permission denied (HTTP 403) on {where}{said}; the token needs write access to {owner}"
     if status == 409:
         return f"conflict (HTTP 409) on {where}{said}; another push to the same branch? re-run to retry"
     if status == 412:
@@ -324,8 +325,9 @@ def _first_line(x: Any) -> str:
 
 
 def _scrub(message: str, token: str | None) -> str:
-    for secret in {token, os.environ.get("HF_TOKEN")} - {None, ""}:
-        message = message.replace(secret, "***")  # type: ignore[arg-type]
+    for secret in (token, os.environ.get("HF_TOKEN")):
+        if secret:
+            message = message.replace(secret, "***")
     return message
 
 

@@ -12,6 +12,7 @@ The result loads with `torch.load` (mmap included) and with DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -23,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import dtypes
 from .dtypes import DType
@@ -43,6 +44,9 @@ ProgressFn = Callable[[int], None]
 ALIGNMENT = 64
 CHUNK_BYTES = 16 << 20
 BUFFERS_IN_FLIGHT = 4
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 
 @dataclass(frozen=True)
@@ -134,7 +138,7 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(strides)
 
 
-class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
+class _Pickler(pickle._Pickler):
     """Pickles as `torch.save` does (protocol 2, storages as persistent ids) without importing torch.
 
     torch and DeepSpeed objects (tensors, dtypes, torch.Size, the loss scaler, ZeroStageEnum) are written
@@ -143,7 +147,14 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
     because only it lets a GLOBAL be written for a class that is not imported.
     """
 
-    dispatch = dict(pickle._Pickler.dispatch)  # type: ignore[attr-defined]
+    # typeshed types the table's functions as taking an Unpickler; they take the pickler itself
+    dispatch: ClassVar[dict[type, Callable[[Any, Any], None]]] = dict(pickle._Pickler.dispatch)
+    # the pure-Python pickler's internals used below, which typeshed leaves out
+    write: Callable[[bytes], object]
+    if TYPE_CHECKING:
+
+        def save(self, obj: Any, save_persistent_id: bool = True) -> None: ...
+        def memoize(self, obj: Any) -> None: ...
 
     def __init__(self, file: Any, table: _StorageTable) -> None:
         super().__init__(file, protocol=2)
@@ -158,7 +169,8 @@ class _Pickler(pickle._Pickler):  # type: ignore[name-defined]
         if isinstance(obj, LazyTensor):
             key = self.table.key_for_record(obj.record, obj.dtype)
             ref = _StorageRef(key, obj.dtype, obj.record.nbytes // obj.dtype.itemsize)
-            args = (ref, obj.storage_offset, tuple(obj.shape), tuple(obj.stride), obj.requires_grad, OrderedDict())
+            hooks: OrderedDict[str, Any] = OrderedDict()  # backward hooks: none, as torch.save writes them
+            args = (ref, obj.storage_offset, tuple(obj.shape), tuple(obj.stride), obj.requires_grad, hooks)
             if obj.attrs:  # a tensor with Python attributes (ZeRO-3's `ds_id`): Tensor.__reduce_ex__'s other form
                 return _REBUILD_FROM_TYPE, (_REBUILD_TENSOR, _global("torch", "Tensor"), args, dict(obj.attrs))
             return _REBUILD_TENSOR, args
@@ -212,6 +224,7 @@ def _aligned_info(zf: zipfile.ZipFile, name: str, size: int) -> zipfile.ZipInfo:
     info.file_size = size
     zip64 = size * 1.05 > zipfile.ZIP64_LIMIT  # zipfile's own rule for adding the zip64 field
     header = 30 + len(name.encode()) + (20 if zip64 else 0)
+    assert zf.fp is not None, "the archive is open for writing"
     start = zf.fp.tell() + header + 4  # 4: the padding field's own id and length
     pad = -start % ALIGNMENT
     info.extra = b"FB" + struct.pack("<H", pad) + b"Z" * pad
@@ -234,10 +247,8 @@ class WriteBehind:
     def wrote(self) -> None:
         end = self.fh.tell() - self.WINDOW
         if end - self.done >= self.WINDOW and hasattr(os, "posix_fadvise"):
-            try:
+            with contextlib.suppress(OSError):
                 os.posix_fadvise(self.fh.fileno(), self.done, end - self.done, os.POSIX_FADV_DONTNEED)
-            except OSError:
-                pass
             self.done = end
 
 
@@ -334,7 +345,7 @@ class _ReadPump:
                 view = memoryview(buf)[:nbytes]
                 self.reader.readinto(record, start, view)
                 self.ready.put((buf, view))
-        except BaseException as e:  # handed to the writer, which re-raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the writer, which re-raises it
             self.ready.put((None, e))
 
     def chunks(self) -> Iterator[memoryview]:
@@ -349,7 +360,7 @@ class _ReadPump:
             self._held = buf
             yield item
 
-    def __enter__(self) -> _ReadPump:
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 

@@ -101,10 +101,10 @@ def read_safetensors_header(path: Path) -> tuple[list[TensorInfo], dict[str, Any
             return [], None, [f"{path.name}: {size} bytes, too short to be a safetensors file"]
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER or 8 + n > size:
-            problem = (
+            why = (
                 f"{path.name}: header length {n} does not fit in the file ({size} bytes); truncated or not safetensors"
             )
-            return [], None, [problem]
+            return [], None, [why]
         raw = fh.read(n)
     dupes: list[str] = []
 

@@ -7,6 +7,7 @@ most a few chunk buffers exist at once, whatever the model size.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import struct
@@ -14,7 +15,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from . import dtypes
 from .dtypes import DType
@@ -44,25 +45,40 @@ class OutputTensor:
         return self.source.numel() * self.dtype.itemsize
 
 
-def output_dtype(source: TensorSource, dtype: DType) -> DType:
-    """The dtype a tensor is written in.
+class HeaderTensor(Protocol):
+    """What a safetensors header needs of a tensor: OutputTensor here, the live engine's tensors in engine_save."""
 
-    Integer and bool tensors keep theirs. Floating params take `dtype`. Floating buffers are upcast for
-    fp32 output (as zero_to_fp32 does) but otherwise keep the dtype the engine held them in (an fp32
-    buffer in a bf16 model stays fp32 in the engine's 16-bit state dict), unless that is another 16-bit type.
+    @property
+    def name(self) -> str: ...
+    @property
+    def dtype(self) -> DType: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+def output_dtype(source: TensorSource, dtype: DType) -> DType:
+    """The dtype a tensor is written in (see `written_dtype`)."""
+    return written_dtype(source.dtype, source.kind, dtype)
+
+
+def written_dtype(stored: DType, kind: str, dtype: DType) -> DType:
+    """The dtype a tensor stored as `stored` is written in when `dtype` is asked for.
+
+    Integer and bool tensors keep theirs. Floating params take `dtype`. Floating buffers (`kind` "buffer")
+    are upcast for fp32 output (as zero_to_fp32 does) but otherwise keep the dtype the engine held them in
+    (an fp32 buffer in a bf16 model stays fp32 in the engine's 16-bit state dict), unless that is another
+    16-bit type.
     """
-    if not source.dtype.is_floating_point:
-        return source.dtype
-    if (
-        source.kind == "buffer"
-        and dtype is not dtypes.FLOAT32
-        and source.dtype not in (dtypes.BFLOAT16, dtypes.FLOAT16)
-    ):
-        return source.dtype
+    if not stored.is_floating_point:
+        return stored
+    if kind == "buffer" and dtype is not dtypes.FLOAT32 and stored not in (dtypes.BFLOAT16, dtypes.FLOAT16):
+        return stored
     return dtype
 
 
-def safetensors_header(tensors: Sequence[OutputTensor], metadata: dict[str, str]) -> bytes:
+def safetensors_header(tensors: Sequence[HeaderTensor], metadata: dict[str, str]) -> bytes:
     """The length-prefixed JSON header, padded to 8 bytes as the safetensors reader expects."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
@@ -126,7 +142,7 @@ class _ChunkPump:
                 buf = self.free.get()
                 self.ready.put((buf, self._fill(buf, t, seg, start, n)))
             self.ready.put(None)
-        except BaseException as e:  # handed to the writer thread, which re-raises it
+        except BaseException as e:  # noqa: BLE001 - handed to the writer thread, which re-raises it
             self.ready.put(e)
 
     def _fill(self, buf: bytearray, t: OutputTensor, seg: Segment, start: int, n: int) -> int:
@@ -153,10 +169,8 @@ class _ChunkPump:
         finally:
             self.stop.set()
             while self.thread.is_alive():  # unblock the pump if the writer stopped early
-                try:
+                with contextlib.suppress(queue.Empty):
                     self.ready.get_nowait()
-                except queue.Empty:
-                    pass
                 self.free.put(bytearray(0))
                 self.thread.join(timeout=0.05)
 

@@ -201,7 +201,7 @@ def test_reshard_cli_json_and_bad_sizes(tmp_path):
 
 @pytest.mark.parametrize("command", [["consolidate"], ["reshard", "--dp", "3"]])
 def test_a_person_at_a_terminal_sees_a_progress_bar_that_ends_at_100_percent(command, tmp_path, monkeypatch):
-    monkeypatch.setattr("ckpttools.cli.progress_enabled", lambda quiet: not quiet)  # as on a TTY outside CI
+    monkeypatch.setattr("ckpttools.cli._common.progress_enabled", lambda quiet: not quiet)  # as on a TTY outside CI
     res = run(command[0], FIXTURES / Z2 / "checkpoint", *command[1:], "--out", tmp_path / "o")
     assert res.exit_code == 0, res.output
     last = res.stderr.split("\r")[-1]

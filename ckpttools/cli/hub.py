@@ -1,17 +1,21 @@
 """`ckpt verify` and `ckpt push`: parse, call ckpttools.verify / ckpttools.hub, print.
 
-Kept apart from cli.py so `ckpt consolidate` does not pay for huggingface_hub's import. Names from cli.py
-are imported inside the commands: cli.py imports this module while it is still loading.
+huggingface_hub (and, for verify, transformers) are imported inside the commands, so `ckpt consolidate`
+does not pay for them.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
+
+from ._common import echo_error, echo_json, echo_notes, emit, human_size, json_option, progress_enabled, quiet_option
+
+if TYPE_CHECKING:
+    from ..verify import VerifyReport
 
 VERIFY_EPILOG = """\b
 Examples:
@@ -41,9 +45,6 @@ Exit codes: 0 pushed (or dry run done), 1 the folder failed verification or the
             3 Hub, auth or network failure (retrying may help).
 Set CKPT_DEBUG=1 to see tracebacks."""
 
-json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
-quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
-
 
 @click.command("verify", epilog=VERIFY_EPILOG)
 @click.argument("folder", type=click.Path(path_type=Path))
@@ -68,26 +69,25 @@ def verify_cmd(
     quiet: bool,
 ) -> None:
     """Check a consolidated folder the way from_pretrained will read it: headers, index, dtype, keys, shapes."""
-    from .errors import UsageError
-    from .verify import verify_folder
+    from ..errors import UsageError
+    from ..verify import verify_folder
 
     if against is None and (tag is not None or step is not None):
         raise UsageError("--tag and --step choose the checkpoint for --against; pass --against too")
-    report = verify_folder(folder, against=against, tag=tag, step=step)
+    result = verify_folder(folder, against=against, tag=tag, step=step)
     if as_json:
-        click.echo(json.dumps(report.to_dict()))
+        echo_json(result.to_dict())
     else:
-        for problem in report.problems:
-            click.echo(f"Error: {problem}", err=True)
+        for problem in result.problems:
+            echo_error(problem)
         if not quiet:
-            for note in report.notes:
-                click.echo(f"Note: {note}", err=True)
-        click.echo(_human_verify(report))
-    if not report.ok:
+            echo_notes(result.notes)
+        click.echo(_human_verify(result))
+    if not result.ok:
         ctx.exit(1)
 
 
-def _human_verify(r: Any) -> str:
+def _human_verify(r: VerifyReport) -> str:
     files = ", ".join(r.files) or "no weight file"
     what = f"{r.num_tensors} tensors, {r.num_parameters:,} parameters, {r.dtype or 'no floating'} weights in {files}"
     if not r.ok:
@@ -131,27 +131,18 @@ def push_cmd(
     as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
     """Verify a model folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub."""
-    from .cli import progress_enabled
-    from .hub import PushRefusedError, push
+    from ..hub import push
 
     _quiet_hub(quiet, bars=progress_enabled(quiet))
-    try:
-        result = push(
-            path, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
-            endpoint=endpoint, token=token, dry_run=dry_run, force=force, source=source, dtype=dtype,
-            max_shard_size=max_shard_size, tag=tag, step=step, best=best,
-        )  # fmt: skip
-    except PushRefusedError as e:
-        for problem in e.problems:
-            click.echo(f"Error: {problem}", err=True)
-        raise
-    data = result.to_dict()
+    result = push(
+        path, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
+        endpoint=endpoint, token=token, dry_run=dry_run, force=force, source=source, dtype=dtype,
+        max_shard_size=max_shard_size, tag=tag, step=step, best=best,
+    )  # fmt: skip
     if not quiet:
-        for problem in result.problems:
-            click.echo(f"Warning: pushed despite: {problem}", err=True)
-        for note in result.notes:
-            click.echo(f"Note: {note}", err=True)
-    click.echo(json.dumps(data) if as_json else _human_push(data))
+        echo_notes(result.problems, prefix="Warning: pushed despite: ")
+        echo_notes(result.notes)
+    emit(result.to_dict(), as_json, _human_push)
 
 
 def _quiet_hub(quiet: bool, *, bars: bool) -> None:
@@ -166,8 +157,6 @@ def _quiet_hub(quiet: bool, *, bars: bool) -> None:
 
 
 def _human_push(d: dict[str, Any]) -> str:
-    from .cli import human_size
-
     n, size = len(d["files"]), human_size(d["total_size"])
     if d["dry_run"]:
         head = (

@@ -1,0 +1,208 @@
+"""What every `ckpt` command shares: the one error boundary, shared options, progress bars, output helpers.
+
+Every line that starts with `Error: ` is written by `echo_error`, and every exception that leaves a command
+becomes one such line and an exit code in `CkptGroup.invoke`. This module imports click, the standard
+library and `ckpttools.errors` only: the command modules import it, and `ckpt --help` should stay cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any, TypedDict
+
+import click
+
+from ..errors import CkptError
+
+EPILOG = """\b
+Examples:
+  ckpt inspect out/checkpoint-500
+  ckpt consolidate out/checkpoint-500 --to safetensors --dtype bf16 --out out/model
+  ckpt consolidate out/ --step 500 --json
+  ckpt reshard out/checkpoint-500 --dp 8
+  ckpt reshard out/checkpoint-500 --universal
+  ckpt verify out/model --against out/checkpoint-500
+  ckpt push out/model --repo my-org/my-model
+
+\b
+Exit codes: 0 success, 1 bad checkpoint or failed check, 2 usage error
+            (or HF_HUB_OFFLINE set for push), 3 remote/auth/network failure.
+Set CKPT_DEBUG=1 to see tracebacks."""
+
+EXIT_INTERRUPTED = 130
+INTERNAL_ERROR = "internal error ({what}); please report it, rerun with CKPT_DEBUG=1 for the traceback"
+
+
+# --------------------------------------------------------------------------------------------------
+# The error boundary
+# --------------------------------------------------------------------------------------------------
+
+
+def echo_error(message: str) -> None:
+    """One `Error: ` line on stderr."""
+    click.echo(f"Error: {message}", err=True)
+
+
+def _debug() -> bool:
+    """CKPT_DEBUG set: let exceptions through, so Python prints the traceback."""
+    return bool(os.environ.get("CKPT_DEBUG"))
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+class CkptGroup(click.Group):
+    """The one place where exceptions become a message and an exit code.
+
+    CkptError: its message (after its `problems`, one per line) and its exit code (1, 2 or 3). OSError: the
+    system's reason and the file, exit 1. KeyboardInterrupt: exit 130. Anything else is a bug: one line
+    naming the exception, exit 1. click's own exceptions (usage errors, `ctx.exit`) pass through to click.
+    With CKPT_DEBUG set, everything but KeyboardInterrupt is re-raised for the traceback.
+    """
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except CkptError as e:
+            for problem in e.problems:
+                echo_error(problem)
+            if _debug():
+                raise
+            echo_error(str(e))
+            ctx.exit(e.exit_code)
+        except KeyboardInterrupt:
+            click.echo("Interrupted; nothing was published.", err=True)
+            ctx.exit(EXIT_INTERRUPTED)
+        except OSError as e:  # disk full, permissions: the user's environment, not a bug
+            if _debug():
+                raise
+            echo_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
+            ctx.exit(1)
+        except Exception as e:  # a bug: one line that says so instead of a traceback
+            if _debug():
+                raise
+            message = _one_line(str(e))
+            echo_error(INTERNAL_ERROR.format(what=f"{type(e).__name__}: {message}" if message else type(e).__name__))
+            ctx.exit(1)
+
+
+# --------------------------------------------------------------------------------------------------
+# Options shared by several commands
+# --------------------------------------------------------------------------------------------------
+
+checkpoint_path = click.argument("path", type=click.Path(path_type=Path))
+tag_option = click.option("--tag", help="Tag folder to read (default: the content of `latest`).")
+step_option = click.option("--step", type=int, help="With a Trainer output_dir: use checkpoint-STEP (default: newest).")
+best_option = click.option("--best", is_flag=True, help="With a Trainer output_dir: use best_model_checkpoint.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
+quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+
+
+def checkpoint_selection(f: Callable[..., Any]) -> Callable[..., Any]:
+    """--tag, --step and --best: which checkpoint and tag inside PATH to read."""
+    return tag_option(step_option(best_option(f)))
+
+
+# --------------------------------------------------------------------------------------------------
+# Progress
+# --------------------------------------------------------------------------------------------------
+
+
+def progress_enabled(quiet: bool) -> bool:
+    """Bars only for a person watching: stderr is a terminal and this is not CI."""
+    if quiet or os.environ.get("CI") or os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS"):
+        return False
+    return sys.stderr.isatty()
+
+
+class _Progress:
+    """Bytes done / total on stderr, redrawn at most ten times a second."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.total, self.done, self.last = label, 0, 0, 0.0
+        self.start = time.monotonic()
+
+    def begin(self, total: int) -> None:
+        self.total = total
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.monotonic()
+        if now - self.last >= 0.1 or self.done >= self.total:
+            self.last = now
+            pct = 100 * self.done / self.total if self.total else 100
+            rate = self.done / max(now - self.start, 1e-6) / 1e6
+            sys.stderr.write(
+                f"\r{self.label}: {self.done / 1e6:,.0f}/{self.total / 1e6:,.0f} MB ({pct:3.0f}%) {rate:,.0f} MB/s"
+            )
+            sys.stderr.flush()
+
+    def end(self) -> None:
+        if self.last:  # a bar was drawn
+            sys.stderr.write("\n")
+
+
+class ProgressArgs(TypedDict):
+    """The `on_start` / `on_progress` keyword arguments of consolidate and reshard."""
+
+    on_start: Callable[[int], None] | None
+    on_progress: Callable[[int], None] | None
+
+
+@contextlib.contextmanager
+def progress_callbacks(label: str, quiet: bool) -> Iterator[ProgressArgs]:
+    """Arguments that draw a bar on stderr, or None for both when no one watches."""
+    if not progress_enabled(quiet):
+        yield {"on_start": None, "on_progress": None}
+        return
+    bar = _Progress(label)
+    try:
+        yield {"on_start": bar.begin, "on_progress": bar.advance}
+    finally:
+        bar.end()
+
+
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+
+
+def human_size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+def echo_json(data: dict[str, Any]) -> None:
+    """The result as one JSON object on stdout (--json)."""
+    click.echo(json.dumps(data, indent=None, default=str))
+
+
+def emit(data: dict[str, Any], as_json: bool, human: Callable[[dict[str, Any]], str]) -> None:
+    """The result on stdout: one JSON object, or the human summary."""
+    if as_json:
+        echo_json(data)
+    else:
+        click.echo(human(data))
+
+
+def echo_notes(notes: Iterable[str], prefix: str = "Note: ") -> None:
+    for note in notes:
+        click.echo(f"{prefix}{note}", err=True)
+
+
+def report(data: dict[str, Any], as_json: bool, quiet: bool, human: Callable[[dict[str, Any]], str]) -> None:
+    """Notes on stderr (unless quiet), then the result on stdout."""
+    if not quiet:
+        echo_notes(data.get("notes", []))
+    emit(data, as_json, human)

@@ -1,0 +1,172 @@
+"""`ckpt consolidate`, `ckpt reshard` and `ckpt inspect`: parse, call the library, print.
+
+The library is imported inside each command, so `ckpt --help` and each command load only what they use.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ._common import (
+    EPILOG,
+    checkpoint_path,
+    checkpoint_selection,
+    emit,
+    human_size,
+    json_option,
+    progress_callbacks,
+    quiet_option,
+    report,
+)
+
+
+@click.command("consolidate", epilog=EPILOG)
+@checkpoint_path
+@click.option(
+    "--to",
+    "to",
+    type=click.Choice(["safetensors", "pt"]),
+    default="safetensors",
+    show_default=True,
+    help="Output format.",
+)
+@click.option(
+    "--out", "out", type=click.Path(path_type=Path), help="Output folder (default: hf-<checkpoint> beside it)."
+)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "bf16", "fp16"]),
+    default="fp32",
+    show_default=True,
+    help="Output dtype for floating tensors.",
+)
+@click.option("--max-shard-size", "--max_shard_size", default="5GB", show_default=True, help="Largest output file.")
+@click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
+@click.option(
+    "--check-keys",
+    is_flag=True,
+    help="Also build the model from config.json (meta device) and fail on missing/unexpected keys.",
+)
+@checkpoint_selection
+@json_option
+@quiet_option
+def consolidate_cmd(
+    path: Path,
+    to: str,
+    out: Path | None,
+    dtype: str,
+    max_shard_size: str,
+    overwrite: bool,
+    check_keys: bool,
+    tag: str | None,
+    step: int | None,
+    best: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Write consolidated weights from a ZeRO checkpoint as a folder from_pretrained loads."""
+    from ..consolidate import consolidate
+
+    with progress_callbacks("consolidate", quiet) as progress:
+        result = consolidate(path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
+                             best=best, overwrite=overwrite, check_keys=check_keys, **progress)  # fmt: skip
+    report(result.to_dict(), as_json, quiet, _human_consolidate)
+
+
+def _human_consolidate(d: dict[str, Any]) -> str:
+    return (
+        f"Wrote {d['num_tensors']} tensors ({d['num_parameters']:,} parameters, {human_size(d['total_size'])}, "
+        f"{d['dtype']}) to {d['output_dir']}: {', '.join(d['files'])}"
+    )
+
+
+@click.command("reshard", epilog=EPILOG)
+@checkpoint_path
+@click.option("--dp", "dp", type=int, help="The new data-parallel size (number of ranks): native ZeRO files.")
+@click.option("--universal", is_flag=True, help="Write DeepSpeed's universal checkpoint instead (any DP size).")
+@click.option(
+    "--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it)."
+)
+@click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
+@checkpoint_selection
+@json_option
+@quiet_option
+def reshard_cmd(
+    path: Path,
+    dp: int | None,
+    universal: bool,
+    out: Path | None,
+    overwrite: bool,
+    tag: str | None,
+    step: int | None,
+    best: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Rewrite a ZeRO checkpoint for a different number of data-parallel ranks.
+
+    With --dp M the result loads with DeepSpeed's plain load_checkpoint (and Trainer's
+    resume_from_checkpoint) at M ranks, with the same DeepSpeed config. With --universal it is
+    DeepSpeed's universal format (load with "checkpoint": {"load_universal": true}); a universal
+    checkpoint given as PATH with --dp M becomes native shards again.
+    """
+    from ..reshard import reshard
+
+    with progress_callbacks("reshard", quiet) as progress:
+        result = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite,
+                         **progress)  # fmt: skip
+    report(result.to_dict(), as_json, quiet, _human_reshard)
+
+
+def _human_reshard(d: dict[str, Any]) -> str:
+    if not d["output_dir"]:
+        return "Nothing written."
+    return (
+        f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from {_dp_name(d['dp_from'])} to {_dp_name(d['dp_to'])}: "
+        f"{d['output_dir']}"
+    )
+
+
+def _dp_name(dp: int | None) -> str:
+    return f"DP {dp}" if dp else "universal"
+
+
+@click.command("inspect", epilog=EPILOG)
+@checkpoint_path
+@checkpoint_selection
+@json_option
+def inspect_cmd(path: Path, tag: str | None, step: int | None, best: bool, as_json: bool) -> None:
+    """Describe a ZeRO checkpoint: stage, DP size, dtype, sizes, ties, Trainer state."""
+    from ..inspect import inspect_checkpoint
+
+    data = inspect_checkpoint(path, tag=tag, step=step, best=best)
+    emit(data, as_json, _human_inspect)
+
+
+def _human_inspect(d: dict[str, Any]) -> str:
+    ts = d["trainer_state"]
+    lines = [
+        f"checkpoint     {d['path']} (tag {d['tag']}; tags here: {', '.join(d['tags'])})",
+        (
+            f"layout         ZeRO-{d['zero_stage']}, DP {d['dp_world_size']}, {d['train_dtype']} training, "
+            f"{d['optimizer']} optimizer, DeepSpeed {d['ds_version']}"
+        ),
+        (
+            f"parameters     {d['num_parameters']:,} ({d['trainable_parameters']:,} trainable in "
+            f"{d['num_trainable']} tensors, {d['frozen_parameters']:,} frozen in {d['num_frozen']})"
+        ),
+        f"buffers        {d['num_buffers']}",
+        f"tied           {', '.join(f'{a} -> {o}' for a, o in d['tied'].items()) or 'none'}",
+        f"16-bit weights {', '.join(d['gathered_16bit_weights']) or 'none saved beside the shards'}",
+        "output size    " + ", ".join(f"{k} {human_size(v)}" for k, v in d["output_bytes"].items()),
+    ]
+    if ts:
+        lines.append(
+            f"trainer        step {ts.get('global_step')}, epoch {ts.get('epoch')}, last loss {ts.get('last_loss')}"
+        )
+    if d["frozen_excluded"]:
+        lines.append("note           saved without frozen params: base-model weights are absent (LoRA/PEFT)")
+    return "\n".join(lines)
