@@ -25,7 +25,9 @@ def read_range(source: TensorSource, start: int, count: int, reader: RecordReade
         if lo < hi:
             base, _ = seg.tensor.byte_span()
             n = hi - lo
-            reader.readinto(seg.tensor.record, base + (seg.start + lo - pos) * item, out[filled * item : (filled + n) * item])
+            reader.readinto(
+                seg.tensor.record, base + (seg.start + lo - pos) * item, out[filled * item : (filled + n) * item]
+            )
             filled += n
         pos += seg.count
         if pos >= start + count:

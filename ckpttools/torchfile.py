@@ -192,7 +192,9 @@ def _rebuild_tensor(
             f"(offset {storage_offset!r:.20}, size {size!r:.40}, stride {stride!r:.40}); the file is damaged"
         )
     dims = tuple(int(s) for s in size)
-    return LazyTensor(storage, int(storage_offset), dims, tuple(int(s) for s in stride), requires_grad=requires_grad is True)
+    return LazyTensor(
+        storage, int(storage_offset), dims, tuple(int(s) for s in stride), requires_grad=requires_grad is True
+    )
 
 
 def _is_count(value: Any) -> bool:
