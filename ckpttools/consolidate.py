@@ -7,21 +7,31 @@ inputs are never touched.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from . import dtypes, hf, staging
 from .dtypes import DType
 from .errors import CkptError, UsageError
 from .reader import TensorSource, ZeroCheckpoint, check_module_copies
 from .sources import open_checkpoint
-from .staging import check_free_space as check_free_space  # re-exported: engine_save
 from .staging import check_output_dir, staged_folder
 from .torchfile import RecordReader
 from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, write_pt, write_safetensors
 
 DTYPES = dtypes.SHORT
+
+
+class _HasSize(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+_Sized = TypeVar("_Sized", bound=_HasSize)
 FORMATS = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
 SPACE_MARGIN = 64 << 20
 
@@ -76,7 +86,8 @@ def plan_tensors(
     return tensors, omitted
 
 
-def plan_shards(tensors: list[OutputTensor], fmt: str, max_shard_size: int | str) -> dict[str, list[OutputTensor]]:
+def plan_shards(tensors: Sequence[_Sized], fmt: str, max_shard_size: int | str) -> dict[str, list[_Sized]]:
+    """Output files and their tensors, by huggingface_hub's planner (the shard names save_pretrained uses)."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
     stem, ext = FORMATS[fmt]
@@ -119,9 +130,8 @@ class _KeyCheck:
             if missing:
                 parts.append(f"missing {len(missing)} ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
             if unexpected:
-                parts.append(
-                    f"unexpected {len(unexpected)} ({', '.join(unexpected[:4])}{', ...' if len(unexpected) > 4 else ''})"
-                )
+                more = ", ..." if len(unexpected) > 4 else ""
+                parts.append(f"unexpected {len(unexpected)} ({', '.join(unexpected[:4])}{more})")
             raise CkptError(
                 f"the consolidated keys do not match {result.architecture} from config.json: {'; '.join(parts)}. "
                 "Is config.json from the same model?"
@@ -286,7 +296,7 @@ def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader) -> list[st
     seen: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for key in f.keys():
+            for key in f:
                 seen.add(key)
                 name = ckpt.shared_params.get(key, key)
                 src = ckpt.masters.get(name) or ckpt.bit16.get(name) or ckpt.buffers.get(name)

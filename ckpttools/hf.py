@@ -82,7 +82,7 @@ def model_keys(config_path: Path) -> ModelKeys | str:
     try:
         with torch.device("meta"):
             model = cls(config)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 - any failure only means we cannot check
         return f"{cls.__name__} could not be built from config.json ({type(e).__name__}: {e})"
     tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
     return ModelKeys(cls.__name__, frozenset(model.state_dict().keys()), {str(k): str(v) for k, v in tied.items()})

@@ -33,7 +33,7 @@ def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     loc = ckpt.location
     config_path = loc.root / "config.json"
     config = hf.load_config(config_path) if config_path.is_file() else None
-    trainable = [s for s in ckpt.masters.values()]
+    trainable = list(ckpt.masters.values())
     frozen = [ckpt.bit16[n] for n in ckpt.frozen_names]
     sizes = {}
     for name, dtype in DTYPES.items():

@@ -36,7 +36,7 @@ def zero12_param_offsets(numels: Sequence[int], alignment_paddings: Sequence[int
     """Offset of each param in its group's flat buffer: sum of the earlier numels and their alignment pads."""
     pads = list(alignment_paddings) if alignment_paddings else [0] * len(numels)
     offsets, pos = [], 0
-    for numel, pad in zip(numels, pads):
+    for numel, pad in zip(numels, pads, strict=True):
         offsets.append(pos)
         pos += numel + pad
     return offsets

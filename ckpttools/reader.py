@@ -13,6 +13,7 @@ the universal format all read from it, none re-parses the pickles.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,8 +141,10 @@ class ZeroCheckpoint:
                 continue
             if name in masters:
                 module_copy = self.bit16.get(name)
-                use_module = dtype != dtypes.FLOAT32 and module_copy is not None and module_copy.dtype == dtype
-                out.append(module_copy if use_module else masters[name])
+                if dtype != dtypes.FLOAT32 and module_copy is not None and module_copy.dtype == dtype:
+                    out.append(module_copy)
+                else:
+                    out.append(masters[name])
             elif name in self.bit16:
                 out.append(self.bit16[name])
             elif name in self.buffers:
@@ -283,7 +286,7 @@ def fingerprint(value: Any, reader: RecordReader | None = None) -> Any:
         return tuple((str(k), fingerprint(v, reader)) for k, v in value.items())
     if isinstance(value, (list, tuple)):
         return tuple(fingerprint(v, reader) for v in value)
-    if isinstance(value, float) and value != value:
+    if isinstance(value, float) and math.isnan(value):
         return ("nan",)
     return value
 
@@ -296,7 +299,7 @@ def _describe(value: Any) -> str:
 def _check_agree(files: Sequence[_File], values: Sequence[Any], what: str, reader: RecordReader) -> None:
     """Every rank file must hold the same `what`; a file from another save or another run differs here."""
     first = fingerprint(values[0], reader)
-    for f, value in zip(files[1:], values[1:]):
+    for f, value in zip(files[1:], values[1:], strict=True):
         if fingerprint(value, reader) != first:
             where, ours, theirs = _first_difference(value, values[0], reader)
             raise CorruptCheckpointError(
@@ -315,7 +318,7 @@ def _first_difference(a: Any, b: Any, reader: RecordReader, path: str = "") -> t
             if fingerprint(a[key], reader) != fingerprint(b[key], reader):
                 return _first_difference(a[key], b[key], reader, f"{path}.{key}")
     elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             if fingerprint(x, reader) != fingerprint(y, reader):
                 return _first_difference(x, y, reader, f"{path}[{i}]")
     return path, a, b
@@ -368,13 +371,18 @@ def _refuse_unsupported(f: _File) -> None:
     dims = model_state.get("checkpoint_parallel_dimensions") or {}
     if isinstance(dims, dict) and (dims.get("pp_degree", 1) != 1 or dims.get("tp_degree", 1) != 1):
         raise UnsupportedCheckpointError(f"{f.path}: pipeline/tensor parallel degrees {dims} are not supported")
-    ds_config = model_state.get("ds_config") if isinstance(model_state.get("ds_config"), dict) else {}
-    zero_cfg = ds_config.get("zero_optimization") if isinstance(ds_config.get("zero_optimization"), dict) else {}
-    offload = zero_cfg.get("offload_optimizer") if isinstance(zero_cfg.get("offload_optimizer"), dict) else {}
+    offload = _dict_at(model_state, "ds_config", "zero_optimization", "offload_optimizer")
     if offload.get("device") == "nvme":
         raise UnsupportedCheckpointError(
             f"{f.path}: the optimizer state was offloaded to NVMe; its fp32 weights are not in the checkpoint files"
         )
+
+
+def _dict_at(obj: Any, *keys: str) -> dict[str, Any]:
+    """obj[k1][k2]...: a nested dict of a pickled config, or {} wherever a level is missing or not a dict."""
+    for key in keys:
+        obj = obj.get(key) if isinstance(obj, dict) else None
+    return obj if isinstance(obj, dict) else {}
 
 
 def _dp_size(f: _File) -> int:
@@ -421,7 +429,7 @@ def read_checkpoint(
     dp = _dp_size(model0)
     optims = _load_rank_files(loc, loc.files.optim_files, "*_optim_states.pt", dp)
     osds = [f.get(f.obj, "optimizer_state_dict", dict) for f in optims]
-    stages = [_zero_stage(f, o) for f, o in zip(optims, osds)]
+    stages = [_zero_stage(f, o) for f, o in zip(optims, osds, strict=True)]
     if len(set(stages)) != 1:
         raise CorruptCheckpointError(
             f"{loc.tag_dir}: rank files disagree on the ZeRO stage ({sorted(set(stages))}); mixed runs?"
@@ -513,7 +521,9 @@ def _check_module_keys(f: _File, mod: _Module, params: Mapping[str, Param], froz
             raise f.fail(f"parameter {name} of param_shapes is missing from the module")
 
 
-def check_ties_and_keys(f: _File, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]) -> None:
+def check_ties_and_keys(
+    f: _File, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]
+) -> None:
     _check_ties(f, mod, params, frozen)
     _check_module_keys(f, mod, params, frozen)
 
@@ -576,7 +586,7 @@ class _Zero12Reader:
         _unique_names(f0, groups)
         self._check_ranks_agree(len(groups))
         elastic = isinstance(self.osds[0].get("base_optimizer_state"), list)
-        states = [self._rank_states(f, o, len(groups), elastic) for f, o in zip(self.optims, self.osds)]
+        states = [self._rank_states(f, o, len(groups), elastic) for f, o in zip(self.optims, self.osds, strict=True)]
         params: list[Param] = []
         for g, shapes in enumerate(groups):
             params += self._group_params(g, shapes, states)
@@ -605,18 +615,19 @@ class _Zero12Reader:
             buffers=mod.buffers,
             shared_params=mod.shared,
             frozen_excluded=_frozen_excluded(self.loc, by_name, bit16),
-            ds_config=f0.obj.get("ds_config") if isinstance(f0.obj.get("ds_config"), dict) else {},
+            ds_config=_dict_at(f0.obj, "ds_config"),
             model_files=[f0.obj],
         )
 
     def _check_ranks_agree(self, num_groups: int) -> None:
-        for f, osd in zip(self.optims, self.osds):
+        for f, osd in zip(self.optims, self.osds, strict=True):
             counts = osd.get("partition_count")
             counts = list(counts) if isinstance(counts, (list, tuple)) else [counts]
             if any(c != self.dp for c in counts) or len(counts) != num_groups:
                 raise CorruptCheckpointError(
                     f"{f.path} was written for DP size {counts!r:.40} over {len(counts)} param groups, but the model "
-                    f"states say dp_world_size={self.dp} and {num_groups} param groups: files from different runs are mixed"
+                    f"states say dp_world_size={self.dp} and {num_groups} param groups: files from different runs "
+                    "are mixed"
                 )
             for key in ("single_partition_of_fp32_groups", "group_paddings"):
                 value = f.get(osd, key, list)
@@ -641,7 +652,8 @@ class _Zero12Reader:
         _check_param_groups(f, f.get(base, "param_groups", list, "base_optimizer_state."), num_groups)
         if any(not isinstance(k, int) or not 0 <= k < num_groups for k in state):
             raise f.fail(
-                f"base_optimizer_state.state is keyed {sorted(map(repr, state))[:4]}, not by param group 0-{num_groups - 1}"
+                f"base_optimizer_state.state is keyed {sorted(map(repr, state))[:4]}, not by param group "
+                f"0-{num_groups - 1}"
             )
         out = []
         for g in range(num_groups):
@@ -661,7 +673,7 @@ class _Zero12Reader:
         size = partition.zero12_partition_size(total, self.dp)
         real = [max(0, min(size, total - r * size)) for r in range(self.dp)]
         masters = []
-        for r, (f, osd) in enumerate(zip(self.optims, self.osds)):
+        for r, (f, osd) in enumerate(zip(self.optims, self.osds, strict=True)):
             t = f.master(osd["single_partition_of_fp32_groups"][g], f"the fp32 partition of param group {g}")
             want = size if self.bf16_optimizer else real[r]
             if t.numel() != want:
@@ -677,8 +689,8 @@ class _Zero12Reader:
             masters.append(t)
         keys = self._state_keys(g, states)
         moments = {k: [self._moment(r, g, k, states[r][g][k], size, real[r]) for r in range(self.dp)] for k in keys}
-        params = []
-        for (name, shape), numel, off in zip(shapes, numels, offsets):
+        params: list[Param] = []
+        for (name, shape), numel, off in zip(shapes, numels, offsets, strict=True):
             pieces = partition.split_range(off, numel, real)
             fp32 = TensorSource(strip_prefixes(name), shape, dtypes.FLOAT32, _segments(masters, pieces), "trainable")
             st = {
@@ -740,7 +752,7 @@ def zero12_bit16(f0: _File, mod: _Module, params: Mapping[str, Param]) -> dict[s
     aliases = set(_undeclared_aliases(mod, params))
     if aliases:
         raise f0.fail(
-            f"module entry {sorted(aliases)[0]} shares its storage with a trained parameter but shared_params "
+            f"module entry {min(aliases)} shares its storage with a trained parameter but shared_params "
             "does not list it (a tied weight whose tie record was lost)"
         )
     bit16 = {}
@@ -780,7 +792,7 @@ class _Zero3Reader:
         subgroups = _param_shapes(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
         _unique_names(f0, subgroups)
         group_of = self._group_of(len(subgroups))
-        params = []
+        params: list[Param] = []
         for sg, shapes in enumerate(subgroups):
             params += self._subgroup_params(sg, shapes, group_of[sg])
         params.sort(key=lambda p: p.group)  # flat order within each param group, as DeepSpeed builds sub-groups
@@ -806,12 +818,12 @@ class _Zero3Reader:
             buffers=mod.buffers,
             shared_params=mod.shared,
             frozen_excluded=_frozen_excluded(self.loc, by_name, frozen),
-            ds_config=f0.obj.get("ds_config") if isinstance(f0.obj.get("ds_config"), dict) else {},
+            ds_config=_dict_at(f0.obj, "ds_config"),
             model_files=[m.obj for m in self.models],
         )
 
     def _check_ranks_agree(self) -> None:
-        for m, f, osd in zip(self.models, self.optims, self.osds):
+        for m, f, osd in zip(self.models, self.optims, self.osds, strict=True):
             count = osd.get("partition_count")
             if m.obj.get("dp_world_size") != self.dp or count != self.dp or isinstance(count, bool):
                 raise CorruptCheckpointError(
@@ -837,8 +849,8 @@ class _Zero3Reader:
         _check_agree(self.optims, [f.obj.get("ds_config") for f in self.optims], "ds_config", self.reader)
         inner = [o["optimizer_state_dict"] for o in self.osds]
         _check_agree(self.optims, [i["param_groups"] for i in inner], "the optimizer hyper-parameters", self.reader)
-        _check_agree(self.optims, [{k: _scalars(v) if isinstance(v, dict) else v for k, v in i["state"].items()} for i in inner],
-                     "the optimizer step", self.reader)  # fmt: skip
+        steps = [{k: _scalars(v) if isinstance(v, dict) else v for k, v in i["state"].items()} for i in inner]
+        _check_agree(self.optims, steps, "the optimizer step", self.reader)
 
     def _group_of(self, num_subgroups: int) -> dict[int, int]:
         f = self.optims[0]
@@ -849,7 +861,8 @@ class _Zero3Reader:
             for sg in ids:
                 if not isinstance(sg, int) or sg in group_of or not 0 <= sg < num_subgroups:
                     raise f.fail(
-                        f"param_groups[{g}] lists sub-group {sg!r:.20}, not one of the {num_subgroups} sub-groups of param_shapes"
+                        f"param_groups[{g}] lists sub-group {sg!r:.20}, not one of the {num_subgroups} sub-groups "
+                        "of param_shapes"
                     )
                 group_of[sg] = g
         if len(group_of) != num_subgroups:
@@ -865,7 +878,7 @@ class _Zero3Reader:
         offsets = partition.zero3_subgroup_offsets(numels, self.dp)
         flat_len = sum(partition.zero3_partition_numel(n, self.dp) for n in numels)
         flats = []
-        for r, (f, osd) in enumerate(zip(self.optims, self.osds)):
+        for f, osd in zip(self.optims, self.osds, strict=True):
             groups = osd["fp32_flat_groups"]
             if sg >= len(groups):
                 raise f.fail(f"has no fp32 partition for sub-group {sg}")
@@ -879,7 +892,7 @@ class _Zero3Reader:
         keys = self._state_keys(sg)
         moments = {k: [self._moment(r, sg, k, flat_len) for r in range(self.dp)] for k in keys}
         params = []
-        for (name, shape), numel, off in zip(shapes, numels, offsets):
+        for (name, shape), numel, off in zip(shapes, numels, offsets, strict=True):
             pieces = partition.zero3_pieces(numel, self.dp, off)
             fp32 = TensorSource(strip_prefixes(name), shape, dtypes.FLOAT32, _segments(flats, pieces), "trainable")
             st = {
@@ -891,7 +904,7 @@ class _Zero3Reader:
 
     def _state_keys(self, sg: int) -> list[str]:
         keys = []
-        for f, osd in zip(self.optims, self.osds):
+        for f, osd in zip(self.optims, self.osds, strict=True):
             state = osd["optimizer_state_dict"]["state"].get(sg, {})
             if not isinstance(state, dict):
                 raise f.fail(f"optimizer state of sub-group {sg} is not a dict")

@@ -67,7 +67,7 @@ def take(pieces: Pieces, start: int, count: int) -> Pieces:
 
 
 def padded(pieces: Pieces, pad: int) -> Pieces:
-    return pieces + [Fill(pad)] if pad > 0 else pieces
+    return [*pieces, Fill(pad)] if pad > 0 else pieces
 
 
 def _master(pieces: Pieces) -> NewTensor:
@@ -172,6 +172,8 @@ def _slice_mappings(group: list[Param], lo: int, hi: int) -> OrderedDict[str, An
 
 def split_subgroups(partition_numels: Sequence[int], sub_group_size: int) -> list[list[int]]:
     """DeepSpeed's `_create_fp16_sub_groups`: close a sub-group once it reaches sub_group_size elements."""
+    if not partition_numels:
+        return []
     if sub_group_size >= sum(partition_numels):
         return [list(range(len(partition_numels)))]
     groups, current, size = [], [], 0
@@ -196,7 +198,9 @@ def _sub_group_size(ckpt: ZeroCheckpoint) -> int:
     try:
         size = int(float(zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
     except (TypeError, ValueError, OverflowError) as e:
-        raise CorruptCheckpointError(f"the run's zero_optimization.sub_group_size {zero_cfg.get('sub_group_size')!r:.30} is not a number") from e
+        raise CorruptCheckpointError(
+            f"the run's zero_optimization.sub_group_size {zero_cfg.get('sub_group_size')!r:.30} is not a number"
+        ) from e
     return max(size, 1)
 
 
@@ -209,30 +213,31 @@ def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], l
     for g, pg in enumerate(groups):
         group = _group_params(ckpt, g)
         ids = []
-        for members in split_subgroups([partition.zero3_partition_numel(p.numel, dp) for p in group], sub_group_size):
+        for indices in split_subgroups([partition.zero3_partition_numel(p.numel, dp) for p in group], sub_group_size):
             ids.append(len(subgroups))
-            subgroups.append([group[i] for i in members])
+            subgroups.append([group[i] for i in indices])
         param_groups.append({**pg, "params": ids})
     common = {k: v for k, v in opt.common.items() if k != "param_groups"}
+    keys_of = {g: _group_keys(_group_params(ckpt, g)) for g in range(len(groups))}
     optim_files = []
     for r in range(dp):
         flat, state = [], {}
         for sg, members in enumerate(subgroups):
             g = members[0].group
-            keys = _group_keys(_group_params(ckpt, g))
-
-            def pieces(key: str, members: list[Param] = members) -> Pieces:
-                return [x for p in members for x in _zero3_slice(pieces_of(_state(p, key)), p.numel, dp, r)]
-
-            flat.append(_master(pieces(MASTER)))
+            flat.append(_master(_rank_pieces(members, MASTER, dp, r)))
             entry = {k: _own_copy(v) for k, v in opt.group_scalars[g].items()}
-            entry.update({k: _new(members[0].states[k].dtype, pieces(k)) for k in keys})
+            entry.update({k: _new(members[0].states[k].dtype, _rank_pieces(members, k, dp, r)) for k in keys_of[g]})
             if entry:  # before the first optimizer step the torch optimizer has no state at all
                 state[sg] = entry
         osd = {**common, "partition_count": dp, "fp32_flat_groups": flat,
                "optimizer_state_dict": {"state": state, "param_groups": param_groups}}  # fmt: skip
         optim_files.append({**opt.file_meta, "optimizer_state_dict": osd})
     return _zero3_model_files(ckpt, subgroups, dp), optim_files
+
+
+def _rank_pieces(members: list[Param], key: str, dp: int, rank: int) -> Pieces:
+    """One rank's flat partition of a state over a sub-group: each member's slice, in order."""
+    return [x for p in members for x in _zero3_slice(pieces_of(_state(p, key)), p.numel, dp, rank)]
 
 
 def _own_copy(value: Any) -> Any:
@@ -362,7 +367,9 @@ def _default_out(root: Path, dp: int | None) -> Path:
     return root.parent / (f"dp{dp}-{root.name}" if dp else f"universal-{root.name}")
 
 
-def _write(ckpt: ZeroCheckpoint, dp: int | None, out_dir: Any, overwrite: bool, progress: _ProgressFns) -> ReshardResult:
+def _write(
+    ckpt: ZeroCheckpoint, dp: int | None, out_dir: Any, overwrite: bool, progress: _ProgressFns
+) -> ReshardResult:
     loc = ckpt.location
     old_dp = ckpt.dp_world_size if ckpt.source_format == "native" else None
     out = check_output_dir(Path(out_dir) if out_dir else _default_out(loc.root, dp), loc.root, overwrite)
@@ -397,7 +404,9 @@ def _model_file_name(ckpt: ZeroCheckpoint, rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if ckpt.zero_stage == 3 else "mp_rank_00_model_states.pt"
 
 
-def _write_tag(ckpt: ZeroCheckpoint, dp: int | None, tag_dir: Path, reader: RecordReader, progress: _ProgressFns) -> list[str]:
+def _write_tag(
+    ckpt: ZeroCheckpoint, dp: int | None, tag_dir: Path, reader: RecordReader, progress: _ProgressFns
+) -> list[str]:
     if dp is None:
         files = universal_files(ckpt)
         for r, m in enumerate(ckpt.model_files):

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import Self
+
 from . import dtypes
 from .dtypes import DType
 from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
@@ -77,11 +79,11 @@ for _qual in (
     DEEPSPEED_STUBS[(_mod, _name)] = _stub(_qual)
 
 
-class TorchSize(tuple):
+class TorchSize(tuple[int, ...]):
     """A `torch.Size` read from a pickle (a tuple; kept distinct so it is written back as torch.Size)."""
 
 
-class TorchDevice(tuple):
+class TorchDevice(tuple[Any, ...]):
     """A `torch.device(...)` read from a pickle: its constructor arguments."""
 
 
@@ -143,7 +145,7 @@ class LazyTensor:
 
     def is_contiguous(self) -> bool:
         expected = 1
-        for size, stride in zip(reversed(self.shape), reversed(self.stride)):
+        for size, stride in zip(reversed(self.shape), reversed(self.stride), strict=True):
             if size != 1 and stride != expected:
                 return False
             expected *= size
@@ -153,7 +155,7 @@ class LazyTensor:
         """(start, length) within the record of the bytes this view touches."""
         if self.numel() == 0:
             return self.storage_offset * self.itemsize, 0
-        extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+        extent = 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride, strict=True))
         return self.storage_offset * self.itemsize, extent * self.itemsize
 
     def check_bounds(self) -> None:
@@ -205,7 +207,7 @@ def _is_dims(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and len(value) <= 64 and all(_is_count(v) for v in value)
 
 
-def _rebuild_from_type(func: Any, _type: Any, args: tuple, state: Any) -> Any:
+def _rebuild_from_type(func: Any, _type: Any, args: tuple[Any, ...], state: Any) -> Any:
     tensor = func(*args)
     if isinstance(tensor, LazyTensor) and isinstance(state, dict):
         tensor.attrs.update(state)  # e.g. DeepSpeed's `ds_id` on ZeRO-3 flat groups
@@ -282,8 +284,8 @@ def _data_offset(fh: Any, info: zipfile.ZipInfo) -> int:
     if len(header) != _LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
         raise zipfile.BadZipFile(f"bad local header for {info.filename}")
     fields = _LOCAL_HEADER.unpack(header)
-    name_len, extra_len = fields[-2], fields[-1]
-    return info.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    name_len, extra_len = int(fields[-2]), int(fields[-1])
+    return int(info.header_offset) + _LOCAL_HEADER.size + name_len + extra_len
 
 
 GENERIC_ARCHIVE = "archive"  # torch.save to a file object (not a path) names its archive folder so
@@ -322,7 +324,7 @@ def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
         return _AllowlistUnpickler(data, records, path).load()
     except CkptError:
         raise
-    except Exception as e:  # noqa: BLE001 - any failure inside a damaged pickle is a damaged file
+    except Exception as e:
         raise CorruptCheckpointError(f"{path}: cannot read its pickle ({type(e).__name__}: {e!s:.100})") from e
 
 
@@ -492,7 +494,7 @@ class RecordReader:
             os.close(fd)
         self._fds.clear()
 
-    def __enter__(self) -> RecordReader:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

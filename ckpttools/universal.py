@@ -23,6 +23,7 @@ from .reader import (
     Segment,
     TensorSource,
     ZeroCheckpoint,
+    _dict_at,
     _File,
     _module,
     _param_shapes,
@@ -74,7 +75,9 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     zero = tag_dir / "zero"
     if not (zero / "optimizer_state.pt").is_file():
         raise CheckpointNotFoundError(f"{zero / 'optimizer_state.pt'} is missing: not a universal checkpoint tag")
-    common_file = _File(zero / "optimizer_state.pt", load_pickle(zero / "optimizer_state.pt"), "universal optimizer-state")
+    common_file = _File(
+        zero / "optimizer_state.pt", load_pickle(zero / "optimizer_state.pt"), "universal optimizer-state"
+    )
     stage = _zero_stage(common_file, common_file.obj)
     models = _model_files(tag_dir, stage)
     f0 = models[0]
@@ -82,9 +85,7 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     shapes = _param_shapes(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
     _unique_names(f0, shapes)
     groups, scalars_of, common = _groups(common_file, stage, len(shapes))
-    params = [
-        _param(zero, name, shape, groups[g]) for g, entries in enumerate(shapes) for name, shape in entries
-    ]
+    params = [_param(zero, name, shape, groups[g]) for g, entries in enumerate(shapes) for name, shape in entries]
     params.sort(key=lambda p: p.group)
     by_name = {p.name: p for p in params}
     scalars = scalars_of if stage == 3 else _steps(zero, params)
@@ -92,8 +93,8 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     dp = int(f0.get(f0.obj, "dp_world_size", int))
     bit16 = zero3_frozen(models, dp) if stage == 3 else zero12_bit16(f0, mod, by_name)
     check_ties_and_keys(f0, mod, by_name, {n: s for n, s in bit16.items() if n not in by_name})
-    ds_config = f0.obj.get("ds_config") if isinstance(f0.obj.get("ds_config"), dict) else {}
-    prefix = "bf16_" if (ds_config.get("bf16") or {}).get("enabled") else ""
+    ds_config = _dict_at(f0.obj, "ds_config")
+    prefix = "bf16_" if _dict_at(ds_config, "bf16").get("enabled") else ""
     files = TagFiles({i: m.path.name for i, m in enumerate(models)}, {}, prefix, stage == 3)
     side = [name for name in ("config.json", *HF_SIDE_FILES) if (root / name).is_file()]
     return ZeroCheckpoint(
@@ -124,9 +125,13 @@ def _model_files(tag_dir: Path, stage: int) -> list[_File]:
         if m := pattern.match(p.name):
             found[int(m["dp"] if stage == 3 else m["mp"])] = p
     if not found:
-        raise CheckpointNotFoundError(f"{tag_dir} has no {'zero_pp_rank_*_' if stage == 3 else ''}mp_rank_00_model_states.pt")
+        raise CheckpointNotFoundError(
+            f"{tag_dir} has no {'zero_pp_rank_*_' if stage == 3 else ''}mp_rank_00_model_states.pt"
+        )
     if set(found) != set(range(len(found))) or (stage != 3 and set(found) != {0}):
-        raise CorruptCheckpointError(f"{tag_dir}: model-state files for ranks {sorted(found)}; expected 0-{len(found) - 1}")
+        raise CorruptCheckpointError(
+            f"{tag_dir}: model-state files for ranks {sorted(found)}; expected 0-{len(found) - 1}"
+        )
     models = [_File(found[i], load_pickle(found[i]), "model-states") for i in range(len(found))]
     dp = models[0].obj.get("dp_world_size")
     if stage == 3 and dp != len(models):
@@ -271,7 +276,9 @@ def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
             files[f"{folder}/{STEP}.pt"] = opt.group_scalars[p.group][STEP]
     common = dict(opt.common)
     if ckpt.zero_stage == 3:  # DeepSpeed reads the step from state[first sub-group]; keyed like its sub-groups
-        state = {int(pg["params"][0]): dict(opt.group_scalars[g]) for g, pg in enumerate(groups) if opt.group_scalars[g]}
+        state = {
+            int(pg["params"][0]): dict(opt.group_scalars[g]) for g, pg in enumerate(groups) if opt.group_scalars[g]
+        }
         common["optimizer_state_dict"] = {"state": state, "param_groups": groups}
     files["zero/optimizer_state.pt"] = common
     return files
