@@ -296,7 +296,7 @@ def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader) -> list[st
     seen: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt") as f:
-            for key in f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 seen.add(key)
                 name = ckpt.shared_params.get(key, key)
                 src = ckpt.masters.get(name) or ckpt.bit16.get(name) or ckpt.buffers.get(name)
