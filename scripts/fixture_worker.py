@@ -166,9 +166,15 @@ def inspect_optim_file(tag_dir: Path) -> dict:
         "optim_file_rank0": files[0].name,
         "optim_state_keys": sorted(osd.keys()),
         "has_zero_stage_key": "zero_stage" in osd,
-        "step_type": kinds[0] if len(kinds) == 1 else "+".join(kinds),
+        "step_type": "+".join(kinds) or "none",
         "step_locations": [f"optimizer_state_dict{p}: {s}" for p, s in steps],
     }
+    # the torch optimizer's own state_dict inside the shard: how many state entries, which keys
+    inner = osd.get("base_optimizer_state", osd.get("optimizer_state_dict"))
+    if isinstance(inner, dict) and isinstance(inner.get("state"), dict):
+        info["file_optimizer_state_entries"] = len(inner["state"])
+        info["file_optimizer_state_keys"] = sorted({k for st in inner["state"].values() for k in st})
+        info["file_optimizer_param_groups"] = len(inner.get("param_groups", []))
     if "fp32_flat_groups" in osd:
         info["num_sub_groups"] = len(osd["fp32_flat_groups"])
         info["sub_group_numels_rank0"] = [int(t.numel()) for t in osd["fp32_flat_groups"]]
@@ -257,8 +263,12 @@ def relink_hp_optimizer_state(engine) -> bool:
     return False
 
 
-def write_engine_references(engine, ref_dir: Path, stage: int) -> None:
-    """bit16 + full_state from the live engine.  Collective for ZeRO-3: all ranks call."""
+ADAM_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+
+
+def write_engine_references(engine, ref_dir: Path, stage: int, state_keys=ADAM_STATE_KEYS) -> None:
+    """bit16 + full_state (fp32/<n> and <key>/<n> for every key in `state_keys`) from the live engine.
+    Collective for ZeRO-3: all ranks call."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     if stage == 3:
@@ -270,12 +280,9 @@ def write_engine_references(engine, ref_dir: Path, stage: int) -> None:
     for n, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
-        fp32 = safe_get_full_fp32_param(p)
-        m = safe_get_full_optimizer_state(p, "exp_avg")
-        v = safe_get_full_optimizer_state(p, "exp_avg_sq")
-        full[f"fp32/{n}"] = fp32
-        full[f"exp_avg/{n}"] = m
-        full[f"exp_avg_sq/{n}"] = v
+        full[f"fp32/{n}"] = safe_get_full_fp32_param(p)
+        for key in state_keys:
+            full[f"{key}/{n}"] = safe_get_full_optimizer_state(p, key)
     if rank() == 0:
         missing = [k for k, t in full.items() if t is None]
         if missing:
@@ -313,6 +320,11 @@ def ds_config_for(spec: dict) -> dict:
         "optimizer": {"type": "AdamW", "params": opt_params},
         "zero_optimization": zero,
     }
+    client = spec.get("client_optimizer")
+    if client:  # a torch optimizer built by the caller: no DS "optimizer" block
+        del cfg["optimizer"]
+        if client["type"] not in ("Adam", "AdamW", "Adagrad"):  # DeepSpeed's ZERO_SUPPORTED_OPTIMIZERS
+            cfg["zero_allow_untested_optimizer"] = True
     if spec["dtype"] == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif spec["dtype"] == "fp16":
@@ -320,6 +332,68 @@ def ds_config_for(spec: dict) -> dict:
     if spec.get("bf16_optimizer"):
         cfg["data_types"] = {"grad_accum_dtype": "fp32"}
     return cfg
+
+
+def client_param_groups(model: nn.Module, how: str) -> list[dict]:
+    """The param groups handed to a client torch optimizer, by name: "decay" (the HF-Trainer-like split the
+    DS-optimizer fixtures use: weight_decay 0.01 / 0.0) or "single" (every trainable param, weight_decay 0.0)."""
+    decay, no_decay = decay_groups(model.named_parameters())
+    if how == "single":
+        return [{"params": [n for n, _ in decay + no_decay], "weight_decay": 0.0}]
+    return [{"params": [n for n, _ in decay], "weight_decay": 0.01},
+            {"params": [n for n, _ in no_decay], "weight_decay": 0.0}]  # fmt: skip
+
+
+def build_client_optimizer(model: nn.Module, client: dict) -> torch.optim.Optimizer:
+    """torch.optim.<type>(<groups of model's params>, **params), as a training script would build it."""
+    params = dict(model.named_parameters())
+    groups = [{**g, "params": [params[n] for n in g["params"]]} for g in client["param_groups"]]
+    return getattr(torch.optim, client["type"])(groups, **client["params"])
+
+
+def optimizer_state_facts(engine) -> dict:
+    """What the torch optimizer DeepSpeed drives holds right now (this rank): its param groups and the keys of
+    its per-param state, split into tensor states (sliced per param by DeepSpeed) and scalars (`step`)."""
+    base = getattr(engine.optimizer, "optimizer", None)
+    if base is None:
+        return {}
+    tensor_keys, scalar_keys = set(), set()
+    for st in base.state.values():
+        for k, v in st.items():
+            (tensor_keys if isinstance(v, torch.Tensor) and v.dim() > 0 else scalar_keys).add(k)
+    return {
+        "base_optimizer": type(base).__name__,
+        "base_optimizer_is_client_object": base is getattr(engine, "client_optimizer", None),
+        "base_optimizer_num_param_groups": len(base.param_groups),
+        "base_optimizer_num_state_entries": len(base.state),
+        "optimizer_state_keys": sorted(tensor_keys | scalar_keys),
+        "optimizer_tensor_state_keys": sorted(tensor_keys),
+        "optimizer_scalar_state_keys": sorted(scalar_keys),
+    }
+
+
+def probe_optimizer_state_api(engine, keys, stage: int) -> dict:
+    """What DeepSpeed answers for optimizer state `keys` of a trainable param (all ranks call).  ZeRO-3:
+    safe_get_full_optimizer_state on the first trainable param (it fails, if at all, on every rank before its
+    all-reduce).  ZeRO-1/2: the rank-local fragment lookup safe_get_full_optimizer_state starts with
+    (`_hp_mapping.get_optim_state_fragment`), on this rank's first param with a fragment: the full call would
+    fail on the ranks that hold a fragment only and leave the others waiting in its all-reduce."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    mapped = next((p for p in params if getattr(p, "_hp_mapping", None) is not None), None)
+
+    def lookup(key: str) -> str:
+        try:
+            if stage == 3:
+                v = safe_get_full_optimizer_state(params[0], key)
+            else:
+                v = mapped._hp_mapping.get_optim_state_fragment(key)
+        except Exception as e:  # noqa: BLE001 - recorded
+            return f"{type(e).__name__}: {e}"
+        return "None" if v is None else f"tensor{tuple(v.shape)}"
+
+    return {key: lookup(key) for key in keys}
 
 
 def run_engine(spec: dict, out: Path) -> None:
@@ -331,18 +405,27 @@ def run_engine(spec: dict, out: Path) -> None:
     r = rank()
     torch.manual_seed(SEED)
     model = ToyModel()
-    decay, no_decay = decay_groups(model.named_parameters())
-    groups = [
-        {"params": [p for _, p in decay], "weight_decay": 0.01},
-        {"params": [p for _, p in no_decay], "weight_decay": 0.0},
-    ]
-    groups_named = [[n for n, _ in decay], [n for n, _ in no_decay]]
+    client = spec.get("client_optimizer")
     cfg = ds_config_for(spec)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
+    if client:
+        client = {**client, "param_groups": client_param_groups(model, client.get("groups", "decay"))}
+        groups_named = [g["params"] for g in client["param_groups"]]
+        optimizer = build_client_optimizer(model, client)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=cfg)
+    else:
+        decay, no_decay = decay_groups(model.named_parameters())
+        groups = [
+            {"params": [p for _, p in decay], "weight_decay": 0.01},
+            {"params": [p for _, p in no_decay], "weight_decay": 0.0},
+        ]
+        groups_named = [[n for n, _ in decay], [n for n, _ in no_decay]]
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     quiet_loggers()
+    after_init = optimizer_state_facts(engine)
 
+    steps = int(spec.get("steps", STEPS))
     g = torch.Generator().manual_seed(SEED + 1000 * (r + 1))
-    for _ in range(STEPS):
+    for _ in range(steps):
         ids = torch.randint(0, VOCAB, (4, 6), generator=g)
         targets = torch.randint(0, VOCAB, (4, 6), generator=g)
         loss = engine(ids, targets)
@@ -352,12 +435,18 @@ def run_engine(spec: dict, out: Path) -> None:
     ckpt = out / "checkpoint"
     engine.save_checkpoint(str(ckpt))
     tag = f"global_step{engine.global_steps}"
-    write_engine_references(engine, out / "reference", spec["zero_stage"])
+    state = optimizer_state_facts(engine)
+    if client:
+        state_keys = tuple(state.get("optimizer_tensor_state_keys", ()))
+        api = probe_optimizer_state_api(engine, sorted({*ADAM_STATE_KEYS, *state_keys}), spec["zero_stage"])
+    else:
+        state_keys, api = ADAM_STATE_KEYS, None
+    write_engine_references(engine, out / "reference", spec["zero_stage"], state_keys)
 
     if r == 0:
         meta = {
             "name": spec["name"],
-            "kind": "engine",
+            "kind": spec["kind"],
             "zero_stage": spec["zero_stage"],
             "dp": spec["dp"],
             "dtype": spec["dtype"],
@@ -378,6 +467,13 @@ def run_engine(spec: dict, out: Path) -> None:
         meta["bf16_optimizer"] = type(engine.optimizer).__name__ == "BF16_Optimizer"
         meta["ds_config"] = cfg
         meta.update(inspect_optim_file(ckpt / tag))
+        if client:
+            meta["client_optimizer"] = client
+            meta["train_steps"] = steps
+            meta["reference_state_keys"] = list(state_keys)
+            meta.update(state)
+            meta["after_initialize"] = after_init
+            meta["optimizer_state_api_at_save"] = api
         meta["notes"] = spec.get("notes", "")
         (out / "meta.partial.json").write_text(json.dumps(meta, indent=1))
 

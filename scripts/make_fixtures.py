@@ -33,6 +33,7 @@ import ds_launch  # noqa: E402
 DEFAULT_OUT = REPO / "fixtures"
 
 Z3_SUB_GROUP_SIZE = 64
+STEPS = 2  # training steps of every fixture that trains (fixture_worker.STEPS)
 TRAINER_Z3_SUB_GROUP_SIZE = 2000
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
@@ -104,6 +105,43 @@ def _specs() -> dict[str, dict]:
     ]
     for s in trainers:
         specs[s["name"]] = s
+    for s in _client_optimizer_specs():
+        specs[s["name"]] = s
+    return specs
+
+
+# Client torch optimizers (deepspeed.initialize(model=..., optimizer=torch.optim.X(groups, ...)), no DS
+# "optimizer" block): a separate meta.json "kind", so tests that iterate fixture_names("engine") and assume Adam
+# moments (exp_avg, exp_avg_sq in reference/full_state) keep their fixture set.
+CLIENT_OPTIMIZER_KIND = "client_optimizer"
+CLIENT_OPTIMIZERS = {
+    "adamw": {"type": "AdamW", "params": {"lr": 0.01, "betas": [0.9, 0.999], "eps": 1e-8}, "groups": "decay"},
+    "sgd": {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}, "groups": "decay"},
+    # DeepSpeed re-creates a client Adagrad as torch.optim.Adagrad(<flat fp32 partitions>, **defaults): ONE
+    # param group, so a 2-group client Adagrad breaks its per-group step (see fixtures/README.md); one group here.
+    "adagrad": {"type": "Adagrad", "params": {"lr": 0.05}, "groups": "single"},
+}
+
+
+def _client_optimizer_specs() -> list[dict]:
+    specs = [
+        _engine_spec(
+            stage, 2, "bf16", name=f"z{stage}_dp2_bf16_step0", kind=CLIENT_OPTIMIZER_KIND, mode="engine",
+            torch_adam=False, client_optimizer=CLIENT_OPTIMIZERS["adamw"], steps=0,
+            notes="client torch.optim.AdamW (2 decay groups), engine.save_checkpoint right after "
+            "deepspeed.initialize, before any step: fp32 masters, no optimizer state (no exp_avg, no step).",
+        )
+        for stage in (1, 2, 3)
+    ]  # fmt: skip
+    for opt in ("sgd", "adagrad"):
+        for stage in (2, 3):
+            c = CLIENT_OPTIMIZERS[opt]
+            specs.append(_engine_spec(
+                stage, 2, "bf16", name=f"z{stage}_dp2_bf16_{opt}", kind=CLIENT_OPTIMIZER_KIND, mode="engine",
+                torch_adam=False, client_optimizer=c, steps=STEPS,
+                notes=f"client torch.optim.{c['type']}({c['params']}, {c['groups']} param groups), trained "
+                f"{STEPS} steps.",
+            ))  # fmt: skip
     return specs
 
 
@@ -182,11 +220,12 @@ def make_fixture(name: str, out_dir: Path, log_dir: Path | None = None) -> Path:
     if log.exists():
         log.unlink()
     try:
-        _torchrun(spec["dp"], [spec["kind"], "--spec", json.dumps(spec), "--out", str(fdir)], log, tmp)
+        mode = spec.get("mode", spec["kind"])
+        _torchrun(spec["dp"], [mode, "--spec", json.dumps(spec), "--out", str(fdir)], log, tmp)
         meta = json.loads((fdir / "meta.partial.json").read_text())
         (fdir / "meta.partial.json").unlink()
 
-        if spec["kind"] == "engine":
+        if mode == "engine":
             ckpt = fdir / "checkpoint"
         else:
             ckpt = fdir / "out" / meta["checkpoint"]
@@ -230,7 +269,10 @@ def _fmt_kb(n: int) -> str:
     return f"{n / 1024:.0f} KB"
 
 
-def write_readme(out: Path, index: list[str], timings: dict, total: float, jobs: int, cmd: str, fp16_why: str) -> None:
+def write_readme(out: Path, index: list[str], timings: dict, total: float, jobs: int, cmd: str, fp16_why: str,
+                 n_full: int | None = None, added: dict | None = None) -> None:
+    """`n_full`: how many fixtures the timed full run built (default: all in `index`); `added`: build_times.json
+    "added" ({command, per_fixture_s, total_s}) for fixtures built later with --only."""
     v = _versions()
     rows = []
     for n in index:
@@ -250,6 +292,9 @@ def write_readme(out: Path, index: list[str], timings: dict, total: float, jobs:
         versions="\n".join(f"- {k} {val}" for k, val in v.items()),
         table=table,
         n=len(index),
+        n_full=n_full if n_full is not None else len(index),
+        added=(f"\n- Added later: {', '.join(f'`{k}`' for k in added['per_fixture_s'])}, built with\n"
+               f"  `{added['command']}` ({added['total_s']:.0f} s in all)." if added else ""),
         total_size=f"{total_size / 1024 / 1024:.2f} MB",
         biggest=f"{biggest.relative_to(out)} ({_fmt_kb(biggest.stat().st_size)})",
         total_time=f"{total:.0f} s ({total / 60:.1f} min)",
@@ -287,11 +332,11 @@ runs `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(<sav
   parallel; `--list` lists names; `--logs DIR` keeps the per-fixture logs.
 - From Python/tests: `from make_fixtures import make_fixture` (add `scripts/` to `sys.path`);
   `make_fixture("z2_dp2_bf16", tmp_path)` builds `tmp_path/z2_dp2_bf16/` and returns it.
-- Full regeneration of the {n} fixtures took **{total_time}** with `--jobs {jobs}` on a
+- Full regeneration of the {n_full} fixtures took **{total_time}** with `--jobs {jobs}` on a
   2-core CPU machine (per-fixture times in the table and `build_times.json`; most of it is
   process start-up and imports). That run shared the 2 cores with other heavy jobs; on an
   idle machine a fixture takes about 12-16 s (DP <= 3) and 20-25 s (DP = 4), so a full
-  regeneration is about 8 min.
+  regeneration is about 8 min.{added}
 - The first run on a fresh machine also JIT-compiles DeepSpeed's CPU `fused_adam` and
   `deepspeed_shm_comm_op` extensions into `~/.cache/torch_extensions` (about 1 min, once; needs
   a C++ compiler and ninja).
@@ -316,9 +361,10 @@ Total size: **{total_size}**; biggest file: {biggest}.
 |---|---|---|---|---|---|---|---|---|---|---|
 {table}
 
-*step*: how the Adam step count is stored in the optimizer shards: `int` (DeepSpeed
-`FusedAdam`, python int in `state[k]['step']`) or `tensor` (torch `AdamW`, 0-dim float32
-tensor in `state[k]['step']`). The DP=3 engine fixtures use torch AdamW on purpose
+*step*: how the optimizer step count is stored in the optimizer shards: `int` (DeepSpeed
+`FusedAdam`, python int in `state[k]['step']`), `tensor` (torch `AdamW`/`Adagrad`, 0-dim float32
+tensor in `state[k]['step']`) or `none` (no step anywhere: torch `SGD`, and every optimizer
+before its first step). The DP=3 engine fixtures use torch AdamW on purpose
 (`"torch_adam": true` in the DS `optimizer` block), all other engine fixtures DeepSpeed's
 FusedAdam (the CPU build of `fused_adam`), so each ZeRO stage has both kinds.
 
@@ -391,9 +437,30 @@ from the live engine after `trainer.train()` (same state as the final save).
 - `trainer_z3_nogather_bf16`: same with the flag **false**: **no** `model.safetensors` in the
   checkpoint folders; only `global_step*/` holds weights.
 
+### Client-optimizer fixtures (kind `client_optimizer`)
+
+The toy model, param groups (unless said otherwise), DS config and data of the engine
+fixtures, but the optimizer is a **client torch optimizer**:
+`deepspeed.initialize(model=model, optimizer=torch.optim.<X>(<groups>, ...), config=...)` with
+**no** `optimizer` block in the DS config (`zero_allow_untested_optimizer: true` for SGD, which
+is not in DeepSpeed's ZeRO-supported list). meta.json `kind` is `client_optimizer`, so the tests
+that iterate `fixture_names("engine")` (and assume Adam moments in `full_state`) do not see
+them; `tests/test_reshard_optimizers.py` does. `reference/full_state.safetensors` holds
+`fp32/<n>` and `<key>/<n>` for every key in meta.json `reference_state_keys` (the optimizer's
+per-param tensor states, read with `safe_get_full_optimizer_state(param, key)`).
+
+| name | optimizer (client) | param groups | steps | per-param state in the shards | `reference_state_keys` |
+|---|---|---|---|---|---|
+| `z{{1,2,3}}_dp2_bf16_step0` | `AdamW(lr=0.01, betas=(0.9, 0.999), eps=1e-8)` | 2 (decay 0.01 / 0.0) | **0**: saved right after `initialize` (tag `global_step0`) | **none**: `base_optimizer_state["state"]` (ZeRO-3: `optimizer_state_dict["state"]`) is `{{}}` | `[]` |
+| `z{{2,3}}_dp2_bf16_sgd` | `SGD(lr=0.05, momentum=0.9)` | 2 (decay 0.01 / 0.0) | 2 | `momentum_buffer` (no `step`) | `["momentum_buffer"]` |
+| `z{{2,3}}_dp2_bf16_adagrad` | `Adagrad(lr=0.05)` | **1** (all trainable, decay 0.0) | 2 | `sum`, `step` (0-dim float32 tensor, 2.0) | `["sum"]` |
+
+Step-0 fixtures: `counts` is still `[7, 0, -3]` (no training forward ran) and `zero_to_fp32`
+works on them (it reads only the fp32 partitions).
+
 ## meta.json keys
 
-`name`, `kind` ("engine"|"trainer"), `trainer` (trainer only), `checkpoint`/`checkpoints`
+`name`, `kind` ("engine"|"trainer"|"client_optimizer"), `trainer` (trainer only), `checkpoint`/`checkpoints`
 (trainer only), `zero_stage`, `dp`, `dtype`, `optimizer` (class of the torch-level optimizer
 DeepSpeed drove: `FusedAdam` or `AdamW`), `optimizer_module`, `optimizer_wrapper`
 (`DeepSpeedZeroOptimizer`, `DeepSpeedZeroOptimizer_Stage3`, `BF16_Optimizer`),
@@ -408,7 +475,17 @@ optimizer param group, in DeepSpeed's flat-buffer order, read from the live opti
 `num_sub_groups`, `sub_group_numels_rank0`, `sub_groups_per_param_group` (ZeRO-3),
 `partition_count`, `zero_to_fp32` {{ok, source, dtypes, aliased_in_api_output | error}},
 `references` (files present in `reference/`), `removed_files`, `ds_version`,
-`torch_version`, `transformers_version`, `notes`.
+`torch_version`, `transformers_version`, `notes`; in fixtures built since the client-optimizer
+ones also `file_optimizer_state_entries`, `file_optimizer_state_keys`,
+`file_optimizer_param_groups` (the torch optimizer state_dict inside rank 0's optim shard).
+Client-optimizer fixtures add `client_optimizer` {{type, params, groups, param_groups [{{params:
+[names], weight_decay}}]}} (exactly what was passed to `torch.optim.<type>`), `train_steps`,
+`reference_state_keys`, `optimizer_state_keys` / `optimizer_tensor_state_keys` /
+`optimizer_scalar_state_keys` (keys of the live torch optimizer's per-param state at save
+time), `base_optimizer`, `base_optimizer_is_client_object`, `base_optimizer_num_param_groups`,
+`base_optimizer_num_state_entries`, `after_initialize` (the same facts right after
+`deepspeed.initialize`), `optimizer_state_api_at_save` (what DeepSpeed's state lookup answers for
+`exp_avg`, `exp_avg_sq` and the optimizer's own keys; see below).
 
 ## DeepSpeed behaviour seen while building these (0.19.8, CPU)
 
@@ -471,6 +548,42 @@ Cross-checked on every fixture: fp32 rebuilt from the raw shards
     `single_partition_of_fp32_groups` keeps its padding (`group_paddings` `[0, 1]` on rank 1).
 11. fp16 is refused by DeepSpeed on this CPU (see above); fp32 runs write no file-name
     prefix (`zero_pp_rank_*`), bf16 runs `bf16_zero_pp_rank_*`.
+
+Client-optimizer fixtures (cross-checked the same way: `fp32/*`, `momentum_buffer/*`, `sum/*`
+rebuilt from the shards equal `full_state`, and `zero_to_fp32`):
+
+12. **Step 0.** A client torch AdamW keeps no state until its first step, so the shards saved
+    right after `initialize` hold fp32 masters and an empty torch `state` (ZeRO-1/2
+    `base_optimizer_state["state"]`, ZeRO-3 `optimizer_state_dict["state"]`), param groups
+    intact. Asking for a moment then: ZeRO-1/2 `TypeError: argument of type 'NoneType' is not
+    iterable` (the per-param fragments are only linked after a step), ZeRO-3 `KeyError:
+    'exp_avg'`. DeepSpeed loads these at the same DP size and trains on (`zero_to_fp32` works
+    too).
+13. **`ds_to_universal` hard-codes Adam.** ZeRO-1/2 step-0 converts (`fp32.pt` only per param,
+    no `step.pt`); ZeRO-3 step-0 fails with `KeyError: 0` (`extract_zero_shards_stage3` reads
+    `state[idx]["exp_avg"]`); SGD and Adagrad fail at ZeRO-2 and ZeRO-3 with `KeyError:
+    'exp_avg'` (`extract_zero_shards` / `extract_zero_shards_stage3`).
+14. **A client Adagrad is replaced.** ZeRO-1/2 and ZeRO-3 `initialize_optimizer_states` re-create it
+    as `torch.optim.Adagrad(<flat fp32 partitions>, **client.defaults)`: ONE param group (the
+    client groups' own options are lost), `engine.optimizer.optimizer` is no longer the client
+    object, and `sum` (zeros) and `step` (0) exist right after `initialize`. With the 2-group
+    decay split, ZeRO-2 crashes in the first backward (`IndexError: list index out of range` in
+    `_get_flat_partition_unpadded`, `self.optimizer.param_groups[param_group_idx]`), so the
+    Adagrad fixtures pass one group.
+15. **ZeRO-3 + Adagrad cannot load its own checkpoint** in a fresh engine: `ValueError: loaded
+    state dict contains a parameter group that doesn't match the size of optimizer's group`.
+    ZeRO-3 empties the torch param groups after creating its fp32 partitions, but the re-created
+    Adagrad puts all partitions back into group 0 and `_rigid_load_state_dict` appends them a
+    second time. `tests/reshard_worker.py` empties them again before loading
+    (`clear_zero3_adagrad_param_groups`).
+16. **DeepSpeed's ZeRO-3 universal load is Adam-only**:
+    `load_hp_checkpoint_state_from_checkpoint_dir_stage3` reads exactly `fp32`, `exp_avg`,
+    `exp_avg_sq` per param and `optimizer_state.pt`'s `state[0]['step']`, so no ZeRO-3 universal
+    checkpoint of SGD, Adagrad or a step-0 run can be loaded with `load_universal`. The ZeRO-1/2
+    universal load takes every `<key>.pt` of a param folder (and `step.pt` if present), so it
+    handles all three.
+17. torch SGD is not in DeepSpeed's ZeRO-supported optimizer list: without
+    `"zero_allow_untested_optimizer": true` `initialize` refuses it.
 """
 
 
@@ -512,7 +625,10 @@ def main(argv=None) -> int:
         bt = json.loads(times_path.read_text())
         ok16, why16 = fp16_supported()
         index = json.loads((out / "index.json").read_text())
-        write_readme(out, index, bt["per_fixture_s"], bt["total_s"], bt["jobs"], bt["command"], why16 if not ok16 else "")
+        added = bt.get("added")
+        timings = {**bt["per_fixture_s"], **(added or {}).get("per_fixture_s", {})}
+        write_readme(out, index, timings, bt["total_s"], bt["jobs"], bt["command"], why16 if not ok16 else "",
+                     n_full=len(bt["per_fixture_s"]), added=added)
         print(f"wrote {out / 'README.md'}")
         return 0
     names = a.only or default_names()
@@ -553,6 +669,16 @@ def main(argv=None) -> int:
     index = [n for n in SPECS if n in set(existing) | set(built) and (out / n / "meta.json").exists()]
     index_path.write_text(json.dumps(index, indent=1) + "\n")
     print(f"done: {len(built)} built, {len(failures)} failed, {total:.1f}s total", flush=True)
+    if a.only is not None and built and times_path.exists() and Path(a.out).resolve() == DEFAULT_OUT:
+        # record the times of fixtures that the last full run did not build (rebuilds of those keep the old time)
+        bt = json.loads(times_path.read_text())
+        new = {n: round(timings[n], 1) for n in built if n not in bt["per_fixture_s"]}
+        if new:
+            prev = bt.get("added", {})
+            per = {**prev.get("per_fixture_s", {}), **new}
+            bt["added"] = {"command": "python scripts/make_fixtures.py --only " + " ".join(per),
+                           "per_fixture_s": per, "total_s": round(sum(per.values()), 1)}
+            times_path.write_text(json.dumps(bt, indent=1) + "\n")
     if a.only is None and not failures:
         cmd = "python scripts/make_fixtures.py" + (f" --out {a.out}" if Path(a.out).resolve() != DEFAULT_OUT else "") \
             + (f" --jobs {a.jobs}" if a.jobs != 1 else "")

@@ -7,17 +7,21 @@ Engine mode (the toy model of scripts/fixture_worker.py, rebuilt from a fixture'
         --load CKPT_ROOT [--dump OUT.safetensors] [--steps K --losses OUT.json]
 
   * the model is built exactly as the fixture worker built it (same class, same seed, same two param
-    groups, the fixture's ds_config) and then *scrambled* (every parameter and persistent buffer is
+    groups, the fixture's ds_config; for `client_optimizer` fixtures the same client torch optimizer, from
+    meta.json `client_optimizer`) and then *scrambled* (every parameter and persistent buffer is
     overwritten with other values), so anything `load_checkpoint` does not restore shows up in the dump;
   * only the batch-size keys of the ds_config change: the GLOBAL batch is GLOBAL_BATCH rows at every world
     size (micro batch GLOBAL_BATCH // M, gradient_accumulation_steps 1);
   * `engine.load_checkpoint(CKPT_ROOT, load_optimizer_states=True, load_lr_scheduler_states=True)`; a None
     load path is an error;
   * --dump (rank 0 writes; every rank takes part in the collectives): `fp32/<n>`, `exp_avg/<n>`,
-    `exp_avg_sq/<n>` for every trainable param (deepspeed.utils.safe_get_full_fp32_param /
+    `exp_avg_sq/<n>` (or the fixture's meta.json `reference_state_keys`, e.g. `momentum_buffer`, `sum`, none
+    for a step-0 checkpoint) for every trainable param (deepspeed.utils.safe_get_full_fp32_param /
     safe_get_full_optimizer_state), `module/<key>` for every entry of the module's state_dict as the module
     holds it (ZeRO-3: gathered), `module/mask` (non-persistent buffer), and OUT.json beside it with the
     optimizer steps, loss-scaler scale, global steps/samples and per-rank facts;
+  * universal loads: `"checkpoint": {"load_universal": true}` is added to the config when the job has
+    `"load_universal": true` (--jobs mode) or RESHARD_WORKER_LOAD_UNIVERSAL is set;
   * --steps K: K more training steps on a fixed-seed global batch sequence that is the same at every world
     size (rank r takes rows [r*micro, (r+1)*micro)); --losses gets the global mean loss per step.
 
@@ -106,7 +110,7 @@ def init_dist() -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
-def ds_config_for(meta: dict, m: int) -> dict:
+def ds_config_for(meta: dict, m: int, load_universal: bool | None = None) -> dict:
     cfg = copy.deepcopy(meta["ds_config"])
     if GLOBAL_BATCH % m:
         raise SystemExit(f"world size {m} does not divide the global batch {GLOBAL_BATCH}")
@@ -114,7 +118,9 @@ def ds_config_for(meta: dict, m: int) -> dict:
     cfg["gradient_accumulation_steps"] = 1
     if "train_batch_size" in cfg:
         cfg["train_batch_size"] = GLOBAL_BATCH
-    if os.environ.get("RESHARD_WORKER_LOAD_UNIVERSAL"):  # the one config change a universal load needs
+    if load_universal is None:
+        load_universal = bool(os.environ.get("RESHARD_WORKER_LOAD_UNIVERSAL"))
+    if load_universal:  # the one config change a universal load needs
         cfg.setdefault("checkpoint", {})["load_universal"] = True
     return cfg
 
@@ -135,13 +141,41 @@ def scramble(model: torch.nn.Module) -> None:
                 b.fill_(-99)
 
 
-def build_engine(meta: dict, do_scramble: bool):
+def clear_zero3_adagrad_param_groups(engine) -> bool:
+    """Work around a DeepSpeed 0.19.8 bug: ZeRO-3 empties the torch optimizer's param groups after creating its fp32
+    partitions (they are filled per sub-group around each step and for state_dict/load_state_dict), but then
+    re-creates a torch.optim.Adagrad as Adagrad(<all fp32 sub-group partitions>, **defaults), which leaves them
+    in group 0.  A fresh engine's load_checkpoint then appends the partitions once more and torch refuses the
+    state ("loaded state dict contains a parameter group that doesn't match the size of optimizer's group"),
+    even for the checkpoint that very engine setup wrote at the same DP size.  Emptying them again, as DeepSpeed
+    itself does after every step, restores the invariant (bookkeeping only; no tensor changes)."""
+    opt = engine.optimizer
+    base = getattr(opt, "optimizer", None)
+    if (isinstance(base, torch.optim.Adagrad) and hasattr(opt, "_clear_fp32_optimizer_param_groups")
+            and any(g["params"] for g in base.param_groups)):  # fmt: skip
+        opt._clear_fp32_optimizer_param_groups()
+        return True
+    return False
+
+
+def build_engine(meta: dict, do_scramble: bool, load_universal: bool | None = None):
     import deepspeed
 
     torch.manual_seed(FW.SEED)
     model = FW.ToyModel()
     if do_scramble:
         scramble(model)
+    client = meta.get("client_optimizer")
+    if client:  # the fixture's own client torch optimizer (no DS "optimizer" block), built the same way
+        names = [g["params"] for g in client["param_groups"]]
+        if [sorted(g) for g in names] != [sorted(g) for g in meta["param_groups"]]:
+            raise RuntimeError(f"client param groups {names} differ from the fixture's {meta['param_groups']}")
+        optimizer = FW.build_client_optimizer(model, client)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                               config=ds_config_for(meta, world(), load_universal))
+        FW.quiet_loggers()
+        clear_zero3_adagrad_param_groups(engine)
+        return engine
     decay, no_decay = FW.decay_groups(model.named_parameters())
     names = [[n for n, _ in decay], [n for n, _ in no_decay]]
     if [sorted(g) for g in names] != [sorted(g) for g in meta["param_groups"]]:
@@ -151,7 +185,7 @@ def build_engine(meta: dict, do_scramble: bool):
         {"params": [p for _, p in decay], "weight_decay": wd[0]},
         {"params": [p for _, p in no_decay], "weight_decay": wd[1]},
     ]
-    cfg = ds_config_for(meta, world())
+    cfg = ds_config_for(meta, world(), load_universal)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=cfg)
     FW.quiet_loggers()
     return engine
@@ -174,6 +208,8 @@ def optimizer_facts(engine) -> dict:
         facts["state_numels"] = sorted(
             int(s["exp_avg"].numel()) for s in base.state.values() if isinstance(s.get("exp_avg"), torch.Tensor)
         )
+        facts["state_keys"] = sorted({k for s in base.state.values() for k in s})
+        facts["num_nonempty_state_entries"] = sum(1 for s in base.state.values() if s)
         facts["group_steps"] = [_num(g.get("step")) for g in base.param_groups]
         facts["group_lrs"] = [g.get("lr") for g in base.param_groups]
         facts["group_weight_decay"] = [g.get("weight_decay") for g in base.param_groups]
@@ -184,8 +220,8 @@ def optimizer_facts(engine) -> dict:
     return facts
 
 
-def dump_state(engine, dump: Path, stage: int, load_path: str) -> None:
-    """Collective: every rank must call it."""
+def dump_state(engine, dump: Path, stage: int, load_path: str, state_keys=FW.ADAM_STATE_KEYS) -> None:
+    """Collective: every rank must call it.  `state_keys`: the optimizer states dumped as `<key>/<n>`."""
     import deepspeed
     import torch.distributed as dist
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
@@ -195,10 +231,9 @@ def dump_state(engine, dump: Path, stage: int, load_path: str) -> None:
     for n, p in engine.module.named_parameters():
         if not p.requires_grad:
             continue
-        fp32 = safe_get_full_fp32_param(p)
-        m = safe_get_full_optimizer_state(p, "exp_avg")
-        v = safe_get_full_optimizer_state(p, "exp_avg_sq")
-        for key, t in ((f"fp32/{n}", fp32), (f"exp_avg/{n}", m), (f"exp_avg_sq/{n}", v)):
+        got = [(f"fp32/{n}", safe_get_full_fp32_param(p))]
+        got += [(f"{k}/{n}", safe_get_full_optimizer_state(p, k)) for k in state_keys]
+        for key, t in got:
             if t is None:
                 raise RuntimeError(f"{key}: safe_get_full_* returned None after load")
             out[key] = t.detach().cpu().clone().contiguous()
@@ -265,7 +300,7 @@ def run_engine(job: dict) -> None:
     """One load (+ dump, + training).  job: fixture_meta, load, dump, steps, losses, scramble."""
     t0 = time.time()
     meta = json.loads(Path(job["fixture_meta"]).read_text())
-    engine = build_engine(meta, job.get("scramble", True))
+    engine = build_engine(meta, job.get("scramble", True), job.get("load_universal"))
     t1 = time.time()
     load_path, _client = engine.load_checkpoint(job["load"], load_optimizer_states=True,
                                                 load_lr_scheduler_states=True)
@@ -273,7 +308,8 @@ def run_engine(job: dict) -> None:
         raise RuntimeError(f"engine.load_checkpoint({job['load']!r}) returned None: nothing was loaded")
     t2 = time.time()
     if job.get("dump"):
-        dump_state(engine, Path(job["dump"]), meta["zero_stage"], str(load_path))
+        dump_state(engine, Path(job["dump"]), meta["zero_stage"], str(load_path),
+                   meta.get("reference_state_keys", FW.ADAM_STATE_KEYS))
     t3 = time.time()
     steps = int(job.get("steps") or 0)
     losses = train_steps(engine, steps) if steps else []
