@@ -18,6 +18,8 @@ from .hub import PushResult, push
 from .inspect import inspect_checkpoint
 from .reader import ZeroCheckpoint, read_checkpoint
 from .reshard import ReshardResult, reshard
+from .sources import open_checkpoint
+from .universal import read_universal
 from .verify import VerifyReport, verify_folder
 
 __all__ = [
@@ -36,8 +38,10 @@ __all__ = [
     "__version__",
     "consolidate",
     "inspect_checkpoint",
+    "open_checkpoint",
     "push",
     "read_checkpoint",
+    "read_universal",
     "reshard",
     "save_pretrained_from_engine",
     "verify_folder",

@@ -6,13 +6,12 @@ inputs are never touched.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from . import dtypes, hf, staging
+from . import dtypes, hf
 from .dtypes import DType
 from .errors import CkptError, UsageError
 from .reader import TensorSource, ZeroCheckpoint, check_module_copies
@@ -104,36 +103,30 @@ def plan_shards(tensors: Sequence[_Sized], fmt: str, max_shard_size: int | str) 
 class _KeyCheck:
     """Builds the model on the meta device in a child process while the shards are written."""
 
-    def __init__(self, config: Path | None) -> None:
-        self.proc = hf.start_model_keys(config) if config else None
+    def __init__(self, folder: Path | None, tensors: list[OutputTensor]) -> None:
+        self.proc = hf.start_key_check(folder, {t.name: t.shape for t in tensors}) if folder else None
 
     def cancel(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
 
-    def problems(self, ckpt: ZeroCheckpoint, written: list[str], omitted: dict[str, str], notes: list[str]) -> None:
+    def problems(self, ckpt: ZeroCheckpoint, omitted: dict[str, str], notes: list[str]) -> None:
         if self.proc is None:
             return
-        result = hf.finish_model_keys(self.proc)
+        result = hf.finish_key_check(self.proc)
         if isinstance(result, str):
             notes.append(f"keys not checked against the model: {result}")
             return
-        missing, unexpected = hf.key_problems(result, written, omitted)
-        if ckpt.frozen_excluded:
-            notes.append(
-                f"{len(missing)} base-model weights are absent (the checkpoint was saved without frozen params)"
-            )
-            missing = []
-        if missing or unexpected:
-            parts = []
-            if missing:
-                parts.append(f"missing {len(missing)} ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})")
-            if unexpected:
-                more = ", ..." if len(unexpected) > 4 else ""
-                parts.append(f"unexpected {len(unexpected)} ({', '.join(unexpected[:4])}{more})")
+        arch, keys = result
+        keys.missing = [f"{k} (tied during training, but {arch} does not tie it on load)" if k in omitted else k
+                        for k in keys.missing]  # fmt: skip
+        if ckpt.frozen_excluded and keys.missing:
+            notes.append(f"{len(keys.missing)} base-model weights are absent (saved without frozen params)")
+        problems = keys.messages(arch, ignore_missing=ckpt.frozen_excluded)
+        if problems:
             raise CkptError(
-                f"the consolidated keys do not match {result.architecture} from config.json: {'; '.join(parts)}. "
+                f"the consolidated keys do not match {arch} from config.json: {'; '.join(problems)}. "
                 "Is config.json from the same model?"
             )
 
@@ -184,8 +177,8 @@ def consolidate(
     out_dtype = DTYPES[dtype]
     config_path = ckpt.location.root / "config.json"
     config = hf.load_config(config_path) if config_path.is_file() else None  # read once, refused before writing
-    keycheck = _KeyCheck(config_path if (config is not None and check_keys) else None)
     tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=config is not None, config=config or {})
+    keycheck = _KeyCheck(ckpt.location.root if (config is not None and check_keys) else None, tensors)
     shards = plan_shards(tensors, to, max_shard_size)
     total = sum(t.nbytes for t in tensors)
     notes: list[str] = []
@@ -198,7 +191,7 @@ def consolidate(
                 if on_start:
                     on_start(total)
                 files = _write_shards(tmp, shards, to, reader, on_progress)
-                keycheck.problems(ckpt, [t.name for t in tensors], omitted, notes)
+                keycheck.problems(ckpt, omitted, notes)
                 files += _write_hf_files(tmp, ckpt, shards, tensors, to, out_dtype, config)
                 if check_existing and config is not None:
                     notes += compare_with_existing(ckpt, reader)
@@ -259,27 +252,15 @@ def _write_hf_files(
     files = []
     if len(shards) > 1:
         stem, ext = FORMATS[to]
-        index = {
-            "metadata": {
-                "total_size": sum(t.nbytes for t in tensors),
-                "total_parameters": _param_count(tensors, ckpt),
-            },
-            "weight_map": {t.name: fname for fname, group in shards.items() for t in group},
-        }
-        name = f"{stem}{ext}.index.json"
-        (tmp / name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        files.append(name)
+        weight_map = {t.name: fname for fname, group in shards.items() for t in group}
+        total = sum(t.nbytes for t in tensors)
+        files.append(hf.write_index(tmp, f"{stem}{ext}.index.json", weight_map, total, _param_count(tensors, ckpt)))
     root = ckpt.location.root
     if config is not None:
         hf.write_config(config, tmp / "config.json", dtype)
         files.append("config.json")
     files += hf.copy_side_files(root, ckpt.location.side_files, tmp)
     return files
-
-
-def publish(tmp: Path, out: Path) -> None:
-    """Rename a finished folder into place, replacing an old output (for callers staging by hand)."""
-    staging.publish(tmp, out, overwrite=True)
 
 
 def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader) -> list[str]:

@@ -15,17 +15,16 @@ import json
 import os
 import pickle
 import re
-import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 from . import dtypes, hf
-from .consolidate import plan_shards, publish
+from .consolidate import plan_shards
 from .dtypes import DType
 from .errors import CkptError, OutputError, UnsupportedCheckpointError, UsageError
-from .staging import check_free_space
+from .staging import StagedFolder
 from .writer import CHUNK_BYTES, safetensors_header, written_dtype
 
 DEFAULT_MAX_GATHER_BYTES = 64 << 20  # 64 MiB: large enough to keep all-gathers efficient, small beside any real model
@@ -447,23 +446,13 @@ def _conversion_note(module: Any) -> str | None:
     )
 
 
-def _index(shards: dict[str, list[_Entry]], num_parameters: int) -> dict[str, Any]:
-    return {
-        "metadata": {
-            "total_size": sum(e.nbytes for g in shards.values() for e in g),
-            "total_parameters": num_parameters,
-        },
-        "weight_map": {e.name: fname for fname, g in shards.items() for e in g},
-    }
-
-
 # --------------------------------------------------------------------------------------------------
 # Output folder
 # --------------------------------------------------------------------------------------------------
 
 
-def _prepare(out: Path, if_exists: str, needed: int) -> Path:
-    """Rank 0: check the target, make an empty temporary sibling folder and return it."""
+def _prepare(out: Path, if_exists: str, needed: int) -> StagedFolder:
+    """Rank 0: check the target and make an empty temporary sibling folder."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and if_exists == "error":
@@ -472,11 +461,7 @@ def _prepare(out: Path, if_exists: str, needed: int) -> Path:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputError(f"cannot create {out.parent}: {e}") from e
-    check_free_space(out.parent, needed)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    return tmp
+    return StagedFolder(out, overwrite=True, needed_bytes=needed)  # the if_exists policy is checked above
 
 
 def _publish_into(tmp: Path, out: Path) -> None:
@@ -596,7 +581,13 @@ def save_pretrained_from_engine(
         notes.append(f"{len(copied)} shared tensors not declared tied are stored as copies ({some})")
 
     rank = _rank()
-    tmp: Path = rank0_decides(lambda: _prepare(out, if_exists, sum(e.nbytes for e in entries)))
+    staged: list[StagedFolder] = []  # rank 0's temp folder
+
+    def prepare() -> Path:
+        staged.append(_prepare(out, if_exists, sum(e.nbytes for e in entries)))
+        return staged[0].path
+
+    tmp: Path = rank0_decides(prepare)
     writer = _ShardWriter(tmp, shards, chunk_bytes) if rank == 0 else None
     peak_gathered = _gather_and_write(engine, groups, writer)
 
@@ -609,17 +600,17 @@ def save_pretrained_from_engine(
                 raise writer.error
             names = list(shards)
             if len(shards) > 1:
-                index = json.dumps(_index(shards, num_parameters), indent=2, sort_keys=True)
-                (tmp / "model.safetensors.index.json").write_text(index + "\n")
-                names.append("model.safetensors.index.json")
+                weight_map = {e.name: fname for fname, g in shards.items() for e in g}
+                total = sum(e.nbytes for g in shards.values() for e in g)
+                names.append(hf.write_index(tmp, "model.safetensors.index.json", weight_map, total, num_parameters))
             names += _write_side_files(tmp, module, config, written_dtype, notes)
             if if_exists == "add" and out.is_dir():
                 _publish_into(tmp, out)
             else:
-                publish(tmp, out)
+                staged[0].commit()
             return names
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            staged[0].abort()
             raise
 
     files = rank0_decides(finish)

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import re
 import shutil
-from collections.abc import Iterable
-from dataclasses import dataclass
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .dtypes import DType
 from .errors import CkptError
-
-
-@dataclass(frozen=True)
-class ModelKeys:
-    """The state-dict keys a transformers model class expects, and which of them it ties on load."""
-
-    architecture: str
-    expected: frozenset[str]
-    tied: dict[str, str]  # target -> source, as transformers v5 declares them
 
 
 class ConfigError(CkptError):
@@ -59,11 +54,22 @@ def read_config(path: Path) -> dict[str, Any] | None:
         return None
 
 
-def model_keys(config_path: Path) -> ModelKeys | str:
-    """Build the model from config.json on the meta device (no memory) and list its keys.
+@dataclass
+class MetaModel:
+    """What from_pretrained would build from config.json: keys, shapes, which are parameters, ties, renames."""
 
-    Returns a ModelKeys, or a one-line reason why the model could not be built (keys then go unchecked).
-    """
+    architecture: str
+    shapes: dict[str, tuple[int, ...]]
+    parameters: set[str]
+    tied: dict[str, str]  # target -> source
+    ignore_unexpected: list[str]
+    ignore_missing: list[str]
+    keep_fp32: list[str]
+    rename: Callable[[str], tuple[str, bool]]  # file key -> (model key, produced by a merging converter)
+
+
+def build_meta_model(folder: Path) -> MetaModel | str:
+    """Build the model class named in config.json on the meta device; a one-line reason when it cannot."""
     import logging
 
     import torch
@@ -72,57 +78,161 @@ def model_keys(config_path: Path) -> ModelKeys | str:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     transformers.logging.set_verbosity_error()
     try:
-        config = transformers.AutoConfig.from_pretrained(config_path.parent, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure only means we cannot check
-        return f"config.json could not be read by transformers ({type(e).__name__}: {e})"
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - the reason is reported, the check skipped
+        return f"transformers cannot read config.json ({type(e).__name__}: {e})"
     archs = getattr(config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
-        return f"architecture {archs[0] if archs else '(none)'} is not a transformers class"
+        return f"architecture {archs[0] if archs else '(none in config.json)'} is not a transformers class"
     try:
         with torch.device("meta"):
             model = cls(config)
-    except Exception as e:  # noqa: BLE001 - any failure only means we cannot check
-        return f"{cls.__name__} could not be built from config.json ({type(e).__name__}: {e})"
-    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
-    return ModelKeys(cls.__name__, frozenset(model.state_dict().keys()), {str(k): str(v) for k, v in tied.items()})
+    except Exception as e:  # noqa: BLE001
+        return f"{cls.__name__} cannot be built from config.json ({type(e).__name__}: {e})"
+    state = model.state_dict()
+    return MetaModel(
+        architecture=cls.__name__,
+        shapes={k: tuple(v.shape) for k, v in state.items()},
+        parameters={n for n, _ in model.named_parameters(remove_duplicate=False)},
+        tied={str(k): str(v) for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items()},
+        ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
+        ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []),
+        keep_fp32=list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        + list(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
+        rename=_renamer(model, state),
+    )
 
 
-def start_model_keys(config_path: Path) -> Any:
-    """Start `model_keys` in a child process, so importing transformers overlaps the shard writing."""
+def _renamer(model: Any, state: dict[str, Any]) -> Callable[[str], tuple[str, bool]]:
+    """The key renaming transformers 5 applies on load (legacy names, fused MoE experts, base-model prefix).
+
+    These are transformers internals; when they are not there the keys are compared as they are.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        mapping = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001
+        return lambda key: (key, False)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> tuple[str, bool]:
+        try:
+            new, pattern = rename_source_key(key, renamings, converters, prefix, state)
+            if new not in state and key in state:
+                new, pattern = rename_source_key(key, [], [], prefix, state)
+        except Exception:  # noqa: BLE001
+            return key, False
+        return new, pattern is not None
+
+    return rename
+
+
+@dataclass
+class KeyReport:
+    """The output's keys against the model: what from_pretrained would report, plus placeholders."""
+
+    loaded: dict[str, str] = field(default_factory=dict)  # file key -> model key, for the keys that load
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    placeholders: list[str] = field(default_factory=list)
+
+    def messages(self, arch: str, *, ignore_missing: bool = False) -> list[str]:
+        problems = []
+        if self.placeholders:
+            problems.append(
+                f"empty placeholder tensors where {arch} expects weights (a ZeRO-3 save without gathering?): "
+                f"{names(self.placeholders)}"
+            )
+        if self.mismatched:
+            problems.append(f"shape mismatch: {names(self.mismatched, 3)}")
+        if self.missing and not ignore_missing:
+            lacking = names(sorted(self.missing))
+            problems.append(f"{arch} expects keys the folder lacks (they would load as random weights): {lacking}")
+        if self.unexpected:
+            problems.append(
+                f"keys {arch} does not have (they would be ignored; wrong prefix?): {names(sorted(self.unexpected))}"
+            )
+        return problems
+
+
+def names(items: Iterable[str], n: int = 4) -> str:
+    """The first `n` names, and how many there are in all."""
+    items = list(items)
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def compare_keys(model: MetaModel, shapes: Mapping[str, tuple[int, ...]]) -> KeyReport:
+    """Compare output keys and shapes with the model, after the renames transformers applies on load."""
+    report = KeyReport()
+    for key, shape in shapes.items():
+        target, converted = model.rename(key)
+        if target not in model.shapes:
+            if not any(re.search(p, key) for p in model.ignore_unexpected):
+                report.unexpected.append(key)
+            continue
+        report.loaded[key] = target
+        want = model.shapes[target]
+        if converted or tuple(shape) == want:
+            continue
+        if math.prod(shape) == 0 and math.prod(want) != 0:
+            report.placeholders.append(f"{key} {list(shape)}")
+        else:
+            report.mismatched.append(f"{key} is {list(shape)}, {model.architecture} expects {list(want)}")
+    present = set(report.loaded.values())
+    report.missing = [
+        k for k in model.shapes
+        if k not in present and not (k in model.tied and model.tied[k] in present)
+        and not any(re.search(p, k) for p in model.ignore_missing)
+    ]  # fmt: skip
+    return report
+
+
+def start_key_check(folder: Path, shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    """Run `compare_keys` in a child process (importing transformers overlaps the writing); see finish_key_check."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "ckpttools.hf", str(config_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpttools.hf", str(folder)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
     )  # fmt: skip
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps({k: list(v) for k, v in shapes.items()}))
+        proc.stdin.close()
+    except OSError:  # the child died early; finish_key_check reports it
+        pass
+    return proc
 
 
-def finish_model_keys(proc: Any) -> ModelKeys | str:
-    out, _ = proc.communicate()
+def finish_key_check(proc: Any) -> tuple[str, KeyReport] | str:
+    """(architecture, KeyReport) from the child, or a one-line reason the keys could not be checked."""
+    out = proc.stdout.read()  # stdin was written and closed at the start
+    proc.wait()
     try:
         data = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return f"the model check exited with code {proc.returncode}"
     if "error" in data:
         return str(data["error"])
-    return ModelKeys(data["architecture"], frozenset(data["expected"]), dict(data["tied"]))
+    return str(data["architecture"]), KeyReport(**data["report"])
 
 
-def key_problems(
-    keys: ModelKeys, written: Iterable[str], omitted_aliases: dict[str, str]
-) -> tuple[list[str], list[str]]:
-    """(missing, unexpected) keys of the output against the model, tied targets allowed to be absent."""
-    written = set(written)
-    missing = sorted(k for k in keys.expected - written if k not in keys.tied)
-    unexpected = sorted(written - keys.expected)
-    untied = sorted(a for a in omitted_aliases if a not in keys.tied and a in keys.expected)
-    return missing + [
-        f"{a} (tied during training, but {keys.architecture} does not tie it on load)" for a in untied
-    ], unexpected
+def _key_check_main(folder: Path) -> dict[str, Any]:
+    shapes = {k: tuple(v) for k, v in json.loads(sys.stdin.read()).items()}
+    model = build_meta_model(folder)
+    if isinstance(model, str):
+        return {"error": model}
+    report = compare_keys(model, shapes)
+    return {"architecture": model.architecture, "report": dataclasses.asdict(report)}
 
 
 def write_config(src: Path | dict[str, Any], dst: Path, dtype: DType) -> None:
@@ -133,6 +243,16 @@ def write_config(src: Path | dict[str, Any], dst: Path, dtype: DType) -> None:
         config["torch_dtype"] = name
     config["dtype"] = name
     dst.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_index(folder: Path, name: str, weight_map: dict[str, str], total_size: int, total_parameters: int) -> str:
+    """The shard index save_pretrained writes (transformers 5 needs its `metadata`); returns its file name."""
+    index = {
+        "metadata": {"total_size": total_size, "total_parameters": total_parameters},
+        "weight_map": weight_map,
+    }
+    (folder / name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return name
 
 
 def copy_side_files(root: Path, names: Iterable[str], out: Path) -> list[str]:
@@ -158,13 +278,5 @@ def existing_weight_files(root: Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
-if __name__ == "__main__":  # the child process of start_model_keys
-    import sys
-
-    result = model_keys(Path(sys.argv[1]))
-    if isinstance(result, str):
-        print(json.dumps({"error": result}))
-    else:
-        print(
-            json.dumps({"architecture": result.architecture, "expected": sorted(result.expected), "tied": result.tied})
-        )
+if __name__ == "__main__":  # the child process of start_key_check
+    print(json.dumps(_key_check_main(Path(sys.argv[1]))))

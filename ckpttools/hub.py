@@ -361,9 +361,9 @@ def _prepare(
     if not _is_checkpoint(path, opts):
         if source is not None:
             from .consolidate import source_summary
-            from .reader import read_checkpoint
+            from .sources import open_checkpoint
 
-            return path, source_summary(read_checkpoint(source)), False
+            return path, source_summary(open_checkpoint(source)), False
         if opts.get("dtype") != "fp32" or opts.get("max_shard_size") != "5GB":
             notes.append(f"{path} is already a model folder: --dtype and --max-shard-size do not apply")
         if (path / "trainer_state.json").is_file() or any(p.name.startswith("checkpoint-") for p in path.iterdir()):

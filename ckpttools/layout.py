@@ -209,7 +209,7 @@ def _resolve_root(path: Path, step: int | None, best: bool) -> tuple[Path, Path 
         return _pick_trainer_checkpoint(path, step, best), path, None
     if (path / "latest_universal").is_file() or (path / "zero").is_dir():
         raise UnsupportedCheckpointError(
-            f"{path} is a DeepSpeed universal checkpoint; consolidate the native checkpoint it came from"
+            f"{path} is a DeepSpeed universal checkpoint; open it with ckpttools.open_checkpoint or read_universal"
         )
     present = [name for name in WEIGHT_FILES if (path / name).is_file()]
     if present:

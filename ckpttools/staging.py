@@ -72,6 +72,29 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+class StagedFolder:
+    """A fresh temp folder beside `out`, committed into place as a whole or removed.
+
+    For flows that cannot hold a `with` block open (a collective save whose ranks meet in between);
+    `staged_folder` is the usual way in.
+    """
+
+    def __init__(self, out: Path, *, overwrite: bool, needed_bytes: int = 0) -> None:
+        self.out = Path(out).absolute()
+        self.overwrite = overwrite
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        if needed_bytes:
+            check_free_space(self.out.parent, needed_bytes)
+        self.path = self.out.parent / f".{self.out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        self.path.mkdir()
+
+    def commit(self) -> None:
+        publish(self.path, self.out, self.overwrite)
+
+    def abort(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def staged_folder(out: Path, *, overwrite: bool, needed_bytes: int = 0) -> Iterator[Path]:
     """Yield a fresh temp folder beside `out`; on success it becomes `out`, on any failure it is removed.
@@ -81,18 +104,13 @@ def staged_folder(out: Path, *, overwrite: bool, needed_bytes: int = 0) -> Itera
         overwrite: an existing `out` is replaced (moved aside, then removed) only when set.
         needed_bytes: refuse before writing anything when the disk has less free space than this.
     """
-    out = Path(out).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if needed_bytes:
-        check_free_space(out.parent, needed_bytes)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-    tmp.mkdir()
+    staged = StagedFolder(out, overwrite=overwrite, needed_bytes=needed_bytes)
     try:
         with _sigterm_as_interrupt():
-            yield tmp
-            publish(tmp, out, overwrite)
+            yield staged.path
+            staged.commit()
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        staged.abort()
         raise
 
 

@@ -13,7 +13,7 @@ import math
 import re
 import struct
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -82,11 +82,6 @@ class VerifyReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, **asdict(self)}
-
-
-def _names(items: Iterable[str], n: int = 4) -> str:
-    items = list(items)
-    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
 
 
 # --- weight files ----------------------------------------------------------------------------------
@@ -210,7 +205,7 @@ def _read_index(folder: Path, index_name: str, report: VerifyReport) -> dict[str
     weight_map = index["weight_map"]
     bad = sorted({f for f in weight_map.values() if not _safe_name(f)}, key=str)
     if bad:
-        report.problems.append(f"{index_name} points outside the folder: {_names(map(str, bad))}")
+        report.problems.append(f"{index_name} points outside the folder: {hf.names(map(str, bad))}")
     return {k: f for k, f in weight_map.items() if _safe_name(f)}
 
 
@@ -239,7 +234,7 @@ def collect_tensors(folder: Path, report: VerifyReport) -> dict[str, TensorInfo]
     )
     if stray:
         report.problems.append(
-            f"stray shard files that {chosen} does not use (left from another save?): {_names(stray)}"
+            f"stray shard files that {chosen} does not use (left from another save?): {hf.names(stray)}"
         )
     by_file = _read_files(folder, files, report)
     report.files = [f for f in files if f in by_file]
@@ -273,147 +268,33 @@ def _merge(
                 twice.append(f"{info.name} ({tensors[info.name].file}, {info.file})")
             tensors.setdefault(info.name, info)
     if twice:
-        report.problems.append(f"tensors stored in more than one file: {_names(twice)}")
+        report.problems.append(f"tensors stored in more than one file: {hf.names(twice)}")
     if weight_map:
         unlisted = [f"{t.name} ({t.file})" for t in tensors.values() if t.name not in weight_map]
         if unlisted:
-            report.problems.append(f"{index} does not list tensors its shards hold: {_names(unlisted)}")
+            report.problems.append(f"{index} does not list tensors its shards hold: {hf.names(unlisted)}")
         wrong = [
             f"{k} -> {f}" for k, f in weight_map.items() if f in by_file and (k not in tensors or tensors[k].file != f)
         ]
         if wrong:
-            report.problems.append(f"{index} maps keys to files that do not hold them: {_names(wrong)}")
+            report.problems.append(f"{index} maps keys to files that do not hold them: {hf.names(wrong)}")
     return tensors
 
 
 # --- the model ----------------------------------------------------------------------------------------
 
 
-@dataclass
-class MetaModel:
-    """What from_pretrained would build from config.json: keys, shapes, which are parameters, ties, renames."""
-
-    architecture: str
-    shapes: dict[str, tuple[int, ...]]
-    parameters: set[str]
-    tied: dict[str, str]  # target -> source
-    ignore_unexpected: list[str]
-    ignore_missing: list[str]
-    keep_fp32: list[str]
-    rename: Callable[[str], tuple[str, bool]]  # file key -> (model key, produced by a merging converter)
-
-
-def build_meta_model(folder: Path) -> MetaModel | str:
-    """Build the model class named in config.json on the meta device; a one-line reason when it cannot."""
-    import logging
-
-    import torch
-    import transformers
-
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    transformers.logging.set_verbosity_error()
-    try:
-        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
-    except Exception as e:  # noqa: BLE001 - the reason is reported, the check skipped
-        return f"transformers cannot read config.json ({type(e).__name__}: {e})"
-    archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None:
-        return f"architecture {archs[0] if archs else '(none in config.json)'} is not a transformers class"
-    try:
-        with torch.device("meta"):
-            model = cls(config)
-    except Exception as e:  # noqa: BLE001
-        return f"{cls.__name__} cannot be built from config.json ({type(e).__name__}: {e})"
-    state = model.state_dict()
-    return MetaModel(
-        architecture=cls.__name__,
-        shapes={k: tuple(v.shape) for k, v in state.items()},
-        parameters={n for n, _ in model.named_parameters(remove_duplicate=False)},
-        tied={str(k): str(v) for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items()},
-        ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
-        ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []),
-        keep_fp32=list(getattr(model, "_keep_in_fp32_modules", None) or [])
-        + list(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
-        rename=_renamer(model, state),
-    )
-
-
-def _renamer(model: Any, state: dict[str, Any]) -> Callable[[str], tuple[str, bool]]:
-    """The key renaming transformers 5 applies on load (legacy names, fused MoE experts, base-model prefix).
-
-    These are transformers internals; when they are not there the keys are compared as they are.
-    """
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-
-        mapping = get_model_conversion_mapping(model)
-    except Exception:  # noqa: BLE001
-        return lambda key: (key, False)
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    prefix = getattr(model, "base_model_prefix", None) or None
-
-    def rename(key: str) -> tuple[str, bool]:
-        try:
-            new, pattern = rename_source_key(key, renamings, converters, prefix, state)
-            if new not in state and key in state:
-                new, pattern = rename_source_key(key, [], [], prefix, state)
-        except Exception:  # noqa: BLE001
-            return key, False
-        return new, pattern is not None
-
-    return rename
-
-
-def _check_keys(model: MetaModel, tensors: dict[str, TensorInfo], report: VerifyReport) -> dict[str, str]:
+def _check_keys(model: hf.MetaModel, tensors: dict[str, TensorInfo], report: VerifyReport) -> dict[str, str]:
     """Missing, unexpected and shape-mismatched keys; returns file key -> model key for the keys that load."""
-    loaded: dict[str, str] = {}
-    unexpected, mismatched, placeholders = [], [], []
-    for key, info in tensors.items():
-        target, converted = model.rename(key)
-        if target not in model.shapes:
-            if not any(re.search(p, key) for p in model.ignore_unexpected):
-                unexpected.append(key)
-            continue
-        loaded[key] = target
-        want = model.shapes[target]
-        if converted or info.shape == want:
-            continue
-        if info.numel == 0 and math.prod(want) != 0:
-            placeholders.append(f"{key} {list(info.shape)}")
-        else:
-            mismatched.append(f"{key} is {list(info.shape)}, {model.architecture} expects {list(want)}")
-    present = set(loaded.values())
-    missing = [
-        k for k in model.shapes
-        if k not in present and not (k in model.tied and model.tied[k] in present)
-        and not any(re.search(p, k) for p in model.ignore_missing)
-    ]  # fmt: skip
-    arch = model.architecture
-    if placeholders:
-        report.problems.append(
-            f"empty placeholder tensors where {arch} expects weights (a ZeRO-3 save without gathering?): "
-            f"{_names(placeholders)}"
-        )
-    if mismatched:
-        report.problems.append(f"shape mismatch: {_names(mismatched, 3)}")
-    if missing:
-        report.problems.append(
-            f"{arch} expects keys the folder lacks (they would load as random weights): {_names(sorted(missing))}"
-        )
-    if unexpected:
-        report.problems.append(
-            f"keys {arch} does not have (they would be ignored; wrong prefix?): {_names(sorted(unexpected))}"
-        )
-    return loaded
+    keys = hf.compare_keys(model, {k: t.shape for k, t in tensors.items()})
+    report.problems += keys.messages(model.architecture)
+    return keys.loaded
 
 
 def _check_placeholders(tensors: dict[str, TensorInfo], report: VerifyReport) -> None:
     empty = [f"{t.name} {list(t.shape)}" for t in tensors.values() if t.numel == 0]
     if empty:
-        report.problems.append(f"empty (0-element) tensors, placeholders rather than weights: {_names(empty)}")
+        report.problems.append(f"empty (0-element) tensors, placeholders rather than weights: {hf.names(empty)}")
 
 
 def _check_dtype(config: dict[str, Any], tensors: list[TensorInfo], keep_fp32: list[str], report: VerifyReport) -> None:
@@ -433,7 +314,7 @@ def _check_dtype(config: dict[str, Any], tensors: list[TensorInfo], keep_fp32: l
         kinds = ", ".join(sorted({t.dtype for t in off}))
         report.problems.append(
             f"config.json says dtype {declared}, but {len(off)} floating tensors are {kinds} "
-            f"({_names(t.name for t in off)}); "
+            f"({hf.names(t.name for t in off)}); "
             f"from_pretrained would silently load them as {declared}"
         )
     report.checks.append(
@@ -482,11 +363,12 @@ def check_against(
 ) -> None:
     """Compare every tensor with the one rebuilt from the ZeRO shards, one at a time (bounded memory)."""
     from .consolidate import plan_tensors
-    from .reader import read_checkpoint
+    from .reader import check_module_copies
+    from .sources import open_checkpoint
     from .torchfile import RecordReader
     from .writer import read_tensor
 
-    ckpt = read_checkpoint(against, tag=tag, step=step)
+    ckpt = open_checkpoint(against, tag=tag, step=step)
     report.against = f"{ckpt.location.root} (tag {ckpt.location.tag})"
     floats = Counter(t.dtype for t in tensors.values() if t.is_floating)
     dtype = dtypes.BY_NAME.get(floats.most_common(1)[0][0], dtypes.FLOAT32) if floats else dtypes.FLOAT32
@@ -497,6 +379,11 @@ def check_against(
     extra = [n for n in tensors if n not in plan]
     differing, wrong_dtype = [], []
     with RecordReader() as reader:
+        try:
+            check_module_copies(ckpt, reader)  # a mixed-up checkpoint cannot vouch for anything
+        except CorruptCheckpointError as e:
+            report.problems.append(f"the checkpoint itself is inconsistent: {e}")
+            return
         for fname in report.files:
             for name, ours in _iter_file_tensors(
                 folder / fname, [t.name for t in tensors.values() if t.file == fname and t.name in plan]
@@ -518,7 +405,7 @@ def check_against(
         (f"tensors not in {where}", extra),
     ):
         if items:
-            report.problems.append(f"{label}: {_names(items)}")
+            report.problems.append(f"{label}: {hf.names(items)}")
     if not (differing or wrong_dtype or absent or extra):
         report.checks.append(f"all {len(tensors)} tensors bit-identical to {where} (tag {ckpt.location.tag})")
 
@@ -578,7 +465,7 @@ def verify_folder(
         report.notes.append("adapter_config.json present (a PEFT adapter): keys not checked against the base model")
         _check_placeholders(tensors, report)
     elif tensors:
-        model = build_meta_model(folder)
+        model = hf.build_meta_model(folder)
         if isinstance(model, str):
             report.notes.append(f"keys not checked against the model: {model}")
             _check_placeholders(tensors, report)

@@ -110,7 +110,7 @@ def test_check_keys_builds_the_model_and_refuses_a_foreign_config(tmp_path):
     config = json.loads((foreign / "config.json").read_text())
     config["n_layer"] = 3  # a config from another model: layer 2 would load with random weights
     (foreign / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CkptError, match="missing .*transformer.h.2"):
+    with pytest.raises(CkptError, match="lacks .*transformer.h.2"):
         consolidate(foreign, tmp_path / "bad", check_keys=True)
     assert not (tmp_path / "bad").exists()
 
