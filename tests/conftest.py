@@ -12,6 +12,15 @@ import pytest
 FIXTURES = Path(os.environ.get("CKPT_FIXTURES") or Path(__file__).resolve().parent.parent / "fixtures")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--mutations",
+        type=int,
+        default=None,
+        help="tests/test_mutations.py: mutated checkpoints per family and weight (default 12; env CKPT_MUTATIONS)",
+    )
+
+
 def fixture_names(kind: str | None = None) -> list[str]:
     """Fixture folders relative to fixtures/: the CPU matrix, then those written on a GPU (gpu/...)."""
     names = json.loads((FIXTURES / "index.json").read_text())
