@@ -186,7 +186,7 @@ def consolidate(
         notes.append("this checkpoint holds only trainable (e.g. LoRA) weights: base weights are absent, as saved")
     try:
         with RecordReader() as reader:
-            check_module_copies(ckpt, reader)  # before anything is written
+            check_module_copies(ckpt)  # before anything is written
             with staged_folder(out, overwrite=overwrite, needed_bytes=total) as tmp:
                 if on_start:
                     on_start(total)

@@ -376,7 +376,7 @@ def _write(
     needed = sum(p.stat().st_size for p in loc.tag_dir.rglob("*") if p.is_file())
     result = ReshardResult(None, loc.tag, ckpt.zero_stage, old_dp, dp, [])
     with RecordReader() as reader:
-        check_module_copies(ckpt, reader)  # before anything is written
+        check_module_copies(ckpt)  # before anything is written
         with staged_folder(out, overwrite=overwrite, needed_bytes=needed) as tmp:
             (tmp / loc.tag).mkdir()
             result.files = _write_tag(ckpt, dp, tmp / loc.tag, reader, progress)

@@ -380,7 +380,7 @@ def check_against(
     differing, wrong_dtype = [], []
     with RecordReader() as reader:
         try:
-            check_module_copies(ckpt, reader)  # a mixed-up checkpoint cannot vouch for anything
+            check_module_copies(ckpt, full=True)  # a mixed-up checkpoint cannot vouch for anything
         except CorruptCheckpointError as e:
             report.problems.append(f"the checkpoint itself is inconsistent: {e}")
             return
