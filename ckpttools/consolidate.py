@@ -13,7 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 from . import dtypes, hf
 from .dtypes import DType
-from .errors import CkptError, UsageError
+from .errors import CkptError, UsageError, short
 from .reader import TensorSource, ZeroCheckpoint, check_module_copies
 from .sources import open_checkpoint
 from .staging import check_output_dir, staged_folder
@@ -194,7 +194,7 @@ def consolidate(
                 keycheck.problems(ckpt, omitted, notes)
                 files += _write_hf_files(tmp, ckpt, shards, tensors, to, out_dtype, config)
                 if check_existing and config is not None:
-                    notes += compare_with_existing(ckpt, reader)
+                    notes += compare_with_existing(ckpt, reader, out_dtype)
                 reader.finish()  # CRC-32 of every record read; raises before anything is published
     except BaseException:
         keycheck.cancel()
@@ -263,41 +263,48 @@ def _write_hf_files(
     return files
 
 
-def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader) -> list[str]:
-    """Check 16-bit weights a Trainer saved beside the shards against the shards themselves."""
-    from safetensors import safe_open
-
+def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader, dtype: DType = dtypes.FLOAT32) -> list[str]:
+    """Compare the 16-bit weights a Trainer saved beside the shards with what this consolidation writes."""
     files = hf.existing_weight_files(ckpt.location.root)
     if not files:
         return []
-    import torch
+    where = ", ".join(p.name for p in files)
+    try:
+        differing, seen = _differences(ckpt, reader, dtype, files)
+    except CkptError:
+        raise  # the checkpoint itself is damaged: that fails the consolidation
+    except Exception as e:  # noqa: BLE001 - those files are not the input; a broken one only cancels the comparison
+        reason = f"{type(e).__name__}: {short(e, 80)}"
+        return [f"the weights saved beside the shards ({where}) could not be read ({reason}); not compared"]
+    absent = [k for k in ckpt.keys if k not in seen and k not in ckpt.shared_params]
+    if differing or absent:
+        counts = (
+            f"{len(differing)} differing ({', '.join(differing[:3])}), {len(absent)} absent ({', '.join(absent[:3])})"
+        )
+        return [f"the weights already saved beside the shards ({where}) differ from the shards: {counts}"]
+    return [f"the weights already saved beside the shards ({where}) match the shards exactly"]
 
-    notes = []
+
+def _differences(
+    ckpt: ZeroCheckpoint, reader: RecordReader, dtype: DType, files: list[Path]
+) -> tuple[list[str], set[str]]:
+    import torch
+    from safetensors import safe_open
+
+    written = {s.name: s for s in ckpt.sources(dtype)}
     differing: list[str] = []
     seen: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not iterable
                 seen.add(key)
-                name = ckpt.shared_params.get(key, key)
-                src = ckpt.masters.get(name) or ckpt.bit16.get(name) or ckpt.buffers.get(name)
+                src = written.get(ckpt.shared_params.get(key, key))
                 if src is None:
                     differing.append(f"{key} (not in the shards)")
                     continue
                 saved = f.get_tensor(key)
                 saved_dtype = dtypes.from_torch(saved.dtype)
-                if src.kind == "trainable" and name in ckpt.bit16 and ckpt.bit16[name].dtype is saved_dtype:
-                    src = ckpt.bit16[name]
                 ours = read_tensor(src, reader, saved_dtype if saved_dtype.is_floating_point else None)
                 if ours.shape != saved.shape or not torch.equal(ours, saved):
                     differing.append(key)
-    absent = [k for k in ckpt.keys if k not in seen and k not in ckpt.shared_params]
-    where = ", ".join(p.name for p in files)
-    if differing or absent:
-        notes.append(
-            f"the weights already saved beside the shards ({where}) differ from the shards: "
-            f"{len(differing)} differing ({', '.join(differing[:3])}), {len(absent)} absent ({', '.join(absent[:3])})"
-        )
-    else:
-        notes.append(f"the weights already saved beside the shards ({where}) match the shards exactly")
-    return notes
+    return differing, seen

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
+from typing import Any
 
 
 class CkptError(Exception):
@@ -46,3 +48,16 @@ class RemoteError(CkptError):
     """The Hub (or network, or auth) failed: retrying later may help, so CI gets its own exit code."""
 
     exit_code = 3
+
+
+def short(value: Any, n: int = 40) -> str:
+    """repr(value) cut to n characters, safe on any pickled value (huge ints cannot be printed)."""
+    try:
+        text = _REPR.repr(value) if not isinstance(value, BaseException) else str(value)
+    except Exception:  # noqa: BLE001 - a message must not fail
+        return f"<a {type(value).__name__}>"
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+_REPR = reprlib.Repr()  # bounded work on any structure: a few levels, a few items each
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 40, 40

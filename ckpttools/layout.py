@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
-from .errors import CheckpointNotFoundError, CkptError, UnsafeCheckpointError, UnsupportedCheckpointError
+from .errors import CheckpointNotFoundError, CkptError, UnsafeCheckpointError, UnsupportedCheckpointError, short
 
 OPTIM_RE = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_?optim_states\.pt$")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
@@ -74,18 +74,23 @@ class CheckpointLocation:
 
 
 def check_tag_name(tag: str) -> str:
-    """Refuse a tag that is not a single folder name inside the checkpoint (it may come from `latest`)."""
+    """A tag as one plain folder name inside the checkpoint (it may come from `latest`, so never trust it).
+
+    `./global_step5` and `global_step5/` mean the folder DeepSpeed means and come back as `global_step5`.
+    """
     tag = tag.strip()
-    if not tag or tag in (".", ".."):
-        raise CheckpointNotFoundError(f"empty or invalid tag {tag!r}")
+    if not tag or tag in (".", "..") or len(tag) > 255:
+        raise CheckpointNotFoundError(f"empty or invalid tag {short(tag)}")
+    if "\x00" in tag:
+        raise UnsafeCheckpointError(f"tag {short(tag)} contains a NUL byte")
+    parts = []
     for pure in (PurePosixPath(tag), PureWindowsPath(tag)):
         if pure.is_absolute() or pure.drive or pure.root or len(pure.parts) != 1 or ".." in pure.parts:
             raise UnsafeCheckpointError(
-                f"tag {tag!r} is not a plain folder name inside the checkpoint; refusing to follow it"
+                f"tag {short(tag)} is not a plain folder name inside the checkpoint; refusing to follow it"
             )
-    if "\x00" in tag:
-        raise UnsafeCheckpointError(f"tag {tag!r} contains a NUL byte")
-    return tag
+        parts.append(pure.parts[0])
+    return parts[0]
 
 
 def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
@@ -155,10 +160,15 @@ def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
 
 
 def _trainer_checkpoints(folder: Path) -> dict[int, Path]:
-    found = {}
-    for child in folder.iterdir():
+    found: dict[int, Path] = {}
+    for child in sorted(folder.iterdir()):
         if (m := CHECKPOINT_DIR_RE.match(child.name)) and child.is_dir():
-            found[int(m[1])] = child
+            step = int(m[1])
+            if step in found:
+                raise CkptError(
+                    f"{folder} holds two folders for step {step} ({found[step].name}, {child.name}); pass one of them"
+                )
+            found[step] = child
     return found
 
 
@@ -179,7 +189,9 @@ def _pick_trainer_checkpoint(folder: Path, step: int | None, best: bool) -> Path
             raise CheckpointNotFoundError(f"cannot read {state_file} to find the best checkpoint: {e!s:.100}") from e
         best_path = state.get("best_model_checkpoint") if isinstance(state, dict) else None
         if best_path is not None and not isinstance(best_path, str):
-            raise CheckpointNotFoundError(f"{state_file} records best_model_checkpoint {best_path!r:.40}, not a path")
+            raise CheckpointNotFoundError(
+                f"{state_file} records best_model_checkpoint {short(best_path, 40)}, not a path"
+            )
         if not best_path:
             raise CheckpointNotFoundError(
                 f"{state_file} records no best_model_checkpoint (the run had no metric_for_best_model); use --step"
@@ -253,7 +265,7 @@ def locate(path: Path, *, tag: str | None = None, step: int | None = None, best:
     if not tag_dir.is_dir():
         available = _tag_dirs(root)
         raise CheckpointNotFoundError(
-            f"tag {tag!r} has no folder in {root} (available: {', '.join(available) or 'none'}); pass --tag"
+            f"tag {short(tag)} has no folder in {root} (available: {', '.join(available) or 'none'}); pass --tag"
         )
     files = classify_tag_files(sorted(p.name for p in tag_dir.iterdir()), where=str(tag_dir))
     side = [name for name in ("config.json", *HF_SIDE_FILES) if (root / name).is_file()]

@@ -21,7 +21,7 @@ from typing import Any
 
 from . import dtypes, partition
 from .dtypes import DType
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from .layout import CheckpointLocation, locate
 from .torchfile import LazyTensor, PickledObject, RecordReader, load_pickle
 
@@ -229,7 +229,7 @@ def _shape(f: _File, value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value
     ):
-        raise f.fail(f"{where} is not a shape ({value!r:.60})")
+        raise f.fail(f"{where} is not a shape ({short(value, 60)})")
     return tuple(int(s) for s in value)
 
 
@@ -242,7 +242,7 @@ def _param_shapes(f: _File, value: Any, key: str) -> list[list[tuple[str, tuple[
         for name, shape in group.items():
             if not isinstance(name, str):
                 raise f.fail(f"'{key}'[{g}] holds a parameter name that is not a string")
-            entries.append((name, _shape(f, shape, f"'{key}'[{g}][{name!r}]")))
+            entries.append((name, _shape(f, shape, f"'{key}'[{g}][{short(name)}]")))
         groups.append(entries)
     return groups
 
@@ -255,6 +255,26 @@ def _check_param_groups(f: _File, groups: list[Any], expected: int | None) -> No
         f.get(pg, "params", list, f"param_groups[{g}].")
         if any(not isinstance(k, str) for k in pg):
             raise f.fail(f"param_groups[{g}] has a key that is not a string")
+
+
+def _state_entries(f: _File, state: Any, where: str) -> dict[str, Any]:
+    """One optimizer state: sharded tensors and scalars (a step as a number or a 0-dim tensor), nothing else."""
+    if not isinstance(state, dict):
+        raise f.fail(f"the optimizer state of {where} is a {type(state).__name__}, not a dict")
+    for key, value in state.items():
+        if not isinstance(key, str):
+            raise f.fail(f"the optimizer state of {where} has a key that is not a string")
+        if not isinstance(value, (LazyTensor, int, float)):
+            raise f.fail(f"optimizer state {key!r} of {where} is a {type(value).__name__}, not a tensor or a number")
+    return state
+
+
+def _same_keys_everywhere(f: _File, keys: Sequence[Sequence[str]], what: str) -> None:
+    """A torch optimizer keeps the same state entries for every group once it has stepped."""
+    sets = [sorted(k) for k in keys]
+    for i, k in enumerate(sets):
+        if k != sets[0]:
+            raise f.fail(f"{what} {i} has optimizer states {k}, {what} 0 {sets[0]}: a state was lost or added")
 
 
 def _flat_state_keys(state: Mapping[str, Any]) -> list[str]:
@@ -271,29 +291,43 @@ def _scalars(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint(value: Any, reader: RecordReader | None = None) -> Any:
-    """A comparable form of a pickled value; small tensors (0-dim steps, scalars) by their bytes."""
-    if isinstance(value, LazyTensor):
-        data = None
-        if reader is not None and value.numel() <= 64:
-            start, length = value.byte_span()
-            buf = bytearray(length)
-            reader.readinto(value.record, start, memoryview(buf))
-            data = bytes(buf)
-        return ("tensor", value.dtype.name, value.shape, data)
-    if isinstance(value, PickledObject):
-        return (type(value).__name__, fingerprint({k: v for k, v in value.__dict__.items() if k != "args"}, reader))
-    if isinstance(value, dict):
-        return tuple((str(k), fingerprint(v, reader)) for k, v in value.items())
-    if isinstance(value, (list, tuple)):
-        return tuple(fingerprint(v, reader) for v in value)
-    if isinstance(value, float) and math.isnan(value):
-        return ("nan",)
-    return value
+    """A comparable form of a pickled value; small tensors (0-dim steps, scalars) by their bytes.
+
+    Each container is converted once (pickles can share references), so the work is linear in the file.
+    """
+    memo: dict[int, Any] = {}
+
+    def walk(v: Any) -> Any:
+        if isinstance(v, (dict, list, tuple, PickledObject)):
+            if id(v) not in memo:
+                memo[id(v)] = convert(v)
+            return memo[id(v)]
+        return convert(v)
+
+    def convert(v: Any) -> Any:
+        if isinstance(v, LazyTensor):
+            data = None
+            if reader is not None and v.numel() <= 64:
+                start, length = v.byte_span()
+                buf = bytearray(length)
+                reader.readinto(v.record, start, memoryview(buf))
+                data = bytes(buf)
+            return ("tensor", v.dtype.name, v.shape, data)
+        if isinstance(v, PickledObject):
+            return (type(v).__name__, walk({k: x for k, x in v.__dict__.items() if k != "args"}))
+        if isinstance(v, dict):
+            return tuple((str(k), walk(x)) for k, x in v.items())
+        if isinstance(v, (list, tuple)):
+            return tuple(walk(x) for x in v)
+        if isinstance(v, float) and math.isnan(v):
+            return ("nan",)
+        return v
+
+    return walk(value)
 
 
 def _describe(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    return short(value, 60)
 
 
 def _check_agree(files: Sequence[_File], values: Sequence[Any], what: str, reader: RecordReader) -> None:
@@ -364,7 +398,7 @@ def _refuse_unsupported(f: _File) -> None:
         )
     if model_state.get("mp_world_size", 1) not in (1, None):
         raise UnsupportedCheckpointError(
-            f"{f.path}: tensor/model parallel size {model_state['mp_world_size']!r:.20} is not supported"
+            f"{f.path}: tensor/model parallel size {short(model_state['mp_world_size'], 20)} is not supported"
         )
     if model_state.get("num_experts") or model_state.get("ds_autoep_layers"):
         raise UnsupportedCheckpointError(f"{f.path} is a MoE checkpoint; MoE experts are not supported yet")
@@ -385,17 +419,35 @@ def _dict_at(obj: Any, *keys: str) -> dict[str, Any]:
     return obj if isinstance(obj, dict) else {}
 
 
+MODEL_KEYS = ("module", "buffer_names", "param_shapes", "dp_world_size", "mp_world_size", "ds_version")
+OPTIM_KEYS = {
+    "zero": ("loss_scaler", "dynamic_loss_scale", "overflow", "base_optimizer_state", "single_partition_of_fp32_groups",
+             "zero_stage", "group_paddings", "partition_count", "ds_version"),
+    "bf16_optimizer": ("base_optimizer_state", "single_partition_of_fp32_groups", "group_paddings", "partition_count",
+                       "ds_version", "clip_grad"),
+    "zero3": ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "partition_count", "optimizer_state_dict",
+              "fp32_flat_groups"),
+}  # fmt: skip
+
+
+def _require_keys(f: _File, obj: dict[str, Any], keys: Iterable[str], what: str) -> None:
+    """DeepSpeed reads these at load time; a file without them is damaged (and a converted one would be too)."""
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        raise f.fail(f"lacks {', '.join(repr(k) for k in missing)}, which every {what} holds")
+
+
 def _dp_size(f: _File) -> int:
     dp = f.get(f.obj, "dp_world_size", int)
     if isinstance(dp, bool) or not 1 <= dp <= 1 << 20:
-        raise f.fail(f"dp_world_size {dp!r} is not a positive rank count")
+        raise f.fail(f"dp_world_size {short(dp)} is not a positive rank count")
     return int(dp)
 
 
 def _zero_stage(f: _File, osd: dict[str, Any]) -> int:
     stage = osd.get("zero_stage", 1)  # BF16_Optimizer files carry none (ZeRO-1)
     if isinstance(stage, bool) or not isinstance(stage, int) or int(stage) not in (1, 2, 3):
-        raise f.fail(f"zero_stage {stage!r:.30} is not 1, 2 or 3")
+        raise f.fail(f"zero_stage {short(stage, 30)} is not 1, 2 or 3")
     return int(stage)
 
 
@@ -426,10 +478,14 @@ def read_checkpoint(
         "model-states",
     )
     _refuse_unsupported(model0)
+    _require_keys(model0, model0.obj, MODEL_KEYS, "DeepSpeed model-states file")
     dp = _dp_size(model0)
     optims = _load_rank_files(loc, loc.files.optim_files, "*_optim_states.pt", dp)
     osds = [f.get(f.obj, "optimizer_state_dict", dict) for f in optims]
     stages = [_zero_stage(f, o) for f, o in zip(optims, osds, strict=True)]
+    for f, osd, stage in zip(optims, osds, stages, strict=True):
+        kind = "zero3" if stage == 3 else "zero" if "zero_stage" in osd else "bf16_optimizer"
+        _require_keys(f, osd, OPTIM_KEYS[kind], "ZeRO optimizer file of its kind")
     if len(set(stages)) != 1:
         raise CorruptCheckpointError(
             f"{loc.tag_dir}: rank files disagree on the ZeRO stage ({sorted(set(stages))}); mixed runs?"
@@ -440,6 +496,8 @@ def read_checkpoint(
             f"{loc.tag_dir}: model-state file names do not match ZeRO stage {stage}; files from different runs mixed?"
         )
     with RecordReader() as reader:
+        for key in ("ds_config", "ds_version"):  # saved together: a model-states file from another run differs
+            _check_agree([model0, optims[0]], [model0.obj.get(key), optims[0].obj.get(key)], key, reader)
         if stage == 3:
             models = _load_rank_files(loc, loc.files.model_files, "*_model_states.pt", dp)
             ckpt = _Zero3Reader(loc, models, optims, dp, reader).read()
@@ -470,15 +528,19 @@ def _module(f: _File) -> _Module:
     if len(set(keys)) != len(keys):
         raise f.fail("parameter names collide after stripping module./_orig_mod. prefixes")
     tensors = {strip_prefixes(k): v for k, v in module.items()}
+    for name, value in tensors.items():
+        if not isinstance(value, LazyTensor):
+            raise f.fail(f"module entry {name} is a {type(value).__name__}, not a tensor")
     buffers = {}
-    names = f.opt(f.obj, "buffer_names", (list, tuple)) or []
+    names = f.get(f.obj, "buffer_names", (list, tuple))
     for raw in names:
         if not isinstance(raw, str):
             raise f.fail("buffer_names holds a name that is not a string")
         name = strip_prefixes(raw)
-        if name in tensors:
-            t = f.tensor(tensors[name], f"buffer {name}", floating=False)
-            buffers[name] = TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), "buffer")
+        if name not in tensors:
+            raise f.fail(f"buffer_names lists {name}, which the module does not hold")
+        t = f.tensor(tensors[name], f"buffer {name}", floating=False)
+        buffers[name] = TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), "buffer")
     shared_raw = f.opt(f.obj, "shared_params", dict) or {}
     shared = {}
     for alias, owner in shared_raw.items():
@@ -519,6 +581,9 @@ def _check_module_keys(f: _File, mod: _Module, params: Mapping[str, Param], froz
     for name in params:
         if name not in mod.tensors:
             raise f.fail(f"parameter {name} of param_shapes is missing from the module")
+    for name in mod.buffers:
+        if name in params or name in frozen or name in mod.shared:
+            raise f.fail(f"{name} is listed both as a buffer (buffer_names) and as a parameter")
 
 
 def check_ties_and_keys(
@@ -590,6 +655,7 @@ class _Zero12Reader:
         params: list[Param] = []
         for g, shapes in enumerate(groups):
             params += self._group_params(g, shapes, states)
+        _same_keys_everywhere(self.optims[0], [_flat_state_keys(s) for s in states[0]], "param group")
         by_name = {p.name: p for p in params}
         bit16 = zero12_bit16(f0, mod, by_name)
         frozen = {n: s for n, s in bit16.items() if n not in by_name}
@@ -625,9 +691,9 @@ class _Zero12Reader:
             counts = list(counts) if isinstance(counts, (list, tuple)) else [counts]
             if any(c != self.dp for c in counts) or len(counts) != num_groups:
                 raise CorruptCheckpointError(
-                    f"{f.path} was written for DP size {counts!r:.40} over {len(counts)} param groups, but the model "
-                    f"states say dp_world_size={self.dp} and {num_groups} param groups: files from different runs "
-                    "are mixed"
+                    f"{f.path} was written for DP size {short(counts, 40)} over {len(counts)} param groups, but the "
+                    f"model states say dp_world_size={self.dp} and {num_groups} param groups: files from different "
+                    "runs are mixed"
                 )
             for key in ("single_partition_of_fp32_groups", "group_paddings"):
                 value = f.get(osd, key, list)
@@ -643,9 +709,9 @@ class _Zero12Reader:
         """Per param group, this rank's optimizer state entries (empty before the first optimizer step)."""
         base = f.get(osd, "base_optimizer_state", (dict, list))
         if elastic:
-            if not isinstance(base, list) or len(base) != num_groups or not all(isinstance(s, dict) for s in base):
+            if not isinstance(base, list) or len(base) != num_groups:
                 raise f.fail(f"elastic base_optimizer_state should hold {num_groups} dicts")
-            return list(base)
+            return [_state_entries(f, s, f"param group {g}") for g, s in enumerate(base)]
         if not isinstance(base, dict):
             raise f.fail("base_optimizer_state mixes elastic and rigid layouts across ranks")
         state = f.get(base, "state", dict, "base_optimizer_state.")
@@ -655,13 +721,7 @@ class _Zero12Reader:
                 f"base_optimizer_state.state is keyed {sorted(map(repr, state))[:4]}, not by param group "
                 f"0-{num_groups - 1}"
             )
-        out = []
-        for g in range(num_groups):
-            s = state.get(g, {})
-            if not isinstance(s, dict):
-                raise f.fail(f"optimizer state of param group {g} is not a dict")
-            out.append(s)
-        return out
+        return [_state_entries(f, state.get(g, {}), f"param group {g}") for g in range(num_groups)]
 
     def _group_params(
         self, g: int, shapes: list[tuple[str, tuple[int, ...]]], states: list[list[dict[str, Any]]]
@@ -685,7 +745,7 @@ class _Zero12Reader:
             pad = osd["group_paddings"][g]
             want_pad = (size * self.dp - total if r == self.dp - 1 else 0) if self.bf16_optimizer else size - real[r]
             if pad != want_pad:
-                raise f.fail(f"group_paddings[{g}] is {pad!r:.20}, the partition arithmetic gives {want_pad}")
+                raise f.fail(f"group_paddings[{g}] is {short(pad, 20)}, the partition arithmetic gives {want_pad}")
             masters.append(t)
         keys = self._state_keys(g, states)
         moments = {k: [self._moment(r, g, k, states[r][g][k], size, real[r]) for r in range(self.dp)] for k in keys}
@@ -723,10 +783,12 @@ class _Zero12Reader:
 
     def _moment(self, r: int, g: int, key: str, value: Any, size: int, real: int) -> LazyTensor:
         f = self.optims[r]
-        t = f.tensor(value, f"optimizer state {key!r} of param group {g}")
+        t = f.tensor(value, f"optimizer state {short(key)} of param group {g}")
         want = real if isinstance(self.osds[r].get("base_optimizer_state"), list) else size
         if t.dim() != 1 or t.numel() != want:
-            raise f.fail(f"optimizer state {key!r} of param group {g} holds {t.numel()} elements, the partition {want}")
+            raise f.fail(
+                f"optimizer state {short(key)} of param group {g} holds {t.numel()} elements, the partition {want}"
+            )
         return t
 
     def _optimizer_state(self, states: list[list[dict[str, Any]]], elastic: bool) -> OptimizerState:
@@ -747,28 +809,52 @@ class _Zero12Reader:
 
 
 def zero12_bit16(f0: _File, mod: _Module, params: Mapping[str, Param]) -> dict[str, TensorSource]:
-    """The ZeRO-0/1/2 module's 16-bit copies of trained params, and the frozen params (module or fragments)."""
-    frozen_shapes = f0.opt(f0.obj, "frozen_param_shapes", dict)
-    aliases = set(_undeclared_aliases(mod, params))
+    """The ZeRO-0/1/2 module's 16-bit copies of trained params, and the frozen params.
+
+    ZeRO-2 also lists its frozen params in frozen_param_shapes with full copies in frozen_param_fragments;
+    the three must agree. ZeRO-1 (and runs saved with exclude_frozen_parameters) record neither.
+    """
+    aliases = _undeclared_aliases(mod, params)
     if aliases:
         raise f0.fail(
             f"module entry {min(aliases)} shares its storage with a trained parameter but shared_params "
             "does not list it (a tied weight whose tie record was lost)"
         )
+    frozen = _zero2_frozen_shapes(f0, mod, params)
     bit16 = {}
     for name, value in mod.tensors.items():
         if name in mod.buffers or name in mod.shared:
             continue
         if name in params:
             bit16[name] = _whole(f0, name, value, "trainable")
-        elif frozen_shapes is None or strip_prefixes(name) in {strip_prefixes(k) for k in frozen_shapes}:
-            bit16[name] = _whole(f0, name, value, "frozen")  # ZeRO-1 records no frozen_param_shapes
-    fragments = f0.opt(f0.obj, "frozen_param_fragments", dict) or {}
-    for raw, value in fragments.items():
-        name = strip_prefixes(str(raw))
-        if name not in bit16 and name not in params:
+        elif frozen is None or name in frozen:
             bit16[name] = _whole(f0, name, value, "frozen")
     return bit16
+
+
+def _zero2_frozen_shapes(f0: _File, mod: _Module, params: Mapping[str, Param]) -> dict[str, tuple[int, ...]] | None:
+    shapes_raw = f0.opt(f0.obj, "frozen_param_shapes", dict)
+    fragments_raw = f0.opt(f0.obj, "frozen_param_fragments", dict)
+    if shapes_raw is None:
+        if fragments_raw:
+            raise f0.fail("frozen_param_fragments is set but frozen_param_shapes is not")
+        return None
+    shapes = {strip_prefixes(str(k)): _shape(f0, v, f"frozen_param_shapes[{short(k)}]") for k, v in shapes_raw.items()}
+    fragments = {strip_prefixes(str(k)): v for k, v in (fragments_raw or {}).items()}
+    for name in sorted(set(shapes) ^ set(fragments)):
+        where = "frozen_param_shapes" if name in shapes else "frozen_param_fragments"
+        raise f0.fail(f"frozen param {name} is in {where} only; the two must list the same params")
+    for name, shape in shapes.items():
+        frag = f0.tensor(fragments[name], f"the fragment of frozen param {name}", floating=False)
+        module = mod.tensors.get(name)
+        if name in params:
+            raise f0.fail(f"{name} is listed both as a trained and as a frozen parameter")
+        if not isinstance(module, LazyTensor):
+            raise f0.fail(f"frozen param {name} (frozen_param_shapes) is missing from the module")
+        if frag.shape != shape or module.shape != shape:
+            raise f0.fail(f"frozen param {name} is {list(shape)} in frozen_param_shapes, its fragment "
+                          f"{list(frag.shape)}, the module's {list(module.shape)}")  # fmt: skip
+    return shapes
 
 
 def _segments(tensors: Sequence[LazyTensor], pieces: Iterable[partition.Piece]) -> tuple[Segment, ...]:
@@ -795,6 +881,9 @@ class _Zero3Reader:
         params: list[Param] = []
         for sg, shapes in enumerate(subgroups):
             params += self._subgroup_params(sg, shapes, group_of[sg])
+        inner = self.osds[0]["optimizer_state_dict"]["state"]
+        keys = [_flat_state_keys(inner.get(sg, {})) for sg in range(len(subgroups))]
+        _same_keys_everywhere(self.optims[0], keys, "sub-group")
         params.sort(key=lambda p: p.group)  # flat order within each param group, as DeepSpeed builds sub-groups
         by_name = {p.name: p for p in params}
         frozen = zero3_frozen(self.models, self.dp)
@@ -824,11 +913,13 @@ class _Zero3Reader:
 
     def _check_ranks_agree(self) -> None:
         for m, f, osd in zip(self.models, self.optims, self.osds, strict=True):
+            _require_keys(m, m.obj, MODEL_KEYS, "DeepSpeed model-states file")
+            m.get(m.obj, "module", dict)
             count = osd.get("partition_count")
             if m.obj.get("dp_world_size") != self.dp or count != self.dp or isinstance(count, bool):
                 raise CorruptCheckpointError(
-                    f"{f.path} was written at DP size {m.obj.get('dp_world_size')!r:.20}/{count!r:.20}, rank 0 at "
-                    f"{self.dp}; files from different runs are mixed"
+                    f"{f.path} was written at DP size {short(m.obj.get('dp_world_size'), 20)}/{short(count, 20)}, "
+                    f"rank 0 at {self.dp}; files from different runs are mixed"
                 )
             f.get(osd, "fp32_flat_groups", list)
             inner = f.get(osd, "optimizer_state_dict", dict)
@@ -861,7 +952,7 @@ class _Zero3Reader:
             for sg in ids:
                 if not isinstance(sg, int) or sg in group_of or not 0 <= sg < num_subgroups:
                     raise f.fail(
-                        f"param_groups[{g}] lists sub-group {sg!r:.20}, not one of the {num_subgroups} sub-groups "
+                        f"param_groups[{g}] lists sub-group {short(sg, 20)}, not one of the {num_subgroups} sub-groups "
                         "of param_shapes"
                     )
                 group_of[sg] = g
@@ -905,9 +996,7 @@ class _Zero3Reader:
     def _state_keys(self, sg: int) -> list[str]:
         keys = []
         for f, osd in zip(self.optims, self.osds, strict=True):
-            state = osd["optimizer_state_dict"]["state"].get(sg, {})
-            if not isinstance(state, dict):
-                raise f.fail(f"optimizer state of sub-group {sg} is not a dict")
+            state = _state_entries(f, osd["optimizer_state_dict"]["state"].get(sg, {}), f"sub-group {sg}")
             keys.append(_flat_state_keys(state))
         _check_agree(self.optims, [sorted(k) for k in keys], f"the optimizer state keys of sub-group {sg}", self.reader)
         return keys[0]
@@ -915,10 +1004,12 @@ class _Zero3Reader:
     def _moment(self, r: int, sg: int, key: str, flat_len: int) -> LazyTensor:
         f = self.optims[r]
         state = self.osds[r]["optimizer_state_dict"]["state"].get(sg)
-        t = f.tensor(state.get(key) if isinstance(state, dict) else None, f"optimizer state {key!r} of sub-group {sg}")
+        t = f.tensor(
+            state.get(key) if isinstance(state, dict) else None, f"optimizer state {short(key)} of sub-group {sg}"
+        )
         if t.dim() != 1 or t.numel() != flat_len:
             raise f.fail(
-                f"optimizer state {key!r} of sub-group {sg} holds {t.numel()} elements, the partition {flat_len}"
+                f"optimizer state {short(key)} of sub-group {sg} holds {t.numel()} elements, the partition {flat_len}"
             )
         return t
 
@@ -928,7 +1019,7 @@ class _Zero3Reader:
         states = inner["state"]
         extra = [k for k in states if not isinstance(k, int) or not 0 <= k < num_subgroups]
         if extra:
-            raise self.optims[0].fail(f"optimizer state is keyed {extra[0]!r:.20}, no sub-group of param_shapes")
+            raise self.optims[0].fail(f"optimizer state is keyed {short(extra[0], 20)}, no sub-group of param_shapes")
         first_sg = {g: int(pg["params"][0]) for g, pg in enumerate(inner["param_groups"]) if pg["params"]}
         scalars = [
             _scalars(states.get(first_sg[g], {})) if g in first_sg else {} for g in range(len(inner["param_groups"]))
@@ -943,10 +1034,14 @@ def zero3_frozen(models: Sequence[_File], dp: int) -> dict[str, TensorSource]:
     """ZeRO-3 frozen params: each rank's ceil(n/dp) fragment, in rank order."""
     f0 = models[0]
     shapes = f0.opt(f0.obj, "frozen_param_shapes", dict) or {}
+    for m in models:
+        extra = set(m.opt(m.obj, "frozen_param_fragments", dict) or {}) - set(shapes)
+        if extra:
+            raise m.fail(f"frozen_param_fragments holds {short(min(map(str, extra)))}, which frozen_param_shapes lacks")
     out = {}
     for raw, shape_value in shapes.items():
         name = strip_prefixes(str(raw))
-        shape = _shape(f0, shape_value, f"frozen_param_shapes[{name!r}]")
+        shape = _shape(f0, shape_value, f"frozen_param_shapes[{short(name)}]")
         numel = _numel(shape)
         p = partition.zero3_partition_numel(numel, dp)
         segs = []

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes, partition
-from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
 from .reader import Param, TensorSource, ZeroCheckpoint, check_module_copies, strip_prefixes
 from .sources import open_checkpoint
 from .staging import check_output_dir, staged_folder
@@ -199,7 +199,7 @@ def _sub_group_size(ckpt: ZeroCheckpoint) -> int:
         size = int(float(zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
     except (TypeError, ValueError, OverflowError) as e:
         raise CorruptCheckpointError(
-            f"the run's zero_optimization.sub_group_size {zero_cfg.get('sub_group_size')!r:.30} is not a number"
+            f"the run's zero_optimization.sub_group_size {short(zero_cfg.get('sub_group_size'), 30)} is not a number"
         ) from e
     return max(size, 1)
 

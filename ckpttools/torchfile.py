@@ -27,7 +27,7 @@ from typing_extensions import Self
 
 from . import dtypes
 from .dtypes import DType
-from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, short
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
 
@@ -191,7 +191,8 @@ def _rebuild_tensor(
     if not _is_count(storage_offset) or not _is_dims(size) or not _is_dims(stride) or len(size) != len(stride):
         raise CorruptCheckpointError(
             f"{storage.record.path}: a tensor of record {storage.record.name} has an impossible view "
-            f"(offset {storage_offset!r:.20}, size {size!r:.40}, stride {stride!r:.40}); the file is damaged"
+            f"(offset {short(storage_offset, 20)}, size {short(size, 40)}, stride {short(stride, 40)}); "
+            "the file is damaged"
         )
     dims = tuple(int(s) for s in size)
     return LazyTensor(
@@ -247,6 +248,7 @@ class _AllowlistUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self.records = records
         self.path = path
+        self.used: set[str] = set()
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
@@ -265,14 +267,21 @@ class _AllowlistUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
-            raise UnsafeCheckpointError(f"{self.path}: unexpected persistent id {pid!r:.80}")
+            raise UnsafeCheckpointError(f"{self.path}: unexpected persistent id {short(pid, 80)}")
         storage_type, key = pid[1], str(pid[2])
         if not (isinstance(storage_type, tuple) and storage_type[0] == "storage_type"):
-            raise UnsafeCheckpointError(f"{self.path}: unexpected storage type {storage_type!r:.80}")
+            raise UnsafeCheckpointError(f"{self.path}: unexpected storage type {short(storage_type, 80)}")
         record = self.records.get(key)
         if record is None:
             raise CorruptCheckpointError(f"{self.path}: storage record data/{key} is missing; the file is damaged")
-        return StorageRef(record, storage_type[1])
+        dtype, numel = storage_type[1], pid[4]
+        if not _is_count(numel) or numel * dtype.itemsize != record.nbytes:
+            raise CorruptCheckpointError(
+                f"{self.path}: storage data/{key} is declared as {short(numel)} {dtype.name} elements but its record "
+                f"holds {record.nbytes} bytes; the file is damaged"
+            )
+        self.used.add(key)
+        return StorageRef(record, dtype)
 
 
 # --- Opening files -----------------------------------------------------------------------------------
@@ -320,12 +329,48 @@ def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
     for rec in records.values():
         if rec.offset + rec.nbytes > size:
             raise CorruptCheckpointError(f"{path} is truncated: record {rec.name} runs past the end of the file")
+    unpickler = _AllowlistUnpickler(data, records, path)
     try:
-        return _AllowlistUnpickler(data, records, path).load()
+        obj = unpickler.load()
     except CkptError:
         raise
     except Exception as e:
-        raise CorruptCheckpointError(f"{path}: cannot read its pickle ({type(e).__name__}: {e!s:.100})") from e
+        raise CorruptCheckpointError(f"{path}: cannot read its pickle ({type(e).__name__}: {short(e, 100)})") from e
+    unused = sorted(set(records) - unpickler.used)
+    if unused:
+        raise CorruptCheckpointError(
+            f"{path}: storage record data/{unused[0]} belongs to no tensor (torch.save writes none such); the file "
+            "was altered"
+        )
+    _check_structure(obj, path)
+    return obj
+
+
+MAX_DEPTH = 64  # DeepSpeed's files nest a handful of levels
+MAX_INT_BITS = 256
+
+
+def _check_structure(obj: Any, path: Path) -> None:
+    """Refuse what no DeepSpeed file holds and what would make later walks explode: deep nesting, shared
+    references expanding exponentially (each container is visited once), numbers too large to print."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(obj, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool) and item.bit_length() > MAX_INT_BITS:
+            raise CorruptCheckpointError(f"{path} holds a {item.bit_length()}-bit integer: not a DeepSpeed checkpoint")
+        if isinstance(item, (dict, list, tuple, set, frozenset, PickledObject)):
+            if depth > MAX_DEPTH:
+                raise CorruptCheckpointError(
+                    f"{path} nests more than {MAX_DEPTH} levels deep: not a DeepSpeed checkpoint"
+                )
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            children = item.__dict__.values() if isinstance(item, PickledObject) else item
+            if isinstance(item, dict):
+                children = [*item.keys(), *item.values()]
+            stack.extend((child, depth + 1) for child in children)
 
 
 def _read_zip(path: Path) -> tuple[bytes, dict[str, Record], str]:

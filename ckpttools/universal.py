@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes
-from .errors import CheckpointNotFoundError, CorruptCheckpointError
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, short
 from .layout import HF_SIDE_FILES, MODEL_RE, ZERO3_MODEL_RE, CheckpointLocation, TagFiles, check_tag_name
 from .reader import (
     OptimizerState,
@@ -136,8 +136,8 @@ def _model_files(tag_dir: Path, stage: int) -> list[_File]:
     dp = models[0].obj.get("dp_world_size")
     if stage == 3 and dp != len(models):
         raise CheckpointNotFoundError(
-            f"{tag_dir} holds {len(models)} ZeRO-3 model-state files, the checkpoint was written at DP {dp!r:.20}; "
-            "one is missing (copy them all: they carry the frozen parameters)"
+            f"{tag_dir} holds {len(models)} ZeRO-3 model-state files, the checkpoint was written at DP "
+            f"{short(dp, 20)}; one is missing (copy them all: they carry the frozen parameters)"
         )
     return models
 
@@ -157,7 +157,7 @@ def _groups(f: _File, stage: int, num_shape_groups: int) -> tuple[list[int], lis
     for g, pg in enumerate(param_groups):
         for sg in f.get(pg, "params", list, f"param_groups[{g}]."):
             if not isinstance(sg, int) or sg in group_of or not 0 <= sg < num_shape_groups:
-                raise f.fail(f"param_groups[{g}] lists sub-group {sg!r:.20}, not one of {num_shape_groups}")
+                raise f.fail(f"param_groups[{g}] lists sub-group {short(sg, 20)}, not one of {num_shape_groups}")
             group_of[sg] = g
     if len(group_of) != num_shape_groups:
         raise f.fail(f"the param groups cover {len(group_of)} sub-groups, param_shapes has {num_shape_groups}")
@@ -174,7 +174,7 @@ def _param_dir(zero: Path, name: str) -> Path:
     try:
         return zero / check_tag_name(name)
     except CheckpointNotFoundError as e:
-        raise CorruptCheckpointError(f"{zero}: parameter name {name!r:.60} is not a folder name") from e
+        raise CorruptCheckpointError(f"{zero}: parameter name {short(name, 60)} is not a folder name") from e
 
 
 def _param(zero: Path, name: str, shape: tuple[int, ...], group: int) -> Param:
