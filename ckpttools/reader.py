@@ -929,9 +929,8 @@ class _Zero3Reader:
                       "skipped_steps", "ds_config", "ds_version", "lr_scheduler", "mp_world_size")  # fmt: skip
         for key in model_keys:
             _check_agree(self.models, [m.obj.get(key) for m in self.models], key, self.reader)
-        _check_agree(
-            self.models, [sorted(map(str, m.obj["module"])) for m in self.models], "the module's keys", self.reader
-        )
+        layouts = [{k: (v.dtype.name, v.shape) for k, v in _module(m).tensors.items()} for m in self.models]
+        _check_agree(self.models, layouts, "the module's entries", self.reader)
         for m in self.models[1:]:
             if m.obj.get("shared_params") and m.obj.get("shared_params") != self.models[0].obj.get("shared_params"):
                 raise m.fail("shared_params differs from rank 0's")
