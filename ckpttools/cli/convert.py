@@ -153,7 +153,9 @@ def _human_inspect(d: dict[str, Any]) -> str:
         (
             f"layout         ZeRO-{d['zero_stage']}, DP {d['dp_world_size']}, {d['train_dtype']} training, "
             f"{d['optimizer']} optimizer, DeepSpeed {d['ds_version']}"
+            + (" (universal format)" if d.get("format") == "universal" else "")
         ),
+        f"optim states   {', '.join(d.get('optimizer_states') or []) or 'none yet (saved before the first step)'}",
         (
             f"parameters     {d['num_parameters']:,} ({d['trainable_parameters']:,} trainable in "
             f"{d['num_trainable']} tensors, {d['frozen_parameters']:,} frozen in {d['num_frozen']})"
