@@ -1,0 +1,78 @@
+"""The one staging helper: outputs appear only complete; failures, Ctrl-C and SIGTERM leave nothing behind."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from ckpttools.errors import OutputError
+from ckpttools.staging import StagedFolder, check_output_dir, staged_folder
+
+
+def _siblings(folder):
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_success_renames_the_complete_folder_into_place(tmp_path):
+    with staged_folder(tmp_path / "out", overwrite=False) as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".out.partial-")
+        (tmp / "a.txt").write_text("x")
+    assert _siblings(tmp_path) == ["out"] and (tmp_path / "out" / "a.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_a_failure_removes_the_temp_folder_and_keeps_an_old_output(tmp_path, exc):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    with pytest.raises(exc), staged_folder(tmp_path / "out", overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+        raise exc()
+    assert _siblings(tmp_path) == ["out"] and _siblings(tmp_path / "out") == ["old.txt"]
+
+
+def test_overwrite_replaces_and_leaves_no_aside_folder(tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    with staged_folder(tmp_path / "out", overwrite=True) as tmp:
+        (tmp / "new.txt").write_text("new")
+    assert _siblings(tmp_path) == ["out"] and _siblings(tmp_path / "out") == ["new.txt"]
+
+
+def test_two_runs_never_share_a_temp_folder_and_the_late_one_fails(tmp_path):
+    first = StagedFolder(tmp_path / "out", overwrite=False)
+    second = StagedFolder(tmp_path / "out", overwrite=False)
+    assert first.path != second.path
+    (first.path / "a").write_text("first")
+    (second.path / "a").write_text("second")
+    first.commit()
+    with pytest.raises(OutputError, match="appeared while this run was writing"):
+        second.commit()
+    second.abort()
+    assert _siblings(tmp_path) == ["out"] and (tmp_path / "out" / "a").read_text() == "first"
+
+
+def test_output_inside_or_around_the_input_is_refused(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(OutputError, match="inside the checkpoint"):
+        check_output_dir(tmp_path / "ckpt" / "out", tmp_path / "ckpt", False)
+    with pytest.raises(OutputError, match="contains the checkpoint"):
+        check_output_dir(tmp_path, tmp_path / "ckpt", True)
+
+
+def test_sigterm_while_writing_leaves_nothing(tmp_path):
+    script = textwrap.dedent(f"""
+        import pathlib, sys, time
+        from ckpttools.staging import staged_folder
+        with staged_folder(pathlib.Path({str(tmp_path / "out")!r}), overwrite=False) as tmp:
+            (tmp / "part").write_text("x")
+            print("writing", flush=True)
+            time.sleep(30)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "writing"
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=20)
+    assert proc.returncode != 0 and _siblings(tmp_path) == []
