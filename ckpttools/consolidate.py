@@ -144,6 +144,7 @@ def consolidate(
     overwrite: bool = False,
     check_existing: bool = True,
     check_keys: bool = False,
+    config: Path | str | None = None,
     on_progress: ProgressFn | None = None,
     on_start: Any = None,
 ) -> ConsolidateResult:
@@ -158,6 +159,8 @@ def consolidate(
         max_shard_size: largest shard, e.g. "5GB".
         overwrite: replace an existing output folder.
         check_existing: compare with 16-bit weights a Trainer already saved beside the shards.
+        config: the model's config.json, or a folder holding it (tokenizer files come from there too), for
+            checkpoints saved without one (accelerate's save_state); default: the one beside the checkpoint.
         check_keys: also build the model from config.json on the meta device (in a child process that
             imports transformers and torch: about 3 s and 350 MB more) and fail on missing or unexpected
             keys. `ckpt verify` always does this check.
@@ -175,13 +178,14 @@ def consolidate(
     ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
     out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt.location.root, overwrite)
     out_dtype = DTYPES[dtype]
-    config_path = ckpt.location.root / "config.json"
-    config = hf.load_config(config_path) if config_path.is_file() else None  # read once, refused before writing
-    tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=config is not None, config=config or {})
-    keycheck = _KeyCheck(ckpt.location.root if (config is not None and check_keys) else None, tensors)
+    model_config = hf.find_config(ckpt.location.root, config)  # read once, refused before writing
+    tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=model_config is not None,
+                                    config=model_config.config if model_config else {})  # fmt: skip
+    check = model_config is not None and model_config.standard_name and check_keys
+    keycheck = _KeyCheck(model_config.folder if model_config is not None and check else None, tensors)
     shards = plan_shards(tensors, to, max_shard_size)
     total = sum(t.nbytes for t in tensors)
-    notes: list[str] = []
+    notes: list[str] = [] if model_config is not None or not _is_accelerate(ckpt) else [_NO_CONFIG_NOTE]
     if ckpt.frozen_excluded:
         notes.append("this checkpoint holds only trainable (e.g. LoRA) weights: base weights are absent, as saved")
     try:
@@ -192,8 +196,8 @@ def consolidate(
                     on_start(total)
                 files = _write_shards(tmp, shards, to, reader, on_progress)
                 keycheck.problems(ckpt, omitted, notes)
-                files += _write_hf_files(tmp, ckpt, shards, tensors, to, out_dtype, config)
-                if check_existing and config is not None:
+                files += _write_hf_files(tmp, ckpt, shards, tensors, to, out_dtype, model_config)
+                if check_existing and (ckpt.location.root / "config.json").is_file():
                     notes += compare_with_existing(ckpt, reader, out_dtype)
                 reader.finish()  # CRC-32 of every record read; raises before anything is published
     except BaseException:
@@ -210,6 +214,18 @@ def consolidate(
         source=source_summary(ckpt),
         notes=notes,
     )
+
+
+_NO_CONFIG_NOTE = (
+    "an accelerate save_state folder holds no config.json: wrote the weights only; pass --config (the model's "
+    "config.json, or the folder save_pretrained wrote it to) for a folder from_pretrained loads"
+)
+
+
+def _is_accelerate(ckpt: ZeroCheckpoint) -> bool:
+    """accelerate's save_state: tag `pytorch_model`, RNG states as `random_states_N.pkl` (never loaded)."""
+    loc = ckpt.location
+    return loc.tag == "pytorch_model" and any(loc.root.glob("random_states_*.pkl"))
 
 
 def _param_count(tensors: list[OutputTensor], ckpt: ZeroCheckpoint) -> int:
@@ -247,7 +263,7 @@ def _write_hf_files(
     tensors: list[OutputTensor],
     to: str,
     dtype: DType,
-    config: dict[str, Any] | None,
+    model_config: hf.ModelConfig | None,
 ) -> list[str]:
     files = []
     if len(shards) > 1:
@@ -256,10 +272,11 @@ def _write_hf_files(
         total = sum(t.nbytes for t in tensors)
         files.append(hf.write_index(tmp, f"{stem}{ext}.index.json", weight_map, total, _param_count(tensors, ckpt)))
     root = ckpt.location.root
-    if config is not None:
-        hf.write_config(config, tmp / "config.json", dtype)
+    if model_config is not None:
+        hf.write_config(model_config.config, tmp / "config.json", dtype)
         files.append("config.json")
-    files += hf.copy_side_files(root, ckpt.location.side_files, tmp)
+        files += hf.copy_side_files(model_config.folder, model_config.side_files, tmp)
+    files += hf.copy_side_files(root, [n for n in ckpt.location.side_files if n not in files], tmp)
     return files
 
 

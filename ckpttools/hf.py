@@ -46,6 +46,38 @@ def load_config(path: Path) -> dict[str, Any]:
     return config
 
 
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's config.json, validated, and the companion files (tokenizer, generation config) beside it."""
+
+    folder: Path
+    config: dict[str, Any]
+    side_files: list[str]  # names in `folder`, config.json excluded
+    standard_name: bool = True  # the file is `folder/config.json`, as transformers reads it
+
+
+def find_config(root: Path, given: Path | str | None = None) -> ModelConfig | None:
+    """`given` (a config.json or a folder holding one), else `root/config.json`, else None.
+
+    Raises:
+        ConfigError: `given` is not there, or a config.json is unusable.
+    """
+    if given is not None:
+        path = Path(given)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"--config {given}: no such config.json (pass the file, or the folder holding it)")
+    else:
+        path = root / "config.json"
+        if not path.is_file():
+            return None
+    from .layout import HF_SIDE_FILES
+
+    side = [name for name in HF_SIDE_FILES if (path.parent / name).is_file()]
+    return ModelConfig(path.parent, load_config(path), side, path.name == "config.json")
+
+
 def read_config(path: Path) -> dict[str, Any] | None:
     """The config as a dict, or None when it is absent or unusable (callers that only peek at it)."""
     try:

@@ -408,6 +408,7 @@ def push(
     tag: str | None = None,
     step: int | None = None,
     best: bool = False,
+    config: Path | str | None = None,
     api: Any = None,
 ) -> PushResult:
     """Verify a folder (or consolidate a ZeRO checkpoint) and upload it, with a model card, to `repo_id`.
@@ -445,7 +446,8 @@ def push(
         check_online()
     notes: list[str] = []
     with ExitStack() as stack:
-        opts = {"dtype": dtype, "max_shard_size": max_shard_size, "tag": tag, "step": step, "best": best}
+        opts = {"dtype": dtype, "max_shard_size": max_shard_size, "tag": tag, "step": step, "best": best,
+                "config": config}  # fmt: skip
         folder, summary, temporary = _prepare(Path(path), stack, opts, notes, source)
         report = verify_folder(folder)
         problems = list(report.problems)

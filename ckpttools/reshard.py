@@ -11,6 +11,7 @@ and the user's unchanged config; universal ones with `"checkpoint": {"load_unive
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, partition
+from . import dtypes, hf, partition
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
 from .reader import Param, TensorSource, ZeroCheckpoint, check_module_copies, strip_prefixes
 from .sources import open_checkpoint
@@ -267,9 +268,26 @@ def _zero3_model_files(ckpt: ZeroCheckpoint, subgroups: list[list[Param]], dp: i
 # --- Files around the tag: latest, Trainer files, RNG states ------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _RngScheme:
+    """How a framework names its per-process RNG files beside the checkpoint."""
+
+    glob: str
+    per_rank: str  # with {} for the rank
+    single: str | None  # the name at one process, when it differs
+    who: str
+
+
+RNG_SCHEMES = (
+    _RngScheme("rng_state*.pth", "rng_state_{}.pth", "rng_state.pth", "the Trainer"),
+    _RngScheme("random_states_*.pkl", "random_states_{}.pkl", None, "accelerate's load_state"),  # never unpickled
+)
+
+
 def _copy_root_files(root: Path, out: Path, old_dp: int | None, new_dp: int | None, skip: set[str]) -> list[str]:
     """Everything beside the tag folders comes along; RNG files follow the new ranks."""
-    rng_files = sorted(p.name for p in root.glob("rng_state*.pth"))
+    rng = {scheme: sorted(p.name for p in root.glob(scheme.glob)) for scheme in RNG_SCHEMES}
+    rng_files = {name for names in rng.values() for name in names}
     for item in root.iterdir():
         if item.name in skip or item.name in rng_files:
             continue
@@ -278,33 +296,38 @@ def _copy_root_files(root: Path, out: Path, old_dp: int | None, new_dp: int | No
                 shutil.copytree(item, out / item.name)
         else:
             shutil.copy2(item, out / item.name)
-    if not rng_files:
-        return []
-    if old_dp is None or new_dp is None:
-        for name in rng_files:
-            shutil.copy2(root / name, out / name)
-        return ["RNG states copied as they are"]
-    return [_place_rng_states(root, out, old_dp, new_dp)]
+    notes = []
+    for scheme, names in rng.items():
+        if not names:
+            continue
+        if old_dp is None or new_dp is None:
+            for name in names:
+                shutil.copy2(root / name, out / name)
+            notes.append("RNG states copied as they are")
+        else:
+            notes.append(_place_rng_states(root, out, old_dp, new_dp, scheme))
+    return notes
 
 
-def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int) -> str:
-    """Trainer restores `rng_state_{rank}.pth` (or `rng_state.pth` at one process); keep what maps over."""
+def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int, scheme: _RngScheme) -> str:
+    """Each process restores its own RNG file; keep what maps over, by rank."""
+
+    def name(rank: int, dp: int) -> str:
+        return scheme.single if (dp == 1 and scheme.single) else scheme.per_rank.format(rank)
 
     def old_file(rank: int) -> Path | None:
-        path = root / ("rng_state.pth" if old_dp == 1 else f"rng_state_{rank}.pth")
+        path = root / name(rank, old_dp)
         return path if path.is_file() else None
 
-    if new_dp == 1:
-        if src := old_file(0):
-            shutil.copy2(src, out / "rng_state.pth")
-        return "RNG states: rank 0's kept as rng_state.pth; the other ranks' random streams do not carry over"
     for rank in range(min(old_dp, new_dp)):
         if src := old_file(rank):
-            shutil.copy2(src, out / f"rng_state_{rank}.pth")
+            shutil.copy2(src, out / name(rank, new_dp))
+    if new_dp == 1:
+        return f"RNG states: rank 0's kept as {name(0, 1)}; the other ranks' random streams do not carry over"
     if new_dp > old_dp:
         return (
             f"RNG states: carried over for {_ranks(0, old_dp)}; {_ranks(old_dp, new_dp)} start without one, so "
-            "the Trainer logs that it found no RNG file and continues with fresh random streams there"
+            f"{scheme.who} logs that it found no RNG file and continues with fresh random streams there"
         )
     return f"RNG states: carried over for {_ranks(0, new_dp)}; those of {_ranks(new_dp, old_dp)} are dropped"
 
@@ -326,6 +349,7 @@ def reshard(
     step: int | None = None,
     best: bool = False,
     overwrite: bool = False,
+    config: Path | str | None = None,
     on_start: ProgressFn | None = None,
     on_progress: ProgressFn | None = None,
 ) -> ReshardResult:
@@ -336,6 +360,8 @@ def reshard(
         out_dir: output folder; defaults to `dp<M>-<name>` or `universal-<name>` beside the input.
         dp: the new data-parallel size (native output).
         universal: write DeepSpeed's universal format instead, loadable at any DP size.
+        config: the model's config.json (or its folder, tokenizer files included), copied into the output
+            for checkpoints saved without one (accelerate's save_state).
         on_start: called once with the number of tensor bytes to write.
         on_progress: called with the number of bytes written after each chunk.
 
@@ -359,7 +385,8 @@ def reshard(
             f"{ckpt.location.tag_dir} is an elastic ZeRO-1/2 checkpoint: it carries no param_groups, which the "
             "universal format needs; reshard it natively with --dp M instead"
         )
-    return _write(ckpt, dp, out_dir, overwrite, (on_start, on_progress))
+    model_config = hf.find_config(ckpt.location.root, config) if config is not None else None
+    return _write(ckpt, dp, out_dir, overwrite, model_config, (on_start, on_progress))
 
 
 def _default_out(root: Path, dp: int | None) -> Path:
@@ -368,7 +395,12 @@ def _default_out(root: Path, dp: int | None) -> Path:
 
 
 def _write(
-    ckpt: ZeroCheckpoint, dp: int | None, out_dir: Any, overwrite: bool, progress: _ProgressFns
+    ckpt: ZeroCheckpoint,
+    dp: int | None,
+    out_dir: Any,
+    overwrite: bool,
+    model_config: hf.ModelConfig | None,
+    progress: _ProgressFns,
 ) -> ReshardResult:
     loc = ckpt.location
     old_dp = ckpt.dp_world_size if ckpt.source_format == "native" else None
@@ -384,6 +416,9 @@ def _write(
                 result.notes.append(f"the checkpoint is already at DP {dp}; rewritten as it is, every record checked")
             skip = {loc.tag, "latest", "latest_universal"}
             result.notes += _copy_root_files(loc.root, tmp, old_dp, dp, skip)
+            if model_config is not None:
+                (tmp / "config.json").write_text(json.dumps(model_config.config, indent=2) + "\n")
+                hf.copy_side_files(model_config.folder, model_config.side_files, tmp)
             (tmp / ("latest" if dp else "latest_universal")).write_text(loc.tag)
             if dp is None:
                 result.notes.append('load it with "checkpoint": {"load_universal": true} in the DeepSpeed config')

@@ -46,6 +46,13 @@ from ._common import (
 @click.option("--max-shard-size", "--max_shard_size", default="5GB", show_default=True, help="Largest output file.")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 @click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path),
+    metavar="PATH",
+    help="The model's config.json (or its folder; tokenizer files come too), when the checkpoint has none.",
+)
+@click.option(
     "--check-keys",
     is_flag=True,
     help="Also build the model from config.json (meta device) and fail on missing/unexpected keys.",
@@ -60,6 +67,7 @@ def consolidate_cmd(
     dtype: str,
     max_shard_size: str,
     overwrite: bool,
+    config: Path | None,
     check_keys: bool,
     tag: str | None,
     step: int | None,
@@ -72,7 +80,8 @@ def consolidate_cmd(
 
     with progress_callbacks("consolidate", quiet) as progress:
         result = consolidate(path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
-                             best=best, overwrite=overwrite, check_keys=check_keys, **progress)  # fmt: skip
+                             best=best, overwrite=overwrite, check_keys=check_keys, config=config,
+                             **progress)  # fmt: skip
     report(result.to_dict(), as_json, quiet, _human_consolidate)
 
 
@@ -91,6 +100,13 @@ def _human_consolidate(d: dict[str, Any]) -> str:
     "--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it)."
 )
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
+@click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path),
+    metavar="PATH",
+    help="The model's config.json (or its folder; tokenizer files come too), when the checkpoint has none.",
+)
 @checkpoint_selection
 @json_option
 @quiet_option
@@ -100,6 +116,7 @@ def reshard_cmd(
     universal: bool,
     out: Path | None,
     overwrite: bool,
+    config: Path | None,
     tag: str | None,
     step: int | None,
     best: bool,
@@ -117,7 +134,7 @@ def reshard_cmd(
 
     with progress_callbacks("reshard", quiet) as progress:
         result = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite,
-                         **progress)  # fmt: skip
+                         config=config, **progress)  # fmt: skip
     report(result.to_dict(), as_json, quiet, _human_reshard)
 
 

@@ -119,6 +119,8 @@ def _human_verify(r: VerifyReport) -> str:
     show_default=True,
     help="When PATH is a checkpoint: largest file.",
 )
+@click.option("--config", type=click.Path(path_type=Path), metavar="PATH",
+              help="When PATH is a checkpoint without one: the model's config.json (or its folder).")  # fmt: skip
 @click.option("--tag", help="When PATH is a checkpoint: tag folder to read (default: `latest`).")
 @click.option("--step", type=int, help="When PATH is a Trainer output_dir: use checkpoint-STEP.")
 @click.option("--best", is_flag=True, help="When PATH is a Trainer output_dir: use best_model_checkpoint.")
@@ -127,7 +129,8 @@ def _human_verify(r: VerifyReport) -> str:
 def push_cmd(
     path: Path, repo_id: str, private: bool | None, revision: str | None, create_pr: bool,
     commit_message: str | None, endpoint: str | None, token: str | None, dry_run: bool, force: bool,
-    source: Path | None, dtype: str, max_shard_size: str, tag: str | None, step: int | None, best: bool,
+    source: Path | None, dtype: str, max_shard_size: str, config: Path | None, tag: str | None, step: int | None,
+    best: bool,
     as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
     """Verify a model folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub."""
@@ -137,7 +140,7 @@ def push_cmd(
     result = push(
         path, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
         endpoint=endpoint, token=token, dry_run=dry_run, force=force, source=source, dtype=dtype,
-        max_shard_size=max_shard_size, tag=tag, step=step, best=best,
+        max_shard_size=max_shard_size, tag=tag, step=step, best=best, config=config,
     )  # fmt: skip
     if not quiet:
         echo_notes(result.problems, prefix="Warning: pushed despite: ")
