@@ -396,14 +396,17 @@ def _refuse_unsupported(f: _File) -> None:
         raise UnsupportedCheckpointError(
             f"{f.path} has no module weights (module is None): a pipeline-parallel checkpoint"
         )
-    if model_state.get("mp_world_size", 1) not in (1, None):
+    mp = f.opt(model_state, "mp_world_size", int)
+    if isinstance(mp, bool):
+        raise f.fail("mp_world_size is a bool, not a rank count")
+    if mp not in (1, None):
         raise UnsupportedCheckpointError(
             f"{f.path}: tensor/model parallel size {short(model_state['mp_world_size'], 20)} is not supported"
         )
     if model_state.get("num_experts") or model_state.get("ds_autoep_layers"):
         raise UnsupportedCheckpointError(f"{f.path} is a MoE checkpoint; MoE experts are not supported yet")
-    dims = model_state.get("checkpoint_parallel_dimensions") or {}
-    if isinstance(dims, dict) and (dims.get("pp_degree", 1) != 1 or dims.get("tp_degree", 1) != 1):
+    dims = f.opt(model_state, "checkpoint_parallel_dimensions", dict) or {}
+    if dims.get("pp_degree", 1) != 1 or dims.get("tp_degree", 1) != 1:
         raise UnsupportedCheckpointError(f"{f.path}: pipeline/tensor parallel degrees {dims} are not supported")
     offload = _dict_at(model_state, "ds_config", "zero_optimization", "offload_optimizer")
     if offload.get("device") == "nvme":
