@@ -11,6 +11,8 @@ and the user's unchanged config; universal ones with `"checkpoint": {"load_unive
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import shutil
 from collections import OrderedDict
@@ -51,20 +53,35 @@ class ReshardResult:
 # --- Piece arithmetic -------------------------------------------------------------------------------------
 
 
+class Flat:
+    """The concatenation of pieces, cut anywhere in O(log n): resharding N ranks to M cuts every state M times."""
+
+    def __init__(self, pieces: Pieces) -> None:
+        self.pieces = pieces
+        self.ends = list(itertools.accumulate(p.count for p in pieces))
+
+    def __len__(self) -> int:
+        return self.ends[-1] if self.ends else 0
+
+    def take(self, start: int, count: int) -> Pieces:
+        """Elements [start, start+count)."""
+        out: Pieces = []
+        end = start + count
+        i = bisect.bisect_right(self.ends, start)
+        while i < len(self.pieces) and count and self.ends[i] - self.pieces[i].count < end:
+            p, pos = self.pieces[i], self.ends[i] - self.pieces[i].count
+            lo, hi = max(start, pos), min(end, self.ends[i])
+            if lo < hi:
+                out.append(Fill(hi - lo) if isinstance(p, Fill) else Slice(p.tensor, p.start + lo - pos, hi - lo))
+            i += 1
+        if sum(p.count for p in out) != count:
+            raise CorruptCheckpointError(f"a flat state is shorter ({len(self)}) than its layout needs ({end})")
+        return out
+
+
 def take(pieces: Pieces, start: int, count: int) -> Pieces:
     """Elements [start, start+count) of the concatenation of `pieces`."""
-    out: Pieces = []
-    pos, end = 0, start + count
-    for p in pieces:
-        lo, hi = max(start, pos), min(end, pos + p.count)
-        if lo < hi:
-            out.append(Fill(hi - lo) if isinstance(p, Fill) else Slice(p.tensor, p.start + lo - pos, hi - lo))
-        pos += p.count
-        if pos >= end:
-            break
-    if sum(p.count for p in out) != count:
-        raise CorruptCheckpointError(f"a flat state is shorter ({pos}) than its layout needs ({end})")
-    return out
+    return Flat(pieces).take(start, count)
 
 
 def padded(pieces: Pieces, pad: int) -> Pieces:
@@ -131,15 +148,17 @@ def _zero12_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], 
         keys = _group_keys(group)
         total = sum(p.numel + p.align_pad for p in group)
         size = partition.zero12_partition_size(total, dp)
-        vectors = {k: [x for p in group for x in padded(pieces_of(_state(p, k)), p.align_pad)] for k in [MASTER, *keys]}
+        vectors = {
+            k: Flat([x for p in group for x in padded(pieces_of(_state(p, k)), p.align_pad)]) for k in [MASTER, *keys]
+        }
         for r, osd in enumerate(osds):
             lo = r * size
             n = max(0, min(size, total - lo))
-            fp32 = take(vectors[MASTER], lo, n)
+            fp32 = vectors[MASTER].take(lo, n)
             osd["single_partition_of_fp32_groups"].append(_master(padded(fp32, size - n) if bf16_optimizer else fp32))
             state = dict(opt.group_scalars[g]) if g < len(opt.group_scalars) else {}
             for key in keys:
-                part = take(vectors[key], lo, n)
+                part = vectors[key].take(lo, n)
                 state[key] = _new(group[0].states[key].dtype, part if opt.elastic else padded(part, size - n))
             if opt.elastic:
                 osd["base_optimizer_state"].append(state)
@@ -187,11 +206,11 @@ def split_subgroups(partition_numels: Sequence[int], sub_group_size: int) -> lis
     return groups
 
 
-def _zero3_slice(pieces: Pieces, numel: int, dp: int, rank: int) -> Pieces:
+def _zero3_slice(flat: Flat, numel: int, dp: int, rank: int) -> Pieces:
     """Rank `rank`'s ceil(numel/dp) elements of a parameter; padding is zero, never uninitialised memory."""
     p = partition.zero3_partition_numel(numel, dp)
     n = max(0, min(p, numel - rank * p))
-    return padded(take(pieces, rank * p, n) if n else [], p - n)
+    return padded(flat.take(rank * p, n) if n else [], p - n)
 
 
 def _sub_group_size(ckpt: ZeroCheckpoint) -> int:
@@ -220,14 +239,17 @@ def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], l
         param_groups.append({**pg, "params": ids})
     common = {k: v for k, v in opt.common.items() if k != "param_groups"}
     keys_of = {g: _group_keys(_group_params(ckpt, g)) for g in range(len(groups))}
+    flats = _Flats()
     optim_files = []
     for r in range(dp):
         flat, state = [], {}
         for sg, members in enumerate(subgroups):
             g = members[0].group
-            flat.append(_master(_rank_pieces(members, MASTER, dp, r)))
+            flat.append(_master(_rank_pieces(members, MASTER, dp, r, flats)))
             entry = {k: _own_copy(v) for k, v in opt.group_scalars[g].items()}
-            entry.update({k: _new(members[0].states[k].dtype, _rank_pieces(members, k, dp, r)) for k in keys_of[g]})
+            entry.update(
+                {k: _new(members[0].states[k].dtype, _rank_pieces(members, k, dp, r, flats)) for k in keys_of[g]}
+            )
             if entry:  # before the first optimizer step the torch optimizer has no state at all
                 state[sg] = entry
         osd = {**common, "partition_count": dp, "fp32_flat_groups": flat,
@@ -236,9 +258,21 @@ def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], l
     return _zero3_model_files(ckpt, subgroups, dp), optim_files
 
 
-def _rank_pieces(members: list[Param], key: str, dp: int, rank: int) -> Pieces:
+def _rank_pieces(members: list[Param], key: str, dp: int, rank: int, flats: _Flats) -> Pieces:
     """One rank's flat partition of a state over a sub-group: each member's slice, in order."""
-    return [x for p in members for x in _zero3_slice(pieces_of(_state(p, key)), p.numel, dp, rank)]
+    return [x for p in members for x in _zero3_slice(flats.of(_state(p, key)), p.numel, dp, rank)]
+
+
+class _Flats:
+    """One `Flat` per stored state, built once however many ranks cut it."""
+
+    def __init__(self) -> None:
+        self.cache: dict[int, tuple[TensorSource, Flat]] = {}
+
+    def of(self, src: TensorSource) -> Flat:
+        if id(src) not in self.cache:
+            self.cache[id(src)] = (src, Flat(pieces_of(src)))
+        return self.cache[id(src)][1]
 
 
 def _own_copy(value: Any) -> Any:
@@ -250,6 +284,7 @@ def _own_copy(value: Any) -> Any:
 
 
 def _zero3_model_files(ckpt: ZeroCheckpoint, subgroups: list[list[Param]], dp: int) -> list[dict[str, Any]]:
+    flats = _Flats()
     model0 = ckpt.model_files[0]
     param_shapes = [OrderedDict((p.file_name, TorchSize(p.shape)) for p in members) for members in subgroups]
     frozen_raw = model0.get("frozen_param_shapes") or {}
@@ -258,7 +293,7 @@ def _zero3_model_files(ckpt: ZeroCheckpoint, subgroups: list[list[Param]], dp: i
         fragments = OrderedDict()
         for raw in frozen_raw:
             src = ckpt.bit16[strip_prefixes(raw)]
-            fragments[raw] = NewTensor(src.dtype, tuple(_zero3_slice(pieces_of(src), src.numel(), dp, r)))
+            fragments[raw] = NewTensor(src.dtype, tuple(_zero3_slice(flats.of(src), src.numel(), dp, r)))
         files.append({**model0, "dp_world_size": dp, "param_shapes": param_shapes,
                       "frozen_param_fragments": fragments if frozen_raw else model0.get("frozen_param_fragments"),
                       "shared_params": model0.get("shared_params") if r == 0 else {}})  # fmt: skip
