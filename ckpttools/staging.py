@@ -57,7 +57,8 @@ class _Terminated(KeyboardInterrupt):
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Within the block, SIGTERM raises KeyboardInterrupt (main thread only), so every cleanup path runs."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -106,7 +107,7 @@ def staged_folder(out: Path, *, overwrite: bool, needed_bytes: int = 0) -> Itera
     """
     staged = StagedFolder(out, overwrite=overwrite, needed_bytes=needed_bytes)
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             yield staged.path
             staged.commit()
     except BaseException:

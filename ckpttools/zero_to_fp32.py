@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import threading
@@ -44,12 +43,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any, NoReturn
 
 from . import dtypes
 from .dtypes import DType
-from .errors import CkptError, UsageError
+from .errors import UsageError
 from .reader import TensorSource, ZeroCheckpoint, check_module_copies, strip_prefixes
 from .sources import open_checkpoint
 from .staging import check_free_space
@@ -462,48 +460,11 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(UsageError.exit_code)
 
 
-def _handle_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
 def run_cli(body: Callable[[], None], *, debug: bool = False) -> int:
-    """The `ckpt` CLI's error boundary for argparse entry points: CkptError -> its message and exit code,
-    OSError -> the system's reason, exit 1; Ctrl-C / SIGTERM -> exit 130; anything else is a bug: one line.
-    With `debug` or CKPT_DEBUG set, errors propagate with their traceback.
-    """
-    from .cli._common import EXIT_INTERRUPTED, INTERNAL_ERROR, echo_error
+    """The `ckpt` CLI's error boundary, for these argparse entry points."""
+    from .cli._common import run_guarded
 
-    show = debug or bool(os.environ.get("CKPT_DEBUG"))
-    previous = None
-    if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _handle_sigterm)
-    try:
-        body()
-    except CkptError as e:
-        if show:
-            raise
-        for problem in e.problems:
-            echo_error(problem)
-        echo_error(str(e))
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("Interrupted; nothing was written.", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except OSError as e:
-        if show:
-            raise
-        echo_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
-        return 1
-    except Exception as e:  # a bug: one line that says so instead of a traceback
-        if show:
-            raise
-        message = " ".join(str(e).split())
-        echo_error(INTERNAL_ERROR.format(what=f"{type(e).__name__}: {message}" if message else type(e).__name__))
-        return 1
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return 0
+    return run_guarded(body, debug=debug)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ from typing import Any, TypedDict
 import click
 
 from ..errors import CkptError
+from ..staging import sigterm_as_interrupt as _sigterm_as_interrupt
 
 EPILOG = """\b
 Examples:
@@ -68,31 +69,47 @@ class CkptGroup(click.Group):
     """
 
     def invoke(self, ctx: click.Context) -> Any:
+        result: list[Any] = []
+        code = run_guarded(lambda: result.append(super(CkptGroup, self).invoke(ctx)))
+        if code:
+            ctx.exit(code)
+        return result[0] if result else None
+
+
+def run_guarded(body: Callable[[], object], *, debug: bool = False) -> int:
+    """Run a command body; the one place exceptions become a message and an exit code (see CkptGroup).
+
+    Used by `ckpt` and by the argparse entry points that mirror DeepSpeed's scripts. SIGTERM is handled
+    like Ctrl-C, so staged outputs are removed either way.
+    """
+    show = debug or _debug()
+    with _sigterm_as_interrupt():
         try:
-            return super().invoke(ctx)
+            body()
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
         except CkptError as e:
             for problem in e.problems:
                 echo_error(problem)
-            if _debug():
+            if show:
                 raise
             echo_error(str(e))
-            ctx.exit(e.exit_code)
+            return e.exit_code
         except KeyboardInterrupt:
             click.echo("Interrupted; nothing was published.", err=True)
-            ctx.exit(EXIT_INTERRUPTED)
+            return EXIT_INTERRUPTED
         except OSError as e:  # disk full, permissions: the user's environment, not a bug
-            if _debug():
+            if show:
                 raise
             echo_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
-            ctx.exit(1)
+            return 1
         except Exception as e:  # a bug: one line that says so instead of a traceback
-            if _debug():
+            if show:
                 raise
             message = _one_line(str(e))
             echo_error(INTERNAL_ERROR.format(what=f"{type(e).__name__}: {message}" if message else type(e).__name__))
-            ctx.exit(1)
+            return 1
+    return 0
 
 
 # --------------------------------------------------------------------------------------------------
