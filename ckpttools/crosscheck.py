@@ -82,18 +82,9 @@ def _casts_equal(master: np.ndarray, copy: np.ndarray, dtype: DType) -> bool:
     """cast(master) == copy bit for bit, round to nearest even as torch's copy_ does."""
     if dtype == dtypes.FLOAT32:
         return bool(np.array_equal(master.view(np.uint32), copy.view(np.uint32)))
-    if dtype == dtypes.BFLOAT16:  # fast path: the rounding without NaN handling, exact fallback on a mismatch
-        bits = master.view(np.uint32)
-        rounded = np.right_shift(bits, 16)
-        np.bitwise_and(rounded, 1, out=rounded)
-        np.add(rounded, 0x7FFF, out=rounded)
-        np.add(rounded, bits, out=rounded)
-        np.right_shift(rounded, 16, out=rounded)
-        if np.array_equal(rounded.astype(np.uint16), copy):
-            return True
-    exact = bytearray(len(copy) * dtype.itemsize)
-    dtypes.cast(master.tobytes(), dtypes.FLOAT32, exact, dtype, len(copy))
-    return bool(np.array_equal(np.frombuffer(exact, dtype=copy.dtype), copy))
+    cast = bytearray(len(copy) * dtype.itemsize)
+    dtypes.cast(master.tobytes(), dtypes.FLOAT32, cast, dtype, len(copy))
+    return bool(np.array_equal(np.frombuffer(cast, dtype=copy.dtype), copy))
 
 
 def _windows(master: TensorSource, full: bool) -> list[tuple[int, int]]:

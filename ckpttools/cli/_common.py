@@ -122,6 +122,13 @@ step_option = click.option("--step", type=int, help="With a Trainer output_dir: 
 best_option = click.option("--best", is_flag=True, help="With a Trainer output_dir: use best_model_checkpoint.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+config_option = click.option(
+    "--config",
+    "config",
+    type=click.Path(path_type=Path),
+    metavar="PATH",
+    help="The model's config.json (or its folder; tokenizer files come too), when the checkpoint has none.",
+)
 
 
 def checkpoint_selection(f: Callable[..., Any]) -> Callable[..., Any]:

@@ -14,6 +14,7 @@ from ._common import (
     EPILOG,
     checkpoint_path,
     checkpoint_selection,
+    config_option,
     emit,
     human_size,
     json_option,
@@ -45,13 +46,7 @@ from ._common import (
 )
 @click.option("--max-shard-size", "--max_shard_size", default="5GB", show_default=True, help="Largest output file.")
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(path_type=Path),
-    metavar="PATH",
-    help="The model's config.json (or its folder; tokenizer files come too), when the checkpoint has none.",
-)
+@config_option
 @click.option(
     "--check-keys",
     is_flag=True,
@@ -100,13 +95,7 @@ def _human_consolidate(d: dict[str, Any]) -> str:
     "--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it)."
 )
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
-@click.option(
-    "--config",
-    "config",
-    type=click.Path(path_type=Path),
-    metavar="PATH",
-    help="The model's config.json (or its folder; tokenizer files come too), when the checkpoint has none.",
-)
+@config_option
 @checkpoint_selection
 @json_option
 @quiet_option
