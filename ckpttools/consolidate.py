@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from . import dtypes, hf
+from .crosscheck import check_module_copies
 from .dtypes import DType
 from .errors import CkptError, UsageError, short
-from .reader import TensorSource, ZeroCheckpoint, check_module_copies
+from .reader import TensorSource, ZeroCheckpoint
 from .sources import open_checkpoint
 from .staging import check_output_dir, staged_folder
 from .torchfile import RecordReader

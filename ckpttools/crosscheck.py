@@ -148,3 +148,19 @@ def module_matches_masters(ckpt: ZeroCheckpoint, *, full: bool = False, workers:
         pool.shutdown(wait=True, cancel_futures=True)
         files.close()
     return None
+
+
+def check_module_copies(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
+    """ZeRO-1/2 save the module's 16-bit weights beside the fp32 masters; the engine copies the cast masters
+    into them after every step, so they must be equal. A swapped, stale or mixed-up optimizer file breaks
+    this even when every file is intact. By default both ends of every rank's piece of every parameter are
+    compared; `full` compares every element.
+    """
+    mismatch = module_matches_masters(ckpt, full=full)
+    if mismatch is not None:
+        raise CorruptCheckpointError(
+            f"{ckpt.location.tag_dir}: the fp32 master of {mismatch} does not match the module's "
+            f"{ckpt.train_dtype.name} copy of it: the optimizer files do not belong with "
+            f"{ckpt.location.files.model_files[0]} (files swapped, stale, from another run, or damaged); "
+            "re-copy the tag folder"
+        )

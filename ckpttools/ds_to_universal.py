@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .crosscheck import check_module_copies
 from .errors import CorruptCheckpointError, OutputError, UnsupportedCheckpointError, UsageError
 from .layout import check_tag_name
-from .reader import TensorSource, ZeroCheckpoint, check_module_copies, strip_prefixes
+from .reader import TensorSource, ZeroCheckpoint, strip_prefixes
 from .sources import open_checkpoint
 from .staging import staged_folder
 from .torchfile import RecordReader

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes, hf, partition
+from .crosscheck import check_module_copies
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
-from .reader import Param, TensorSource, ZeroCheckpoint, check_module_copies, strip_prefixes
+from .reader import Param, TensorSource, ZeroCheckpoint, strip_prefixes
 from .sources import open_checkpoint
 from .staging import check_output_dir, staged_folder
 from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize

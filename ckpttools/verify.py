@@ -363,7 +363,7 @@ def check_against(
 ) -> None:
     """Compare every tensor with the one rebuilt from the ZeRO shards, one at a time (bounded memory)."""
     from .consolidate import plan_tensors
-    from .reader import check_module_copies
+    from .crosscheck import check_module_copies
     from .sources import open_checkpoint
     from .torchfile import RecordReader
     from .writer import read_tensor

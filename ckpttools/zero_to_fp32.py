@@ -46,9 +46,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from . import dtypes
+from .crosscheck import check_module_copies
 from .dtypes import DType
 from .errors import UsageError
-from .reader import TensorSource, ZeroCheckpoint, check_module_copies, strip_prefixes
+from .reader import TensorSource, ZeroCheckpoint, strip_prefixes
 from .sources import open_checkpoint
 from .staging import check_free_space
 from .torchfile import RecordReader
