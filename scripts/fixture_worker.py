@@ -1,12 +1,17 @@
 """Worker for scripts/make_fixtures.py.  Not meant to be run by hand.
 
-Three modes, each given a JSON fixture spec (built by make_fixtures.py):
+Modes (all but zero2fp32 given a JSON fixture spec, built by make_fixtures.py):
 
   engine   (under torchrun, N ranks)  train the toy model for 2 steps with a bare
            DeepSpeed engine, save_checkpoint, write reference/bit16.safetensors,
            reference/full_state.safetensors and meta.json (partial).
   trainer  (under torchrun, N ranks)  train a tiny GPT-2 with the HF Trainer + DeepSpeed,
            then write the same references from the live engine.
+  accelerate (under torchrun, N ranks)  train the same tiny GPT-2 with accelerate + DeepSpeed
+           (DeepSpeedPlugin, torch AdamW + LR scheduler through accelerator.prepare), then
+           accelerator.save_state; write reference/bit16.safetensors and model_config/.
+  accelerate_resume (under torchrun, N ranks)  the same setup, accelerator.load_state of a
+           (resharded) save_state folder, one more step; facts per rank (tests/test_accelerate.py).
   zero2fp32 (one process)  run DeepSpeed's get_fp32_state_dict_from_zero_checkpoint on
            a finished checkpoint and write reference/zero_to_fp32.safetensors.
 
@@ -21,7 +26,9 @@ import logging
 import os
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -623,18 +630,229 @@ def run_trainer(spec: dict, out: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# accelerate mode
+# --------------------------------------------------------------------------------------
+
+
+def accelerate_ds_config(spec: dict) -> dict:
+    """The DeepSpeed config handed to accelerate's DeepSpeedPlugin (no optimizer/scheduler blocks: the torch
+    AdamW and LR scheduler are the script's own, as in accelerate's examples)."""
+    zero = {"stage": spec["zero_stage"]}
+    cfg = {
+        "zero_optimization": zero,
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+    }
+    if spec["dtype"] == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def _tree_listing(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@dataclass
+class AccelerateRun:
+    accelerator: Any
+    model: Any  # the DeepSpeedEngine accelerate hands back
+    optimizer: Any
+    loader: Any
+    scheduler: Any
+    groups_named: list
+    zero3_init: bool
+    ds_cfg: dict
+    mixed: str
+
+
+def accelerate_setup(spec: dict) -> AccelerateRun:
+    """accelerate + DeepSpeed as an accelerate script sets it up: Accelerator(deepspeed_plugin=...), the Trainer
+    fixtures' tiny GPT-2 built from its config after the Accelerator (so ZeRO-3 builds it under zero.Init), a
+    torch AdamW with the decay split and a linear warmup schedule, all through accelerator.prepare."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, set_seed
+    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+
+    quiet_loggers()
+    ds_cfg = accelerate_ds_config(spec)
+    plugin = DeepSpeedPlugin(hf_ds_config=json.loads(json.dumps(ds_cfg)))
+    mixed = "bf16" if spec["dtype"] == "bf16" else "no"
+    # backend="gloo": without a backend accelerate (no GPU here) would count one process per rank
+    accelerator = Accelerator(deepspeed_plugin=plugin, mixed_precision=mixed,
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])  # fmt: skip
+    quiet_loggers()
+    if accelerator.num_processes != spec["dp"] or accelerator.distributed_type.name != "DEEPSPEED":
+        raise RuntimeError(f"accelerate set up {accelerator.distributed_type} x {accelerator.num_processes}")
+    set_seed(SEED)
+    tokenizer = build_tokenizer()
+    model = AutoModelForCausalLM.from_config(tiny_gpt2_config(tokenizer))
+    zero3_init = any(hasattr(p, "ds_id") for p in model.parameters())
+    decay, no_decay = decay_groups(model.named_parameters())
+    optimizer = torch.optim.AdamW(
+        [{"params": [p for _, p in decay], "weight_decay": 0.01},
+         {"params": [p for _, p in no_decay], "weight_decay": 0.0}],
+        lr=1e-2, betas=(0.9, 0.999), eps=1e-8,
+    )  # fmt: skip
+    scheduler = get_linear_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=8)
+    loader = torch.utils.data.DataLoader(TinyDataset(tokenizer), batch_size=2, shuffle=False)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    quiet_loggers()
+    return AccelerateRun(accelerator, model, optimizer, loader, scheduler,
+                         [[n for n, _ in decay], [n for n, _ in no_decay]], zero3_init, ds_cfg, mixed)  # fmt: skip
+
+
+def accelerate_train(run: AccelerateRun, steps: int) -> list[float]:
+    """`steps` optimizer steps the way accelerate's examples write the loop; rank-local losses."""
+    run.model.train()
+    losses = []
+    for i, batch in enumerate(run.loader):
+        if i == steps:
+            break
+        loss = run.model(**batch).loss
+        run.accelerator.backward(loss)  # DeepSpeed: engine.backward + engine.step
+        run.optimizer.step()
+        run.scheduler.step()  # AcceleratedScheduler: steps the LambdaLR once per process (num_processes times)
+        run.optimizer.zero_grad()
+        losses.append(float(loss.detach().float()))
+    return losses
+
+
+def run_accelerate(spec: dict, out: Path) -> None:
+    """accelerate_setup, STEPS steps, accelerator.save_state(out/checkpoint), references, model_config/."""
+    import zipfile
+
+    import accelerate
+
+    run = accelerate_setup(spec)
+    accelerator, model, optimizer, loader, scheduler = (run.accelerator, run.model, run.optimizer, run.loader,
+                                                        run.scheduler)  # fmt: skip
+    groups_named, zero3_init, ds_cfg, mixed = run.groups_named, run.zero3_init, run.ds_cfg, run.mixed
+    steps = int(spec.get("steps", STEPS))
+    losses = accelerate_train(run, steps)
+
+    ckpt = out / "checkpoint"
+    accelerator.save_state(str(ckpt))
+    accelerator.wait_for_everyone()
+
+    engine = model  # accelerate hands back the DeepSpeedEngine itself
+    ref = out / "reference"
+    if spec["zero_stage"] == 3:
+        sd16 = engine._zero3_consolidated_16bit_state_dict()  # collective
+    else:
+        sd16 = engine.module_state_dict() if rank() == 0 else None
+    if rank() == 0:
+        save_st(sd16, ref / "bit16.safetensors")
+        # what model.save_pretrained writes besides the weights, OUTSIDE the save_state folder
+        import shutil
+        import tempfile
+
+        unwrapped = accelerator.unwrap_model(model)
+        with tempfile.TemporaryDirectory() as tmp:
+            unwrapped.save_pretrained(tmp, state_dict=sd16, is_main_process=True)
+            written = sorted(os.listdir(tmp))
+            (out / "model_config").mkdir(parents=True, exist_ok=True)
+            for name in ("config.json", "generation_config.json"):
+                if name in written:
+                    shutil.copy2(Path(tmp) / name, out / "model_config" / name)
+
+        eg, sub = engine_param_groups(engine)
+        if [sorted(g) for g in eg] != [sorted(g) for g in groups_named]:
+            raise RuntimeError(f"engine param groups {eg} differ from the script's groups {groups_named}")
+        inner = scheduler.scheduler if hasattr(scheduler, "scheduler") else scheduler
+        rs = sorted(ckpt.glob("random_states_*.pkl"))
+        meta = {
+            "name": spec["name"],
+            "kind": spec["kind"],
+            "accelerate": True,
+            "zero_stage": spec["zero_stage"],
+            "dp": accelerator.num_processes,
+            "dtype": spec["dtype"],
+        }
+        meta.update(common_meta(engine))
+        meta["accelerate_version"] = accelerate.__version__
+        meta["distributed_type"] = accelerator.distributed_type.name
+        meta["mixed_precision"] = mixed
+        meta["zero3_init"] = zero3_init
+        meta.update(model_facts(engine.module, eg))
+        if sub is not None:
+            meta["sub_groups"] = sub
+        meta["param_group_weight_decay"] = [g["weight_decay"] for g in engine.optimizer.optimizer.param_groups]
+        meta["tag"] = (ckpt / "latest").read_text().strip()
+        meta["global_steps"] = engine.global_steps
+        meta["train_steps"] = steps
+        meta["losses_rank0"] = losses
+        meta["ds_config_given"] = ds_cfg
+        meta["ds_config"] = accelerator.deepspeed_config
+        meta["prepared"] = {"model": type(model).__name__, "optimizer": type(optimizer).__name__,
+                            "scheduler": type(scheduler).__name__, "scheduler_inner": type(inner).__name__,
+                            "dataloader": type(loader).__name__}  # fmt: skip
+        meta["scheduler_last_epoch"] = inner.last_epoch
+        meta["scheduler_lrs"] = inner.get_last_lr()
+        meta["save_state_files"] = _tree_listing(ckpt)
+        meta["random_states_files"] = [p.name for p in rs]
+        meta["random_states_is_torch_zip"] = {p.name: zipfile.is_zipfile(p) for p in rs}
+        meta["save_pretrained_wrote"] = written
+        meta["model_config_files"] = sorted(os.listdir(out / "model_config"))
+        meta.update(inspect_optim_file(ckpt / meta["tag"]))
+        meta["notes"] = spec.get("notes", "")
+        (out / "meta.partial.json").write_text(json.dumps(meta, indent=1, default=str))
+
+
+def run_accelerate_resume(spec: dict, ckpt: Path, ref_file: Path, info_file: Path) -> None:
+    """accelerate_setup at spec["dp"] processes, accelerator.load_state(ckpt), then one more training step.
+    Each rank writes `info_file` with `.<rank>.json` appended: the fp32 masters against `ref_file`
+    (zero_to_fp32 of the saved run), the engine step, the scheduler, whether this rank's RNG state came back."""
+    from deepspeed.utils import safe_get_full_fp32_param
+    from safetensors.torch import load_file
+
+    spec = {**spec, "dtype": spec.get("dtype", "bf16")}
+    run = accelerate_setup(spec)
+    acc = run.accelerator
+    acc.load_state(str(ckpt))
+    quiet_loggers()
+    rng_after_load = torch.get_rng_state().clone()
+    ref = load_file(str(ref_file))
+    fp32_equal = {}
+    for n, p in run.model.module.named_parameters():
+        full = safe_get_full_fp32_param(p)  # collective under ZeRO-3
+        fp32_equal[n] = bool(full is not None and torch.equal(full.detach().cpu().float(), ref[n]))
+    rs = ckpt / f"random_states_{acc.process_index}.pkl"
+    rng_restored = None
+    if rs.is_file():  # the worker may unpickle it (accelerate itself does); ckpttools never does
+        saved = torch.load(rs, weights_only=False)
+        rng_restored = bool(torch.equal(rng_after_load, saved["torch_manual_seed"]))
+    inner = run.scheduler.scheduler
+    info = {
+        "rank": acc.process_index,
+        "num_processes": acc.num_processes,
+        "fp32_equal": fp32_equal,
+        "global_steps_after_load": run.model.global_steps,
+        "scheduler_last_epoch_after_load": inner.last_epoch,
+        "scheduler_lrs_after_load": inner.get_last_lr(),
+        "random_states_file": rs.name if rs.is_file() else None,
+        "rng_restored": rng_restored,
+    }
+    losses = accelerate_train(run, 1)
+    info["losses_after_resume"] = losses
+    info["global_steps_after_step"] = run.model.global_steps
+    info["scheduler_last_epoch_after_step"] = inner.last_epoch
+    Path(f"{info_file}.{acc.process_index}.json").write_text(json.dumps(info, indent=1))
+
+
+# --------------------------------------------------------------------------------------
 # zero2fp32 mode
 # --------------------------------------------------------------------------------------
 
 
-def run_zero2fp32(ckpt_dir: Path, out_file: Path, info_file: Path) -> None:
+def run_zero2fp32(ckpt_dir: Path, out_file: Path, info_file: Path, tag: str | None = None) -> None:
     quiet_loggers()
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     quiet_loggers()
-    info = {"checkpoint_dir": str(ckpt_dir)}
+    info = {"checkpoint_dir": str(ckpt_dir), "tag": tag}
     try:
-        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir))
+        sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
     except Exception as e:  # e.g. BF16_Optimizer checkpoints are rejected
         info["ok"] = False
         info["error"] = f"{type(e).__name__}: {e}"
@@ -658,19 +876,25 @@ def run_zero2fp32(ckpt_dir: Path, out_file: Path, info_file: Path) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("mode", choices=["engine", "trainer", "zero2fp32"])
+    ap.add_argument("mode", choices=["engine", "trainer", "accelerate", "accelerate_resume", "zero2fp32"])
     ap.add_argument("--spec", help="JSON fixture spec")
     ap.add_argument("--out", required=True)
     ap.add_argument("--ckpt")
     ap.add_argument("--info")
+    ap.add_argument("--tag", help="zero2fp32: the tag folder (default: `latest`)")
+    ap.add_argument("--ref", help="accelerate_resume: the zero_to_fp32 reference of the saved run")
     a = ap.parse_args(argv)
     out = Path(a.out).resolve()
     if a.mode == "zero2fp32":
-        run_zero2fp32(Path(a.ckpt), out, Path(a.info))
+        run_zero2fp32(Path(a.ckpt), out, Path(a.info), a.tag)
         return 0
     spec = json.loads(a.spec)
     if a.mode == "engine":
         run_engine(spec, out)
+    elif a.mode == "accelerate":
+        run_accelerate(spec, out)
+    elif a.mode == "accelerate_resume":
+        run_accelerate_resume(spec, Path(a.ckpt), Path(a.ref), out)
     else:
         run_trainer(spec, out)
     finish_distributed()

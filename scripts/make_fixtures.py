@@ -107,7 +107,30 @@ def _specs() -> dict[str, dict]:
         specs[s["name"]] = s
     for s in _client_optimizer_specs():
         specs[s["name"]] = s
+    for s in _accelerate_specs():
+        specs[s["name"]] = s
     return specs
+
+
+# accelerate's save_state with DeepSpeed: a separate meta.json "kind" too (the folder holds accelerate's own files
+# beside the tag `pytorch_model`, and no config.json), so fixture_names("engine"/"trainer") keep their sets.
+ACCELERATE_KIND = "accelerate"
+
+
+def _accelerate_specs() -> list[dict]:
+    return [
+        {
+            "kind": ACCELERATE_KIND, "mode": "accelerate", "name": f"accelerate_z{stage}_bf16", "zero_stage": stage,
+            "dp": 2, "dtype": "bf16", "steps": STEPS, "zero_to_fp32_tag": "pytorch_model",
+            "keep_recovery_scripts": True,
+            "notes": f"accelerate Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=<ZeRO-{stage}, bf16>)), "
+            "tiny GPT-2 from its config (tied lm_head), torch AdamW (2 decay groups) + linear warmup LambdaLR "
+            f"through accelerator.prepare, {STEPS} steps, accelerator.save_state(checkpoint/). checkpoint/ is "
+            "exactly what save_state wrote (DeepSpeed's recovery scripts kept); model_config/ holds the config "
+            "files model.save_pretrained writes.",
+        }
+        for stage in (3, 2)
+    ]  # fmt: skip
 
 
 # Client torch optimizers (deepspeed.initialize(model=..., optimizer=torch.optim.X(groups, ...)), no DS
@@ -225,14 +248,15 @@ def make_fixture(name: str, out_dir: Path, log_dir: Path | None = None) -> Path:
         meta = json.loads((fdir / "meta.partial.json").read_text())
         (fdir / "meta.partial.json").unlink()
 
-        if mode == "engine":
+        if mode in ("engine", "accelerate"):
             ckpt = fdir / "checkpoint"
         else:
             ckpt = fdir / "out" / meta["checkpoint"]
         info_file = tmp / "zero2fp32.json"
+        tag_args = ["--tag", spec["zero_to_fp32_tag"]] if spec.get("zero_to_fp32_tag") else []
         _run(
             [sys.executable, str(WORKER), "zero2fp32", "--ckpt", str(ckpt),
-             "--out", str(fdir / "reference" / "zero_to_fp32.safetensors"), "--info", str(info_file)],
+             "--out", str(fdir / "reference" / "zero_to_fp32.safetensors"), "--info", str(info_file), *tag_args],
             log, tmp,
         )
         info = json.loads(info_file.read_text())
@@ -241,8 +265,9 @@ def make_fixture(name: str, out_dir: Path, log_dir: Path | None = None) -> Path:
             "source": str(ckpt.relative_to(fdir)),
             **({"error": info["error"]} if not info["ok"] else {}),
             **({"dtypes": info["dtypes"], "aliased_in_api_output": info["aliased_in_api_output"]} if info["ok"] else {}),
+            **({"tag": spec["zero_to_fp32_tag"]} if spec.get("zero_to_fp32_tag") else {}),
         }
-        removed = _drop_recovery_scripts(fdir)
+        removed = [] if spec.get("keep_recovery_scripts") else _drop_recovery_scripts(fdir)
         meta["removed_files"] = removed
         meta["references"] = sorted(p.name for p in (fdir / "reference").iterdir())
         ordered = {k: meta[k] for k in ("name", "zero_stage", "dp", "dtype", "optimizer") if k in meta}
@@ -311,7 +336,7 @@ README_TEMPLATE = """\
 # Test fixtures: real DeepSpeed ZeRO checkpoints
 
 Everything here was written by **DeepSpeed itself** (plus the Hugging Face Trainer for the
-`trainer_*` fixtures), on CPU, by `scripts/make_fixtures.py` (which launches
+`trainer_*` fixtures and accelerate for the `accelerate_*` ones), on CPU, by `scripts/make_fixtures.py` (which launches
 `scripts/fixture_worker.py`). Do not edit by hand; regenerate instead.
 
 ## How it was made
@@ -323,7 +348,7 @@ Everything here was written by **DeepSpeed itself** (plus the Hugging Face Train
 run from the repository root with the project virtualenv (`.venv/bin/python`). The script
 sets `DS_ACCELERATOR=cpu`, `OMP_NUM_THREADS=1` itself. Each fixture is built in fresh
 processes: `python -m torch.distributed.run --nproc_per_node <dp> --master_port <free port>
-scripts/fixture_worker.py {{engine|trainer}} --spec <json> --out fixtures/<name>` (gloo
+scripts/fixture_worker.py {{engine|trainer|accelerate}} --spec <json> --out fixtures/<name>` (gloo
 backend via `deepspeed.init_distributed(dist_backend="gloo")`), then a separate single process
 runs `deepspeed.utils.zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(<save_dir>)`.
 
@@ -349,7 +374,8 @@ Total size: **{total_size}**; biggest file: {biggest}.
 **Removed:** DeepSpeed's `_copy_recovery_script` copies `zero_to_fp32.py` and
 `zero_to_torch.py` into every save dir (`checkpoint/`, each `checkpoint-N/`). Those copies
 (38 KB and 2.5 KB per save dir) were deleted to keep the folder small; each `meta.json` lists them under
-`removed_files`. Nothing else was removed or changed.
+`removed_files`. Nothing else was removed or changed. The `accelerate_*` fixtures keep them: their
+`checkpoint/` is exactly what `accelerator.save_state` wrote (`removed_files: []`).
 
 {fp16}
 
@@ -458,6 +484,42 @@ per-param tensor states, read with `safe_get_full_optimizer_state(param, key)`).
 Step-0 fixtures: `counts` is still `[7, 0, -3]` (no training forward ran) and `zero_to_fp32`
 works on them (it reads only the fp32 partitions).
 
+### accelerate fixtures (kind `accelerate`)
+
+`accelerate_z3_bf16`, `accelerate_z2_bf16`: `accelerator.save_state(dir)` of accelerate + DeepSpeed,
+`torchrun --nproc_per_node 2` (`scripts/fixture_worker.py accelerate`):
+
+- `Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), mixed_precision="bf16",
+  kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])` with `cfg = {{zero_optimization: {{stage: 3|2}},
+  bf16: {{enabled: true}}, train_micro_batch_size_per_gpu: "auto", gradient_accumulation_steps: 1,
+  gradient_clipping: 1.0}}` (no `optimizer`/`scheduler` blocks; the config DeepSpeed ran with is `ds_config` in
+  meta.json).
+- The Trainer fixtures' tiny GPT-2 (tied `lm_head.weight` -> `transformer.wte.weight`), built with
+  `AutoModelForCausalLM.from_config` **after** the Accelerator (`set_seed(1234)`), so under ZeRO-3 it is built
+  inside `deepspeed.zero.Init` (`zero3_init: true`); a torch `AdamW(lr=1e-2, betas=(0.9, 0.999), eps=1e-8)` with
+  the 2-group decay split (0.01 / 0.0); `get_linear_schedule_with_warmup(optimizer, 1, 8)` (a `LambdaLR`); a
+  `DataLoader` of the 8 padded examples (batch 2, no shuffle); all four through `accelerator.prepare`.
+- 2 steps (`accelerator.backward(loss)` = `engine.backward` + `engine.step`, `optimizer.step()`,
+  `scheduler.step()`, `optimizer.zero_grad()`), then `accelerator.save_state(fixtures/<name>/checkpoint)`.
+- `model_config/`: `config.json` and `generation_config.json` as `model.save_pretrained` wrote them (rank 0,
+  `unwrap_model(model).save_pretrained(tmp, state_dict=<16-bit weights>)`; the weights it wrote are dropped).
+  It lies **outside** the save_state folder, where the tests pass it as `--config`.
+- References: `reference/zero_to_fp32.safetensors` (`get_fp32_state_dict_from_zero_checkpoint(checkpoint/,
+  tag="pytorch_model")`, ties cloned), `reference/bit16.safetensors` (ZeRO-3:
+  `engine._zero3_consolidated_16bit_state_dict()`, ZeRO-2: `engine.module_state_dict()`). No `full_state`.
+
+Layout of an accelerate fixture:
+```
+<name>/checkpoint/latest                          "pytorch_model"
+<name>/checkpoint/pytorch_model/*.pt              the DeepSpeed shards (engine.save_checkpoint(dir, "pytorch_model"))
+<name>/checkpoint/random_states_{{0,1}}.pkl         one per process (a torch.save zip, despite the name)
+<name>/checkpoint/scheduler.bin                   torch.save(LambdaLR.state_dict())
+<name>/checkpoint/zero_to_fp32.py, zero_to_torch.py   DeepSpeed's recovery scripts, kept
+<name>/model_config/config.json, generation_config.json
+<name>/reference/zero_to_fp32.safetensors, bit16.safetensors
+<name>/meta.json
+```
+
 ## meta.json keys
 
 `name`, `kind` ("engine"|"trainer"|"client_optimizer"), `trainer` (trainer only), `checkpoint`/`checkpoints`
@@ -477,7 +539,13 @@ optimizer param group, in DeepSpeed's flat-buffer order, read from the live opti
 `references` (files present in `reference/`), `removed_files`, `ds_version`,
 `torch_version`, `transformers_version`, `notes`; in fixtures built since the client-optimizer
 ones also `file_optimizer_state_entries`, `file_optimizer_state_keys`,
-`file_optimizer_param_groups` (the torch optimizer state_dict inside rank 0's optim shard).
+`file_optimizer_param_groups` (the torch optimizer state_dict inside rank 0's optim shard). Accelerate fixtures
+(`kind` "accelerate") add `accelerate`, `accelerate_version`, `distributed_type`, `mixed_precision`, `zero3_init`
+(params carried `ds_id` right after `from_config`), `train_steps`, `losses_rank0`, `ds_config_given` (what the
+plugin got) beside `ds_config` (what DeepSpeed ran with), `prepared` (the classes `accelerator.prepare` returned),
+`scheduler_last_epoch`, `scheduler_lrs`, `save_state_files` {{path: size}} (the save_state folder right after the
+save), `random_states_files`, `random_states_is_torch_zip`, `save_pretrained_wrote`, `model_config_files`;
+`zero_to_fp32.tag`.
 Client-optimizer fixtures add `client_optimizer` {{type, params, groups, param_groups [{{params:
 [names], weight_decay}}]}} (exactly what was passed to `torch.optim.<type>`), `train_steps`,
 `reference_state_keys`, `optimizer_state_keys` / `optimizer_tensor_state_keys` /
@@ -584,6 +652,31 @@ rebuilt from the shards equal `full_state`, and `zero_to_fp32`):
     handles all three.
 17. torch SGD is not in DeepSpeed's ZeRO-supported optimizer list: without
     `"zero_allow_untested_optimizer": true` `initialize` refuses it.
+
+accelerate fixtures (accelerate 1.15; `zero_to_fp32` and the bf16 cast of its output against `bit16` checked the
+same way):
+
+18. **`save_state` = `engine.save_checkpoint(dir, "pytorch_model")` + accelerate's own files**: `latest` reads
+    `pytorch_model`; beside it `random_states_<process>.pkl` and, for a torch LR scheduler, `scheduler.bin`. No
+    `config.json`, no weights file. With a DS config `scheduler` block (`DeepSpeedSchedulerWrapper`) there would be
+    no `scheduler.bin` (the state is `lr_scheduler` in the model states; here it is `None`).
+19. **`random_states_N.pkl` is not a plain pickle**: accelerate writes it with `torch.save` (a zip with
+    `random_states_N/data.pkl`), holding `step` (accelerate's own counter: **0** here, it only counts under
+    `accumulate`), python's `random` state, numpy's state (an ndarray: loading it needs numpy) and the torch CPU
+    RNG state. `scheduler.bin` is a `torch.save` zip too.
+20. **accelerate writes `steps_per_print: inf`** (a float infinity) into the DeepSpeed config, so every
+    `*_model_states.pt` pickles `ds_config["steps_per_print"] = inf` (and meta.json shows `Infinity`). It also adds
+    `zero_allow_untested_optimizer: true` for a torch optimizer and fills `train_micro_batch_size_per_gpu` from
+    the dataloader (2).
+21. **`AcceleratedScheduler` steps the torch scheduler once per process** on every `scheduler.step()`
+    (`split_batches=False`): after 2 optimizer steps at 2 processes `LambdaLR.last_epoch` is **4**. Resumed at M
+    processes it advances M per step.
+22. **On a CPU-only machine the process group needs `backend="gloo"`**: launched by torchrun without it, accelerate
+    1.15's `PartialState` keeps `backend=None`, and every rank reports `num_processes == 1`, `process_index == 0`
+    under `DistributedType.DEEPSPEED` (so every rank would write `random_states_0.pkl`). The worker passes
+    `InitProcessGroupKwargs(backend="gloo")` and checks `num_processes`.
+23. `model.save_pretrained` after DeepSpeed bf16 writes `"dtype": "bfloat16"` into `config.json` (the engine cast
+    the module). GPT-2 in transformers 5 has no persistent buffers, so the checkpoint has none.
 """
 
 
