@@ -8,6 +8,7 @@ from typing import Any
 
 from . import dtypes, hf
 from .consolidate import DTYPES, plan_tensors, source_summary
+from .crosscheck import check_module_copies
 from .reader import ZeroCheckpoint
 from .sources import open_checkpoint
 
@@ -65,4 +66,6 @@ def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
 
 
 def inspect_checkpoint(path: Path | str, **kwargs: Any) -> dict[str, Any]:
-    return summarize(open_checkpoint(path, **kwargs))
+    ckpt = open_checkpoint(path, **kwargs)
+    check_module_copies(ckpt)  # cheap (a few thousand elements per rank's piece): a mixed-up checkpoint is refused
+    return summarize(ckpt)

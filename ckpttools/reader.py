@@ -373,6 +373,24 @@ def _plain(value: Any, reader: RecordReader) -> Any:
 # --- Loading -----------------------------------------------------------------------------------------------
 
 
+# What differs between the rank files of one save by design; everything else in them must agree.
+ZERO12_PER_RANK = frozenset({"single_partition_of_fp32_groups", "group_paddings", "param_slice_mappings",
+                             "base_optimizer_state"})  # fmt: skip
+ZERO3_PER_RANK = frozenset({"fp32_flat_groups", "optimizer_state_dict"})
+
+
+def _check_unsharded_agree(files: Sequence[_File], osds: Sequence[dict[str, Any]], per_rank: frozenset[str],
+                           reader: RecordReader) -> None:  # fmt: skip
+    """Every rank's optimizer file holds the same values outside its own shard (loss scaler, stage, counts, ...)."""
+    keys = [sorted(str(k) for k in o if k not in per_rank) for o in osds]
+    _check_agree(files, keys, "the optimizer file's entries", reader)
+    for key in keys[0]:
+        _check_agree(files, [o.get(key) for o in osds], key, reader)
+    _check_agree(files, [f.obj.get("ds_config") for f in files], "ds_config", reader)
+    _check_agree(files, [{k: v for k, v in f.obj.items() if k != "optimizer_state_dict"} for f in files],
+                 "the file's metadata", reader)  # fmt: skip
+
+
 def _load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: str, dp: int) -> list[_File]:
     missing = sorted(set(range(dp)) - set(names))
     extra = sorted(set(names) - set(range(dp)))
@@ -405,7 +423,10 @@ def _refuse_unsupported(f: _File) -> None:
         )
     if model_state.get("num_experts") or model_state.get("ds_autoep_layers"):
         raise UnsupportedCheckpointError(f"{f.path} is a MoE checkpoint; MoE experts are not supported yet")
-    dims = f.opt(model_state, "checkpoint_parallel_dimensions", dict) or {}
+    dims = f.opt(model_state, "checkpoint_parallel_dimensions", dict)
+    if dims is not None and not all(isinstance(dims.get(k), int) for k in ("pp_degree", "tp_degree")):
+        raise f.fail(f"checkpoint_parallel_dimensions {short(dims)} does not give pp_degree and tp_degree")
+    dims = dims or {}
     if dims.get("pp_degree", 1) != 1 or dims.get("tp_degree", 1) != 1:
         raise UnsupportedCheckpointError(f"{f.path}: pipeline/tensor parallel degrees {dims} are not supported")
     offload = _dict_at(model_state, "ds_config", "zero_optimization", "offload_optimizer")
@@ -702,11 +723,7 @@ class _Zero12Reader:
                 value = f.get(osd, key, list)
                 if len(value) != num_groups:
                     raise f.fail(f"'{key}' has {len(value)} entries for {num_groups} param groups")
-        shared = [k for k in ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad",
-                              "param_alignment_paddings", "ds_version") if k in self.osds[0]]  # fmt: skip
-        for key in shared:
-            _check_agree(self.optims, [o.get(key) for o in self.osds], key, self.reader)
-        _check_agree(self.optims, [f.obj.get("ds_config") for f in self.optims], "ds_config", self.reader)
+        _check_unsharded_agree(self.optims, self.osds, ZERO12_PER_RANK, self.reader)
 
     def _rank_states(self, f: _File, osd: dict[str, Any], num_groups: int, elastic: bool) -> list[dict[str, Any]]:
         """Per param group, this rank's optimizer state entries (empty before the first optimizer step)."""
@@ -929,7 +946,9 @@ class _Zero3Reader:
             f.get(inner, "state", dict, "optimizer_state_dict.")
             _check_param_groups(f, f.get(inner, "param_groups", list, "optimizer_state_dict."), None)
         model_keys = ("param_shapes", "frozen_param_shapes", "buffer_names", "global_steps", "global_samples",
-                      "skipped_steps", "ds_config", "ds_version", "lr_scheduler", "mp_world_size")  # fmt: skip
+                      "skipped_steps", "ds_config", "ds_version", "lr_scheduler", "mp_world_size", "dp_world_size",
+                      "checkpoint_parallel_dimensions", "data_sampler", "random_ltd",
+                      "sparse_tensor_module_names")  # fmt: skip
         for key in model_keys:
             _check_agree(self.models, [m.obj.get(key) for m in self.models], key, self.reader)
         layouts = [{k: (v.dtype.name, v.shape) for k, v in _module(m).tensors.items()} for m in self.models]
@@ -937,9 +956,7 @@ class _Zero3Reader:
         for m in self.models[1:]:
             if m.obj.get("shared_params") and m.obj.get("shared_params") != self.models[0].obj.get("shared_params"):
                 raise m.fail("shared_params differs from rank 0's")
-        for key in ("zero_stage", "loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "ds_version"):
-            _check_agree(self.optims, [o.get(key) for o in self.osds], key, self.reader)
-        _check_agree(self.optims, [f.obj.get("ds_config") for f in self.optims], "ds_config", self.reader)
+        _check_unsharded_agree(self.optims, self.osds, ZERO3_PER_RANK, self.reader)
         inner = [o["optimizer_state_dict"] for o in self.osds]
         _check_agree(self.optims, [i["param_groups"] for i in inner], "the optimizer hyper-parameters", self.reader)
         steps = [{k: _scalars(v) if isinstance(v, dict) else v for k, v in i["state"].items()} for i in inner]
