@@ -452,7 +452,8 @@ def push(
         report = verify_folder(folder)
         problems = list(report.problems)
         if not (folder / "config.json").is_file():
-            problems.append("no config.json: from_pretrained cannot load this folder from the Hub")
+            hint = "; pass --config (the model's config.json or its folder)" if temporary else ""
+            problems.append(f"no config.json: from_pretrained cannot load this folder from the Hub{hint}")
         if problems and not force:
             raise PushRefusedError(
                 f"{path} failed verification ({len(problems)} problem(s)), nothing was pushed; fix it or pass --force",
