@@ -313,13 +313,14 @@ def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
         UnsafeCheckpointError: the pickle references anything outside the allowlist.
     """
     path = Path(path)
-    try:
-        data, records, archive = _read_zip(path)
-    except (zipfile.BadZipFile, zlib.error, EOFError, struct.error, UnicodeDecodeError, NotImplementedError,
-            ValueError, OverflowError) as e:  # fmt: skip
-        if isinstance(e, CkptError):
+    with open(path, "rb") as fh:  # an unreadable file is the environment's problem, reported as such
+        try:
+            data, records, archive = _read_zip(path, fh)
+        except CkptError:
             raise
-        raise CorruptCheckpointError(f"{path} is damaged ({type(e).__name__}: {e}); re-copy it from the source") from e
+        except Exception as e:  # zipfile raises many kinds (BadZipFile, RuntimeError, OSError on bad offsets, ...)
+            reason = f"{type(e).__name__}: {short(e, 100)}"
+            raise CorruptCheckpointError(f"{path} is damaged ({reason}); re-copy it from the source") from e
     if check_identity and archive not in (path.stem, GENERIC_ARCHIVE):
         raise CorruptCheckpointError(
             f"{path} holds the data of {archive}{path.suffix} (torch.save records the file's own name inside it): "
@@ -373,41 +374,40 @@ def _check_structure(obj: Any, path: Path) -> None:
             stack.extend((child, depth + 1) for child in children)
 
 
-def _read_zip(path: Path) -> tuple[bytes, dict[str, Record], str]:
+def _read_zip(path: Path, fh: Any) -> tuple[bytes, dict[str, Record], str]:
     """The pickle bytes, the storage records and the archive folder name of a torch.save zip."""
-    with open(path, "rb") as fh:
-        if not zipfile.is_zipfile(fh):
-            fh.seek(0)
-            magic = fh.read(2)
-            if magic == b"\x80\x02" or magic[:1] == b"\x80":
-                raise UnsupportedCheckpointError(
-                    f"{path} uses torch's legacy (non-zip) format, written with "
-                    '"checkpoint": {"checkpoint_serialization": false}; re-save it with serialization on, '
-                    "or convert it once with torch.save(torch.load(f, weights_only=True), f2)"
+    if not zipfile.is_zipfile(fh):
+        fh.seek(0)
+        magic = fh.read(2)
+        if magic == b"\x80\x02" or magic[:1] == b"\x80":
+            raise UnsupportedCheckpointError(
+                f"{path} uses torch's legacy (non-zip) format, written with "
+                '"checkpoint": {"checkpoint_serialization": false}; re-save it with serialization on, '
+                "or convert it once with torch.save(torch.load(f, weights_only=True), f2)"
+            )
+        raise CorruptCheckpointError(f"{path} is not a torch checkpoint (not a zip archive): truncated or damaged")
+    with zipfile.ZipFile(fh) as zf:
+        infos = zf.infolist()
+        pkls = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+        if len(pkls) != 1:
+            raise CorruptCheckpointError(f"{path} has {len(pkls)} data.pkl entries: not a torch.save file")
+        pkl = pkls[0]
+        prefix = pkl.filename[: -len("data.pkl")]
+        for info in infos:
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CorruptCheckpointError(
+                    f"{path}: entry {info.filename} is compressed, which torch.save never does; the file is not "
+                    "a checkpoint DeepSpeed wrote"
                 )
-            raise CorruptCheckpointError(f"{path} is not a torch checkpoint (not a zip archive): truncated or damaged")
-        with zipfile.ZipFile(fh) as zf:
-            infos = zf.infolist()
-            pkls = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
-            if len(pkls) != 1:
-                raise CorruptCheckpointError(f"{path} has {len(pkls)} data.pkl entries: not a torch.save file")
-            pkl = pkls[0]
-            prefix = pkl.filename[: -len("data.pkl")]
-            for info in infos:
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise CorruptCheckpointError(
-                        f"{path}: entry {info.filename} is compressed, which torch.save never does; the file is not "
-                        "a checkpoint DeepSpeed wrote"
-                    )
-            byteorder = next((i for i in infos if i.filename == prefix + "byteorder"), None)
-            if byteorder is not None and zf.read(byteorder).strip() != b"little":
-                raise UnsupportedCheckpointError(f"{path} was written on a big-endian machine")
-            records = {}
-            for info in infos:
-                if info.filename.startswith(prefix + "data/"):
-                    key = info.filename[len(prefix) + 5 :]
-                    records[key] = Record(path, info.filename, _data_offset(fh, info), info.file_size, info.CRC)
-            data = zf.read(pkl)  # zipfile checks this record's CRC
+        byteorder = next((i for i in infos if i.filename == prefix + "byteorder"), None)
+        if byteorder is not None and zf.read(byteorder).strip() != b"little":
+            raise UnsupportedCheckpointError(f"{path} was written on a big-endian machine")
+        records = {}
+        for info in infos:
+            if info.filename.startswith(prefix + "data/"):
+                key = info.filename[len(prefix) + 5 :]
+                records[key] = Record(path, info.filename, _data_offset(fh, info), info.file_size, info.CRC)
+        data = zf.read(pkl)  # zipfile checks this record's CRC
     return data, records, prefix[:-1]
 
 

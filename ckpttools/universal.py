@@ -42,6 +42,7 @@ from .torchwriter import NewTensor, Slice
 
 LATEST = "latest_universal"
 MASTER, STEP = "fp32", "step"
+NAME_KEY = "param_name"  # written by ckpttools: the parameter a state file belongs to
 
 
 def is_universal(path: Path) -> bool:
@@ -182,13 +183,13 @@ def _param(zero: Path, name: str, shape: tuple[int, ...], group: int) -> Param:
     if not (folder / f"{MASTER}.pt").is_file():
         raise CheckpointNotFoundError(f"universal checkpoint lacks {folder / (MASTER + '.pt')}")
     stripped = strip_prefixes(name)
-    fp32 = _state_source(folder / f"{MASTER}.pt", stripped, shape, "trainable")
+    fp32 = _state_source(folder / f"{MASTER}.pt", name, shape, "trainable")
     if fp32.dtype != dtypes.FLOAT32:
         raise CorruptCheckpointError(f"{folder / (MASTER + '.pt')} is stored as {fp32.dtype.name}, not float32")
     states = {}
     for p in sorted(folder.glob("*.pt")):
         if p.stem not in (MASTER, STEP):
-            states[p.stem] = _state_source(p, stripped, shape, "state")
+            states[p.stem] = _state_source(p, name, shape, "state")
     return Param(stripped, name, shape, group, 0, fp32, states)
 
 
@@ -197,6 +198,13 @@ def _state_source(path: Path, name: str, shape: tuple[int, ...], kind: str) -> T
     value = f.obj["value"]
     tensor = value.get("param") if isinstance(value, dict) else value
     t = f.tensor(tensor, "its tensor")
+    owner = value.get(NAME_KEY, name) if isinstance(value, dict) else name
+    if owner != name:
+        raise CorruptCheckpointError(
+            f"{path} holds a state of {short(owner)}, not of {name}: files were moved between parameter folders; "
+            "re-copy the universal checkpoint"
+        )
+    name = strip_prefixes(name)
     if isinstance(value, dict) and "vocab_tensor" in value:
         raise f.fail("holds tensor-parallel merge information; only data-parallel universal checkpoints are supported")
     numel = 1
@@ -269,9 +277,10 @@ def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     files: dict[str, Any] = {}
     for p in ckpt.params:
         folder = f"zero/{p.file_name}"
-        files[f"{folder}/{MASTER}.pt"] = {"param": _new(p.fp32, p.shape), "cat_dim": 0}
+        # NAME_KEY lets a reader see a file moved to another parameter's folder (DeepSpeed ignores extra keys)
+        files[f"{folder}/{MASTER}.pt"] = {"param": _new(p.fp32, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
         for key, src in p.states.items():
-            files[f"{folder}/{key}.pt"] = {"param": _new(src, p.shape), "cat_dim": 0}
+            files[f"{folder}/{key}.pt"] = {"param": _new(src, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
         if STEP in opt.group_scalars[p.group]:
             files[f"{folder}/{STEP}.pt"] = opt.group_scalars[p.group][STEP]
     common = dict(opt.common)
