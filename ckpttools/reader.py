@@ -220,6 +220,10 @@ class _File:
         return t
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _kind_name(kind: type | tuple[type, ...]) -> str:
     kinds = kind if isinstance(kind, tuple) else (kind,)
     return " or ".join("a tensor" if k is LazyTensor else f"a {k.__name__}" for k in kinds)
@@ -424,7 +428,7 @@ def _refuse_unsupported(f: _File) -> None:
     if model_state.get("num_experts") or model_state.get("ds_autoep_layers"):
         raise UnsupportedCheckpointError(f"{f.path} is a MoE checkpoint; MoE experts are not supported yet")
     dims = f.opt(model_state, "checkpoint_parallel_dimensions", dict)
-    if dims is not None and not all(isinstance(dims.get(k), int) for k in ("pp_degree", "tp_degree")):
+    if dims is not None and not all(_is_int(dims.get(k)) for k in ("pp_degree", "tp_degree")):
         raise f.fail(f"checkpoint_parallel_dimensions {short(dims)} does not give pp_degree and tp_degree")
     dims = dims or {}
     if dims.get("pp_degree", 1) != 1 or dims.get("tp_degree", 1) != 1:

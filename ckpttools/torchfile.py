@@ -200,6 +200,13 @@ def _rebuild_tensor(
     )
 
 
+def _torch_size(dims: Any) -> TorchSize:
+    """torch.Size accepts only non-negative ints; so do we (a damaged pickle must not carry anything else on)."""
+    if not _is_dims(dims):
+        raise CorruptCheckpointError(f"a torch.Size holds {short(dims)}, not sizes: the file is damaged")
+    return TorchSize(dims)
+
+
 def _is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
 
@@ -230,7 +237,7 @@ _TORCH_GLOBALS: dict[tuple[str, str], Any] = {
     ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type,
     ("torch", "Tensor"): "tensor_type",
     ("torch.nn.parameter", "Parameter"): "tensor_type",
-    ("torch", "Size"): lambda dims=(): TorchSize(dims),
+    ("torch", "Size"): lambda dims=(): _torch_size(dims),
     ("torch", "device"): lambda *args: TorchDevice(args),
     ("collections", "OrderedDict"): OrderedDict,
     ("builtins", "set"): set,

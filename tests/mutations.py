@@ -423,11 +423,14 @@ def editable(info: FixtureInfo, obj: dict, path: tuple, value: Any, *, deleting:
     - ZeRO-1 keeps frozen params and buffers only in `module` (frozen_param_* are None), and `buffer_names` is the
       only list of buffers there;
     - with one rank, optimizer hyper-parameters, the loss scaler and Adam's step exist once;
-    - deleting a None or empty value gives what older DeepSpeed versions wrote (no frozen_param_*, no shared_params).
+    - deleting a None or empty value gives what older DeepSpeed versions wrote (no frozen_param_*, no shared_params),
+      and so does deleting checkpoint_parallel_dimensions.
     """
     keys = [k for kind, k in path if kind == "item"]
     if deleting and (value is None or (isinstance(value, (dict, list, tuple)) and not value)):
         return False
+    if deleting and keys[:1] == ["checkpoint_parallel_dimensions"] and len(keys) == 1:
+        return False  # older DeepSpeed versions write no such key, and none reads it at load time
     if info.stage == 1 and keys and keys[0] in ("module", "buffer_names"):
         trainable = {n for g in obj.get("param_shapes") or [] for n in g}
         if keys[0] == "buffer_names" or len(keys) < 2 or keys[1] not in trainable:
