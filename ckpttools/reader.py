@@ -391,8 +391,13 @@ def _check_unsharded_agree(files: Sequence[_File], osds: Sequence[dict[str, Any]
     for key in keys[0]:
         _check_agree(files, [o.get(key) for o in osds], key, reader)
     _check_agree(files, [f.obj.get("ds_config") for f in files], "ds_config", reader)
-    _check_agree(files, [{k: v for k, v in f.obj.items() if k != "optimizer_state_dict"} for f in files],
+    _check_agree(files, [_file_meta(f) for f in files],
                  "the file's metadata", reader)  # fmt: skip
+
+
+def _file_meta(f: _File) -> dict[str, Any]:
+    """What an optimizer rank file holds around its optimizer state (ds_config, ds_version, ...)."""
+    return {k: v for k, v in f.obj.items() if k != "optimizer_state_dict"}
 
 
 def _load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: str, dp: int) -> list[_File]:
@@ -828,7 +833,7 @@ class _Zero12Reader:
                 self.reader,
             )
         common["param_groups"] = None if elastic else base["param_groups"]
-        meta = {k: v for k, v in self.optims[0].obj.items() if k != "optimizer_state_dict"}
+        meta = _file_meta(self.optims[0])
         return OptimizerState([_scalars(s) for s in states[0]], common, meta, elastic)
 
 
@@ -901,7 +906,7 @@ class _Zero3Reader:
         self._check_ranks_agree()
         subgroups = _param_shapes(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
         _unique_names(f0, subgroups)
-        group_of = self._group_of(len(subgroups))
+        group_of, scalars, common = zero3_optimizer_parts(self.optims[0], self.osds[0], len(subgroups))
         params: list[Param] = []
         for sg, shapes in enumerate(subgroups):
             params += self._subgroup_params(sg, shapes, group_of[sg])
@@ -926,7 +931,7 @@ class _Zero3Reader:
             global_steps=f0.obj.get("global_steps") if isinstance(f0.obj.get("global_steps"), int) else None,
             keys=mod.keys,
             params=params,
-            optimizer=self._optimizer_state(group_of, len(subgroups)),
+            optimizer=OptimizerState(scalars, common, _file_meta(self.optims[0])),
             bit16=frozen,
             buffers=mod.buffers,
             shared_params=mod.shared,
@@ -965,27 +970,6 @@ class _Zero3Reader:
         _check_agree(self.optims, [i["param_groups"] for i in inner], "the optimizer hyper-parameters", self.reader)
         steps = [{k: _scalars(v) if isinstance(v, dict) else v for k, v in i["state"].items()} for i in inner]
         _check_agree(self.optims, steps, "the optimizer step", self.reader)
-
-    def _group_of(self, num_subgroups: int) -> dict[int, int]:
-        f = self.optims[0]
-        inner = self.osds[0]["optimizer_state_dict"]
-        group_of: dict[int, int] = {}
-        for g, pg in enumerate(inner["param_groups"]):
-            ids = f.get(pg, "params", list, f"param_groups[{g}].")
-            for sg in ids:
-                if not isinstance(sg, int) or sg in group_of or not 0 <= sg < num_subgroups:
-                    raise f.fail(
-                        f"param_groups[{g}] lists sub-group {short(sg, 20)}, not one of the {num_subgroups} sub-groups "
-                        "of param_shapes"
-                    )
-                group_of[sg] = g
-        if len(group_of) != num_subgroups:
-            raise f.fail(
-                f"the optimizer's param groups cover {len(group_of)} sub-groups, param_shapes has {num_subgroups}"
-            )
-        if list(group_of.values()) != sorted(group_of.values()) or sorted(group_of) != list(group_of):
-            raise f.fail("the optimizer's param groups do not list the sub-groups in order")
-        return group_of
 
     def _subgroup_params(self, sg: int, shapes: list[tuple[str, tuple[int, ...]]], group: int) -> list[Param]:
         numels = [_numel(s) for _, s in shapes]
@@ -1036,21 +1020,40 @@ class _Zero3Reader:
             )
         return t
 
-    def _optimizer_state(self, group_of: dict[int, int], num_subgroups: int) -> OptimizerState:
-        osd = self.osds[0]
-        inner = osd["optimizer_state_dict"]
-        states = inner["state"]
-        extra = [k for k in states if not isinstance(k, int) or not 0 <= k < num_subgroups]
-        if extra:
-            raise self.optims[0].fail(f"optimizer state is keyed {short(extra[0], 20)}, no sub-group of param_shapes")
-        first_sg = {g: int(pg["params"][0]) for g, pg in enumerate(inner["param_groups"]) if pg["params"]}
-        scalars = [
-            _scalars(states.get(first_sg[g], {})) if g in first_sg else {} for g in range(len(inner["param_groups"]))
-        ]
-        common = {k: v for k, v in osd.items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
-        common["param_groups"] = inner["param_groups"]
-        meta = {k: v for k, v in self.optims[0].obj.items() if k != "optimizer_state_dict"}
-        return OptimizerState(scalars, common, meta)
+
+def zero3_optimizer_parts(
+    f: _File, osd: dict[str, Any], num_subgroups: int
+) -> tuple[dict[int, int], list[dict[str, Any]], dict[str, Any]]:
+    """A ZeRO-3 optimizer dict (a rank file's, or a universal optimizer_state.pt): the param group of every
+    sub-group (which must cover param_shapes' sub-groups once, in order), each group's scalar state (step, ...),
+    and the entries that are not a rank's shard, with the hyper-parameters as `param_groups`."""
+    inner = f.get(osd, "optimizer_state_dict", dict)
+    param_groups = f.get(inner, "param_groups", list, "optimizer_state_dict.")
+    states = f.opt(inner, "state", dict, "optimizer_state_dict.") or {}
+    group_of: dict[int, int] = {}
+    for g, pg in enumerate(param_groups):
+        for sg in f.get(pg, "params", list, f"param_groups[{g}]."):
+            if not _is_int(sg) or sg in group_of or not 0 <= sg < num_subgroups:
+                raise f.fail(
+                    f"param_groups[{g}] lists sub-group {short(sg, 20)}, not one of the {num_subgroups} sub-groups "
+                    "of param_shapes"
+                )
+            group_of[sg] = g
+    if len(group_of) != num_subgroups:
+        raise f.fail(f"the optimizer's param groups cover {len(group_of)} sub-groups, param_shapes has {num_subgroups}")
+    if list(group_of.values()) != sorted(group_of.values()) or sorted(group_of) != list(group_of):
+        raise f.fail("the optimizer's param groups do not list the sub-groups in order")
+    extra = [k for k in states if not _is_int(k) or not 0 <= k < num_subgroups]
+    if extra:
+        raise f.fail(f"optimizer state is keyed {short(extra[0], 20)}, no sub-group of param_shapes")
+    scalars = [
+        _scalars(_state_entries(f, states.get(pg["params"][0], {}), f"sub-group {pg['params'][0]}"))
+        if pg["params"] else {}
+        for pg in param_groups
+    ]  # fmt: skip
+    common = {k: v for k, v in osd.items() if k not in ZERO3_PER_RANK}
+    common["param_groups"] = param_groups
+    return group_of, scalars, common
 
 
 def zero3_frozen(models: Sequence[_File], dp: int) -> dict[str, TensorSource]:

@@ -80,11 +80,6 @@ class Flat:
         return out
 
 
-def take(pieces: Pieces, start: int, count: int) -> Pieces:
-    """Elements [start, start+count) of the concatenation of `pieces`."""
-    return Flat(pieces).take(start, count)
-
-
 def padded(pieces: Pieces, pad: int) -> Pieces:
     return [*pieces, Fill(pad)] if pad > 0 else pieces
 

@@ -27,7 +27,6 @@ from .reader import (
     _File,
     _module,
     _param_shapes,
-    _scalars,
     _shape,
     _train_dtype,
     _unique_names,
@@ -35,6 +34,7 @@ from .reader import (
     check_ties_and_keys,
     strip_prefixes,
     zero3_frozen,
+    zero3_optimizer_parts,
     zero12_bit16,
 )
 from .torchfile import LazyTensor, load_pickle
@@ -151,23 +151,7 @@ def _groups(f: _File, stage: int, num_shape_groups: int) -> tuple[list[int], lis
         if len(groups) != num_shape_groups:
             raise f.fail(f"has {len(groups)} param groups, the model states {num_shape_groups}")
         return list(range(num_shape_groups)), [], common
-    inner = f.get(common, "optimizer_state_dict", dict)
-    param_groups = f.get(inner, "param_groups", list, "optimizer_state_dict.")
-    state = f.opt(inner, "state", dict, "optimizer_state_dict.") or {}
-    group_of: dict[int, int] = {}
-    for g, pg in enumerate(param_groups):
-        for sg in f.get(pg, "params", list, f"param_groups[{g}]."):
-            if not isinstance(sg, int) or sg in group_of or not 0 <= sg < num_shape_groups:
-                raise f.fail(f"param_groups[{g}] lists sub-group {short(sg, 20)}, not one of {num_shape_groups}")
-            group_of[sg] = g
-    if len(group_of) != num_shape_groups:
-        raise f.fail(f"the param groups cover {len(group_of)} sub-groups, param_shapes has {num_shape_groups}")
-    scalars = []
-    for pg in param_groups:
-        first = state.get(pg["params"][0], {}) if pg["params"] else {}
-        scalars.append(_scalars(first) if isinstance(first, dict) else {})
-    shared = {k: v for k, v in common.items() if k not in ("fp32_flat_groups", "optimizer_state_dict")}
-    shared["param_groups"] = param_groups
+    group_of, scalars, shared = zero3_optimizer_parts(f, common, num_shape_groups)
     return [group_of[sg] for sg in range(num_shape_groups)], scalars, shared
 
 
