@@ -168,7 +168,33 @@ def _client_optimizer_specs() -> list[dict]:
     return specs
 
 
+# Fixtures of other layouts (pipeline, MoE, AutoTP, ZeRO-0, PEFT, ...) live in their own worker modules under
+# scripts/: each exports `specs() -> list[dict]` (every spec names its "worker" file and "world_size", the number of
+# processes) and runs as `torchrun --nproc_per_node <world_size> scripts/<worker> build --spec <json> --out <dir>`,
+# writing <dir>/checkpoint (or spec["checkpoint"]), <dir>/reference/ and <dir>/meta.partial.json.
+EXTRA_WORKERS = ("fixture_pipe.py", "fixture_moe.py", "fixture_autotp.py", "fixture_zero0.py", "fixture_peft.py")
+
+
+def _extra_specs() -> list[dict]:
+    import importlib.util
+
+    specs: list[dict] = []
+    for worker in EXTRA_WORKERS:
+        path = HERE / worker
+        if not path.is_file():
+            continue
+        mod_spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert mod_spec and mod_spec.loader
+        module = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(module)
+        for spec in module.specs():
+            specs.append({"worker": worker, **spec})
+    return specs
+
+
 SPECS = _specs()
+for _s in _extra_specs():
+    SPECS[_s["name"]] = _s
 
 
 def fp16_supported() -> tuple[bool, str]:
@@ -244,11 +270,21 @@ def make_fixture(name: str, out_dir: Path, log_dir: Path | None = None) -> Path:
         log.unlink()
     try:
         mode = spec.get("mode", spec["kind"])
-        _torchrun(spec["dp"], [mode, "--spec", json.dumps(spec), "--out", str(fdir)], log, tmp)
+        if "worker" in spec:
+            run = ds_launch.torchrun(
+                spec["world_size"], HERE / spec["worker"], ["build", "--spec", json.dumps(spec), "--out", str(fdir)],
+                cwd=tmp, timeout=900, log=log,
+            )
+            if run.rc != 0:
+                raise RuntimeError(f"worker {spec['worker']} failed (rc={run.rc})\n--- log tail ---\n{run.tail()}")
+        else:
+            _torchrun(spec["dp"], [mode, "--spec", json.dumps(spec), "--out", str(fdir)], log, tmp)
         meta = json.loads((fdir / "meta.partial.json").read_text())
         (fdir / "meta.partial.json").unlink()
 
-        if mode in ("engine", "accelerate"):
+        if "worker" in spec:
+            ckpt = fdir / spec.get("checkpoint", "checkpoint")
+        elif mode in ("engine", "accelerate"):
             ckpt = fdir / "checkpoint"
         else:
             ckpt = fdir / "out" / meta["checkpoint"]
@@ -306,7 +342,8 @@ def write_readme(out: Path, index: list[str], timings: dict, total: float, jobs:
         sg = str(m.get("num_sub_groups", "")) if m["zero_stage"] == 3 else ""
         t = f"{timings[n]:.1f}" if n in timings else "?"
         rows.append(
-            f"| `{n}` | {m['zero_stage']} | {m['dp']} | {m['dtype']} | {m['optimizer']} | {m['optimizer_wrapper']} "
+            f"| `{n}` | {m['zero_stage']} | {m['dp']} | {m['dtype']} | {m.get('optimizer', '?')} "
+            f"| {m.get('optimizer_wrapper', '?')} "
             f"| {m.get('step_type', '?')} | {sg} | {z2f} | {_fmt_kb(_dir_size(out / n))} | {t} |"
         )
     table = "\n".join(rows)
