@@ -47,6 +47,7 @@ def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         "optimizer": ckpt.optimizer_kind,
         "optimizer_states": ckpt.state_keys,
         "format": ckpt.source_format,
+        "parallel": ckpt.layout.as_dict(),
         "tags": tags,
         "trainer_output_dir": str(loc.output_dir) if loc.output_dir else None,
         "num_parameters": sum(s.numel() for s in trainable + frozen),

@@ -15,10 +15,11 @@ from .errors import CheckpointNotFoundError, CkptError, UnsafeCheckpointError, U
 OPTIM_RE = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_?optim_states\.pt$")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 MODEL_RE = re.compile(r"^mp_rank_(?P<mp>\d+)_model_states\.pt$")
-PIPE_LAYER_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
-EXPERT_RE = re.compile(
-    r"^(layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$|^expp_rank_\d+_mp_rank_\d+_optim_states\.pt$"
-)
+# PipelineModule: one file per layer, `-model_XX` only when the stage is also tensor parallel
+PIPE_LAYER_RE = re.compile(r"^layer_(?P<layer>\d+)(-model_(?P<mp>\d+))?-model_states\.pt$")
+# DeepSpeed-MoE: one file per global expert (older DeepSpeed: no layer_ prefix, expp_rank_* optimizer files)
+EXPERT_RE = re.compile(r"^(layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
+EXPERT_OPTIM_RE = re.compile(r"^expp_rank_(?P<ep>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 CHECKPOINT_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
 
 WEIGHT_FILES = (
@@ -49,12 +50,14 @@ HF_SIDE_FILES = (
 
 @dataclass(frozen=True)
 class TagFiles:
-    """The per-rank files of one tag folder, by data-parallel rank."""
+    """The per-rank files of one tag folder, by data-parallel rank (of model-parallel rank 0 in other layouts)."""
 
     model_files: dict[int, str]  # ZeRO-3: one per rank; ZeRO-0/1/2: {0: mp_rank_00_model_states.pt}
     optim_files: dict[int, str]
     optim_prefix: str  # "bf16_" or ""
     zero3_layout: bool
+    layout: str = "dp"  # parallel.KINDS: which reader opens the folder
+    names: tuple[str, ...] = ()  # every file name in the tag folder, for the layout readers
 
 
 @dataclass(frozen=True)
@@ -94,10 +97,14 @@ def check_tag_name(tag: str) -> str:
 
 
 def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
-    """Sort a tag folder's file names into per-rank model and optimizer files.
+    """Sort a tag folder's file names into per-rank model and optimizer files, and tell its layout.
+
+    Pipeline (layer files), MoE (expert files), tensor-parallel (several mp ranks) and optimizer-less ZeRO-0
+    folders get their `layout`; their readers classify `names` further. Every file is kept by its full rank
+    coordinates, so a file of another stage or TP rank is never taken for a duplicate.
 
     Raises:
-        UnsupportedCheckpointError: pipeline, tensor-parallel, MoE or NVMe-offloaded layouts.
+        UnsupportedCheckpointError: NVMe-offloaded optimizer state.
         CheckpointNotFoundError: no optimizer or model-state files at all.
     """
     where = where or "the tag folder"
@@ -106,57 +113,61 @@ def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
             f"{where} holds NVMe-offloaded optimizer state (offloaded_tensors/); its fp32 weights live in "
             "per-rank swap files that ckpttools cannot read offline. Load it in DeepSpeed and save without NVMe offload"
         )
-    if any(PIPE_LAYER_RE.match(n) for n in names):
-        raise UnsupportedCheckpointError(
-            f"{where} is a pipeline-parallel checkpoint (layer_XX-model_YY-model_states.pt files); not supported yet"
-        )
-    if any(EXPERT_RE.match(n) for n in names):
-        raise UnsupportedCheckpointError(
-            f"{where} holds MoE expert files (expert_*/expp_rank_*); MoE is not supported yet"
-        )
-    optim: dict[int, str] = {}
+    optim: dict[tuple[int, int], str] = {}
     prefixes: set[str] = set()
-    zero3_models: dict[int, str] = {}
+    zero3_models: dict[tuple[int, int], str] = {}
     plain_models: dict[int, str] = {}
-    mp_ranks: set[int] = set()
     for name in names:
         if m := OPTIM_RE.match(name):
-            dp = int(m["dp"])
-            if dp in optim:
+            key = (int(m["dp"]), int(m["mp"]))
+            if key in optim:
                 raise CkptError(
-                    f"{where} holds two optimizer files for rank {dp} ({optim[dp]}, {name}); remove the stray one"
+                    f"{where} holds two optimizer files for data-parallel rank {key[0]}, model-parallel rank "
+                    f"{key[1]} ({optim[key]}, {name}): files of two runs are mixed; re-copy the folder from the run"
                 )
-            optim[dp] = name
+            optim[key] = name
             prefixes.add(m["prefix"] or "")
-            mp_ranks.add(int(m["mp"]))
         elif m := ZERO3_MODEL_RE.match(name):
-            zero3_models[int(m["dp"])] = name
-            mp_ranks.add(int(m["mp"]))
+            zero3_models[(int(m["dp"]), int(m["mp"]))] = name
         elif m := MODEL_RE.match(name):
             plain_models[int(m["mp"])] = name
-            mp_ranks.add(int(m["mp"]))
-    if len(mp_ranks) > 1 or (mp_ranks and mp_ranks != {0}):
-        raise UnsupportedCheckpointError(
-            f"{where} is a tensor/model-parallel checkpoint (mp_rank {sorted(mp_ranks)}); only mp_rank_00 is supported"
-        )
     if len(prefixes) > 1:
         raise CkptError(
             f"{where} mixes optimizer files with different prefixes {sorted(prefixes)}; remove the stale ones"
         )
-    if not optim:
+    prefix = prefixes.pop() if prefixes else ""
+    mp_ranks = {mp for _, mp in optim} | {mp for _, mp in zero3_models} | set(plain_models)
+    layout = _layout_of(names, mp_ranks, bool(optim), bool(zero3_models))
+    if layout == "dp" and not optim:
         hint = (
             "it holds model states only (saved without optimizer state?)"
-            if (zero3_models or plain_models)
+            if zero3_models
             else "no *_model_states.pt either"
         )
         raise CheckpointNotFoundError(
             f"{where} has no *_optim_states.pt files: {hint}; this is not a ZeRO checkpoint tag folder"
         )
+    slice0_optim = {dp: n for (dp, mp), n in optim.items() if mp == 0}
     if zero3_models:
-        return TagFiles(zero3_models, optim, prefixes.pop(), True)
-    if not plain_models:
+        models = {dp: n for (dp, mp), n in zero3_models.items() if mp == 0}
+        return TagFiles(models, slice0_optim, prefix, True, layout, tuple(names))
+    if layout == "dp" and not plain_models:
         raise CheckpointNotFoundError(f"{where} has no *_model_states.pt file (expected mp_rank_00_model_states.pt)")
-    return TagFiles({0: plain_models[0]}, optim, prefixes.pop(), False)
+    models = {0: plain_models[0]} if 0 in plain_models else {}
+    return TagFiles(models, slice0_optim, prefix, False, layout, tuple(names))
+
+
+def _layout_of(names: list[str], mp_ranks: set[int], has_optim: bool, has_zero3_models: bool) -> str:
+    """Which reader a tag folder needs, from its file names alone."""
+    if any(PIPE_LAYER_RE.match(n) for n in names):
+        return "pipeline"
+    if any(EXPERT_RE.match(n) or EXPERT_OPTIM_RE.match(n) for n in names):
+        return "moe"
+    if mp_ranks - {0}:
+        return "tensor"
+    if not has_optim and not has_zero3_models and mp_ranks == {0}:
+        return "zero0"  # the optimizer (if any) is inside mp_rank_00_model_states.pt
+    return "dp"
 
 
 def _trainer_checkpoints(folder: Path) -> dict[int, Path]:

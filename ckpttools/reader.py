@@ -23,6 +23,7 @@ from . import dtypes, partition
 from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from .layout import CheckpointLocation, locate
+from .parallel import ParallelLayout
 from .torchfile import LazyTensor, PickledObject, RecordReader, load_pickle
 
 STRIPPED_PREFIXES = ("module.", "_orig_mod.")
@@ -104,6 +105,7 @@ class ZeroCheckpoint:
     ds_config: dict[str, Any] = field(default_factory=dict)
     model_files: list[dict[str, Any]] = field(default_factory=list)  # ZeRO-3: per rank; else [mp_rank_00], as stored
     source_format: str = "native"  # or "universal"
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
 
     @functools.cached_property
     def masters(self) -> dict[str, TensorSource]:
@@ -504,6 +506,15 @@ def read_checkpoint(
         (3, 8)
     """
     loc = locate(Path(path), tag=tag, step=step, best=best)
+    if loc.files.layout != "dp":
+        from .sources import read_located  # the other layouts' readers build on this module
+
+        return read_located(loc)
+    return read_data_parallel(loc)
+
+
+def read_data_parallel(loc: CheckpointLocation) -> ZeroCheckpoint:
+    """Read a located data-parallel ZeRO-1/2/3 tag folder (`read_checkpoint` without the locating)."""
     first = min(loc.files.model_files)
     model0 = _File(
         loc.tag_dir / loc.files.model_files[first],
@@ -716,6 +727,7 @@ class _Zero12Reader:
             frozen_excluded=_frozen_excluded(self.loc, by_name, bit16),
             ds_config=_dict_at(f0.obj, "ds_config"),
             model_files=[f0.obj],
+            layout=ParallelLayout("dp", dp=self.dp),
         )
 
     def _check_ranks_agree(self, num_groups: int) -> None:
@@ -938,6 +950,7 @@ class _Zero3Reader:
             frozen_excluded=_frozen_excluded(self.loc, by_name, frozen),
             ds_config=_dict_at(f0.obj, "ds_config"),
             model_files=[m.obj for m in self.models],
+            layout=ParallelLayout("dp", dp=self.dp),
         )
 
     def _check_ranks_agree(self) -> None:

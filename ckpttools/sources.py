@@ -1,18 +1,57 @@
-"""Every kind of checkpoint folder ckpttools reads, detected and opened into the one checkpoint model."""
+"""Every kind of checkpoint folder ckpttools reads, detected and opened into the one checkpoint model.
+
+A layout is one reader module plus its entry in `LAYOUT_READERS`; `layout.classify_tag_files` tells which one a
+tag folder needs from its file names.
+"""
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from pathlib import Path
 
-from .reader import ZeroCheckpoint, read_checkpoint
+from .errors import UnsupportedCheckpointError
+from .layout import CheckpointLocation, locate
+from .parallel import KIND_NAMES
+from .reader import ZeroCheckpoint
 from .universal import is_universal, read_universal
+
+# layout -> (module, function): imported when a checkpoint of that layout is opened
+LAYOUT_READERS = {
+    "dp": ("ckpttools.reader", "read_data_parallel"),
+    "zero0": ("ckpttools.zero0", "read_zero0"),
+    "tensor": ("ckpttools.tensor", "read_tensor_parallel"),
+    "pipeline": ("ckpttools.pipeline", "read_pipeline"),
+    "moe": ("ckpttools.moe", "read_moe"),
+}
 
 
 def open_checkpoint(
     path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
 ) -> ZeroCheckpoint:
-    """A native ZeRO checkpoint (save_dir, Trainer folder or output_dir, tag folder) or a universal one."""
+    """A native checkpoint of any supported layout (save_dir, Trainer folder or output_dir, tag folder), or a
+    universal one."""
     path = Path(path)
     if path.is_dir() and is_universal(path):
         return read_universal(path, tag=tag)
-    return read_checkpoint(path, tag=tag, step=step, best=best)
+    return read_located(locate(path, tag=tag, step=step, best=best))
+
+
+def read_located(loc: CheckpointLocation) -> ZeroCheckpoint:
+    """Open a located tag folder with the reader of its layout."""
+    return _reader_for(loc)(loc)
+
+
+def _reader_for(loc: CheckpointLocation) -> Callable[[CheckpointLocation], ZeroCheckpoint]:
+    layout = loc.files.layout
+    module_name, function = LAYOUT_READERS[layout]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name != module_name:
+            raise
+        raise UnsupportedCheckpointError(
+            f"{loc.tag_dir} is a {KIND_NAMES[layout]} checkpoint, which this version of ckpttools cannot read yet"
+        ) from e
+    reader: Callable[[CheckpointLocation], ZeroCheckpoint] = getattr(module, function)
+    return reader

@@ -17,6 +17,7 @@ from typing import Any
 from . import dtypes
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, short
 from .layout import HF_SIDE_FILES, MODEL_RE, ZERO3_MODEL_RE, CheckpointLocation, TagFiles, check_tag_name
+from .parallel import ParallelLayout
 from .reader import (
     OptimizerState,
     Param,
@@ -116,6 +117,7 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
         ds_config=ds_config,
         model_files=[m.obj for m in models],
         source_format="universal",
+        layout=ParallelLayout("dp", dp=dp),
     )
 
 

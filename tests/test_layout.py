@@ -11,7 +11,11 @@ ZERO3 = [
     "zero_pp_rank_0_mp_rank_00_model_states.pt",
     "zero_pp_rank_1_mp_rank_00_model_states.pt",
 ]
-ZERO2 = ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt", "mp_rank_00_model_states.pt"]
+ZERO2 = [
+    "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    "mp_rank_00_model_states.pt",
+]
 
 
 def test_classify_zero3_and_zero2_names():
@@ -26,23 +30,54 @@ def test_legacy_optim_name_without_underscore_is_read():
     assert files.optim_files == {0: "zero_pp_rank_0_mp_rank_00optim_states.pt"}
 
 
+PIPE = [
+    "layer_00-model_states.pt",
+    "layer_03-model_states.pt",
+    "mp_rank_00_model_states.pt",
+    "mp_rank_01_model_states.pt",
+    "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt",
+]
+TP = [
+    "mp_rank_00_model_states.pt",
+    "mp_rank_01_model_states.pt",
+    *(f"bf16_zero_pp_rank_{dp}_mp_rank_0{tp}_optim_states.pt" for dp in (0, 1) for tp in (0, 1)),
+]
+
+
 @pytest.mark.parametrize(
-    "names,match",
+    "names,layout",
     [
+        (ZERO2, "dp"),
+        (ZERO3, "dp"),
+        (PIPE, "pipeline"),
         (ZERO2 + ["layer_01-model_00-model_states.pt"], "pipeline"),
-        (ZERO2 + ["layer_0_expert_3_mp_rank_00_model_states.pt"], "MoE"),
-        (ZERO2 + ["offloaded_tensors"], "NVMe"),
-        (["zero_pp_rank_0_mp_rank_01_optim_states.pt", "mp_rank_01_model_states.pt"], "tensor/model-parallel"),
+        (TP, "tensor"),
+        (ZERO2 + ["layer_0_expert_3_mp_rank_00_model_states.pt"], "moe"),
+        (ZERO2 + ["expp_rank_0_mp_rank_00_optim_states.pt"], "moe"),
+        (["mp_rank_00_model_states.pt"], "zero0"),
     ],
 )
-def test_unsupported_layouts_are_refused_by_name(names, match):
-    with pytest.raises(UnsupportedCheckpointError, match=match):
-        classify_tag_files(names)
+def test_layout_is_told_by_the_file_names(names, layout):
+    files = classify_tag_files(names)
+    assert files.layout == layout and files.names == tuple(names)
+
+
+def test_files_of_other_stages_or_tp_ranks_are_not_duplicates():
+    """Advice to delete mp_rank_01 files would destroy a pipeline or tensor-parallel checkpoint."""
+    for names in (PIPE, TP):
+        files = classify_tag_files(names)
+        assert files.optim_files == {int(n.split("_")[4]): n for n in names if "optim" in n and "mp_rank_00" in n}
+
+
+def test_nvme_offload_is_refused_by_name():
+    with pytest.raises(UnsupportedCheckpointError, match="NVMe"):
+        classify_tag_files(ZERO2 + ["offloaded_tensors"])
 
 
 def test_no_optimizer_files_is_not_a_zero_tag():
     with pytest.raises(CheckpointNotFoundError, match="no \\*_optim_states.pt"):
-        classify_tag_files(["mp_rank_00_model_states.pt"])
+        classify_tag_files(["zero_pp_rank_0_mp_rank_00_model_states.pt"])
 
 
 def test_mixed_prefixes_are_refused():

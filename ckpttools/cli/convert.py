@@ -152,12 +152,21 @@ def inspect_cmd(path: Path, tag: str | None, step: int | None, best: bool, as_js
     emit(data, as_json, _human_inspect)
 
 
+def _parallel(d: dict[str, Any]) -> str:
+    """`DP 2`, `DP 2 x TP 2 (tensor-parallel (AutoTP))`: the degrees that are not 1."""
+    from ..parallel import KIND_NAMES, ParallelLayout
+
+    p = d.get("parallel") or {"kind": "dp", "dp": d["dp_world_size"]}
+    layout = ParallelLayout(p["kind"], p["dp"], p.get("tp", 1), p.get("pp", 1), p.get("ep", 1))
+    return layout.describe() + ("" if layout.kind == "dp" else f" ({KIND_NAMES[layout.kind]})")
+
+
 def _human_inspect(d: dict[str, Any]) -> str:
     ts = d["trainer_state"]
     lines = [
         f"checkpoint     {d['path']} (tag {d['tag']}; tags here: {', '.join(d['tags'])})",
         (
-            f"layout         ZeRO-{d['zero_stage']}, DP {d['dp_world_size']}, {d['train_dtype']} training, "
+            f"layout         ZeRO-{d['zero_stage']}, {_parallel(d)}, {d['train_dtype']} training, "
             f"{d['optimizer']} optimizer, DeepSpeed {d['ds_version']}"
             + (" (universal format)" if d.get("format") == "universal" else "")
         ),
