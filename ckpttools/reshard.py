@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, hf, partition
+from . import dtypes, hf, partition, stages
 from .crosscheck import check_module_copies
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
 from .reader import Param, TensorSource, ZeroCheckpoint, strip_prefixes
@@ -46,6 +46,7 @@ class ReshardResult:
     dp_to: int | None  # None when the output is a universal checkpoint
     files: list[str]
     notes: list[str] = field(default_factory=list)
+    zero_stage_from: int | None = None  # the source's stage when --stage changed it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -130,14 +131,21 @@ def _new(dtype: dtypes.DType, pieces: Pieces, shape: tuple[int, ...] | None = No
 # --- Native ZeRO-1/2 rank files -----------------------------------------------------------------------------
 
 
-def _zero12_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _zero12_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     opt = ckpt.optimizer
     bf16_optimizer = ckpt.optimizer_kind == "bf16_optimizer"
     num_groups = _num_groups(ckpt)
-    common = {k: v for k, v in opt.common.items() if k != "param_groups"}
+    param_groups = opt.param_groups
+    if ckpt.zero_stage == 3 and param_groups is not None:  # ZeRO-1/2: one flat fp32 partition per group
+        param_groups = [{**pg, "params": [g]} for g, pg in enumerate(param_groups)]
+    if stage == ckpt.zero_stage:
+        common = {k: v for k, v in opt.common.items() if k != "param_groups"}
+    else:
+        common = stages.optimizer_common(ckpt, stage)
+        common["param_alignment_paddings"] = [[0] * len(_group_params(ckpt, g)) for g in range(num_groups)]
     osds = [{**common, "single_partition_of_fp32_groups": [], "group_paddings": [], "param_slice_mappings": [],
              "partition_count": [dp] * num_groups,
-             "base_optimizer_state": [] if opt.elastic else {"state": {}, "param_groups": opt.param_groups}}
+             "base_optimizer_state": [] if opt.elastic else {"state": {}, "param_groups": param_groups}}
             for _ in range(dp)]  # fmt: skip
     for g in range(num_groups):
         group = _group_params(ckpt, g)
@@ -167,8 +175,11 @@ def _zero12_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], 
     if bf16_optimizer:
         for osd in osds:
             osd.pop("param_alignment_paddings", None)
-    model = {**ckpt.model_files[0], "dp_world_size": dp}
-    return [model], [{**opt.file_meta, "optimizer_state_dict": o} for o in osds]
+    if stage == ckpt.zero_stage:
+        model, meta = {**ckpt.model_files[0], "dp_world_size": dp}, opt.file_meta
+    else:
+        model, meta = stages.zero12_model_state(ckpt, stage, dp), stages.file_meta_at(ckpt, stage)
+    return [model], [{**meta, "optimizer_state_dict": o} for o in osds]
 
 
 def _slice_mappings(group: list[Param], lo: int, hi: int) -> OrderedDict[str, Any]:
@@ -221,6 +232,7 @@ def _sub_group_size(ckpt: ZeroCheckpoint) -> int:
 
 
 def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    changed = ckpt.zero_stage != 3
     opt = ckpt.optimizer
     groups = opt.param_groups or []
     sub_group_size = _sub_group_size(ckpt)
@@ -233,7 +245,10 @@ def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], l
             ids.append(len(subgroups))
             subgroups.append([group[i] for i in indices])
         param_groups.append({**pg, "params": ids})
-    common = {k: v for k, v in opt.common.items() if k != "param_groups"}
+    common = (
+        stages.optimizer_common(ckpt, 3) if changed else {k: v for k, v in opt.common.items() if k != "param_groups"}
+    )
+    meta = stages.file_meta_at(ckpt, 3) if changed else opt.file_meta
     keys_of = {g: _group_keys(_group_params(ckpt, g)) for g in range(len(groups))}
     flats = _Flats()
     optim_files = []
@@ -250,7 +265,7 @@ def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], l
                 state[sg] = entry
         osd = {**common, "partition_count": dp, "fp32_flat_groups": flat,
                "optimizer_state_dict": {"state": state, "param_groups": param_groups}}  # fmt: skip
-        optim_files.append({**opt.file_meta, "optimizer_state_dict": osd})
+        optim_files.append({**meta, "optimizer_state_dict": osd})
     return _zero3_model_files(ckpt, subgroups, dp), optim_files
 
 
@@ -283,15 +298,20 @@ def _zero3_model_files(ckpt: ZeroCheckpoint, subgroups: list[list[Param]], dp: i
     flats = _Flats()
     model0 = ckpt.model_files[0]
     param_shapes = [OrderedDict((p.file_name, TorchSize(p.shape)) for p in members) for members in subgroups]
-    frozen_raw = model0.get("frozen_param_shapes") or {}
+    module, frozen_shapes = stages.zero3_module(ckpt)
+    changed = ckpt.zero_stage != 3
+    frozen_raw = frozen_shapes if changed else (model0.get("frozen_param_shapes") or {})
+    extra = {"module": module, "frozen_param_shapes": frozen_shapes,
+             "ds_config": stages.ds_config_at(model0.get("ds_config"), 3)} if changed else {}  # fmt: skip
     files = []
     for r in range(dp):
         fragments = OrderedDict()
         for raw in frozen_raw:
             src = ckpt.bit16[strip_prefixes(raw)]
             fragments[raw] = NewTensor(src.dtype, tuple(_zero3_slice(flats.of(src), src.numel(), dp, r)))
-        files.append({**model0, "dp_world_size": dp, "param_shapes": param_shapes,
-                      "frozen_param_fragments": fragments if frozen_raw else model0.get("frozen_param_fragments"),
+        files.append({**model0, **extra, "dp_world_size": dp, "param_shapes": param_shapes,
+                      "frozen_param_fragments": fragments if frozen_raw or changed
+                      else model0.get("frozen_param_fragments"),
                       "shared_params": model0.get("shared_params") if r == 0 else {}})  # fmt: skip
     return files
 
@@ -376,6 +396,7 @@ def reshard(
     *,
     dp: int | None = None,
     universal: bool = False,
+    stage: int | None = None,
     tag: str | None = None,
     step: int | None = None,
     best: bool = False,
@@ -391,6 +412,8 @@ def reshard(
         out_dir: output folder; defaults to `dp<M>-<name>` or `universal-<name>` beside the input.
         dp: the new data-parallel size (native output).
         universal: write DeepSpeed's universal format instead, loadable at any DP size.
+        stage: write the files DeepSpeed saves at this ZeRO stage (1, 2 or 3) instead of the checkpoint's own,
+            so the run resumes at that stage; the DP size stays unless `dp` is given.
         config: the model's config.json (or its folder, tokenizer files included), copied into the output
             for checkpoints saved without one (accelerate's save_state).
         on_start: called once with the number of tensor bytes to write.
@@ -400,16 +423,28 @@ def reshard(
         >>> reshard("out/checkpoint-500", "out/dp8-checkpoint-500", dp=8).files[0]
         'global_step500/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt'
     """
-    if universal == (dp is not None):
-        raise UsageError("pass exactly one of --dp M or --universal")
+    if universal and (dp is not None or stage is not None):
+        raise UsageError("--universal writes a checkpoint for any DP size and stage; pass it without --dp/--stage")
+    if not universal and dp is None and stage is None:
+        raise UsageError("pass --dp M, --stage S or --universal")
     if dp is not None and not 1 <= dp <= 1 << 20:
         raise UsageError(f"--dp must be at least 1 (and at most {1 << 20}), not {dp}")
+    if stage is not None and stage not in (1, 2, 3):
+        raise UsageError(f"--stage must be 1, 2 or 3, not {stage}")
     ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
     if universal and ckpt.source_format == "universal":
         raise UsageError(f"{path} is already a universal checkpoint; pass --dp M to turn it into native shards")
-    if dp == ckpt.dp_world_size and ckpt.source_format == "native" and out_dir is None:
+    if not universal and dp is None:
+        if ckpt.source_format == "universal":
+            raise UsageError(f"{path} is a universal checkpoint; pass --dp M with --stage to write native shards")
+        dp = ckpt.dp_world_size
+    target = stage if stage is not None else ckpt.zero_stage
+    if target != ckpt.zero_stage:
+        stages.check_stage_change(ckpt, target)
+    unchanged = dp == ckpt.dp_world_size and target == ckpt.zero_stage and ckpt.source_format == "native"
+    if unchanged and out_dir is None:
         result = ReshardResult(None, ckpt.location.tag, ckpt.zero_stage, dp, dp, [])
-        result.notes.append(f"the checkpoint is already at DP {dp}; nothing to do")
+        result.notes.append(f"the checkpoint is already at DP {dp}, ZeRO-{target}; nothing to do")
         return result
     if universal and ckpt.optimizer.param_groups is None:
         raise UnsupportedCheckpointError(
@@ -417,17 +452,21 @@ def reshard(
             "universal format needs; reshard it natively with --dp M instead"
         )
     model_config = hf.find_config(ckpt.location.root, config) if config is not None else None
-    return _write(ckpt, dp, out_dir, overwrite, model_config, (on_start, on_progress))
+    return _write(ckpt, dp, target, out_dir, overwrite, model_config, (on_start, on_progress))
 
 
-def _default_out(root: Path, dp: int | None) -> Path:
-    """`dp<M>-<name>` / `universal-<name>` beside the input (never matched by Trainer's checkpoint rotation)."""
-    return root.parent / (f"dp{dp}-{root.name}" if dp else f"universal-{root.name}")
+def _default_out(root: Path, dp: int | None, stage: int | None = None) -> Path:
+    """`dp<M>-<name>`, `zero<S>-dp<M>-<name>` or `universal-<name>` beside the input (never matched by the
+    Trainer's checkpoint rotation)."""
+    if not dp:
+        return root.parent / f"universal-{root.name}"
+    return root.parent / (f"zero{stage}-dp{dp}-{root.name}" if stage else f"dp{dp}-{root.name}")
 
 
 def _write(
     ckpt: ZeroCheckpoint,
     dp: int | None,
+    stage: int,
     out_dir: Any,
     overwrite: bool,
     model_config: hf.ModelConfig | None,
@@ -435,15 +474,21 @@ def _write(
 ) -> ReshardResult:
     loc = ckpt.location
     old_dp = ckpt.dp_world_size if ckpt.source_format == "native" else None
-    out = check_output_dir(Path(out_dir) if out_dir else _default_out(loc.root, dp), loc.root, overwrite)
+    new_stage = stage if stage != ckpt.zero_stage else None
+    out = check_output_dir(Path(out_dir) if out_dir else _default_out(loc.root, dp, new_stage), loc.root, overwrite)
     needed = sum(p.stat().st_size for p in loc.tag_dir.rglob("*") if p.is_file())
-    result = ReshardResult(None, loc.tag, ckpt.zero_stage, old_dp, dp, [])
+    result = ReshardResult(None, loc.tag, stage, old_dp, dp, [], zero_stage_from=new_stage and ckpt.zero_stage)
     with RecordReader() as reader:
         check_module_copies(ckpt)  # before anything is written
         with staged_folder(out, overwrite=overwrite, needed_bytes=needed) as tmp:
             (tmp / loc.tag).mkdir()
-            result.files = _write_tag(ckpt, dp, tmp / loc.tag, reader, progress)
-            if dp is not None and dp == old_dp:
+            result.files = _write_tag(ckpt, dp, stage, tmp / loc.tag, reader, progress)
+            if new_stage is not None:
+                result.notes.append(
+                    f"ZeRO-{ckpt.zero_stage} -> ZeRO-{stage}: resume with zero_optimization.stage {stage} in the "
+                    "DeepSpeed config"
+                )
+            elif dp is not None and dp == old_dp:
                 result.notes.append(f"the checkpoint is already at DP {dp}; rewritten as it is, every record checked")
             skip = {loc.tag, "latest", "latest_universal"}
             result.notes += _copy_root_files(loc.root, tmp, old_dp, dp, skip)
@@ -457,28 +502,31 @@ def _write(
     return result
 
 
-def _rank_files(ckpt: ZeroCheckpoint, dp: int) -> dict[str, Any]:
-    model_files, optim_files = (_zero3_files if ckpt.zero_stage == 3 else _zero12_files)(ckpt, dp)
+def _rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, Any]:
+    if stage == 3:
+        model_files, optim_files = _zero3_files(ckpt, dp)
+    else:
+        model_files, optim_files = _zero12_files(ckpt, dp, stage)
     prefix = ckpt.location.files.optim_prefix
     files = {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": o for r, o in enumerate(optim_files)}
     for r, m in enumerate(model_files):
-        files[_model_file_name(ckpt, r)] = m
+        files[_model_file_name(stage, r)] = m
     return files
 
 
-def _model_file_name(ckpt: ZeroCheckpoint, rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if ckpt.zero_stage == 3 else "mp_rank_00_model_states.pt"
+def _model_file_name(stage: int, rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
 
 
 def _write_tag(
-    ckpt: ZeroCheckpoint, dp: int | None, tag_dir: Path, reader: RecordReader, progress: _ProgressFns
+    ckpt: ZeroCheckpoint, dp: int | None, stage: int, tag_dir: Path, reader: RecordReader, progress: _ProgressFns
 ) -> list[str]:
     if dp is None:
         files = universal_files(ckpt)
         for r, m in enumerate(ckpt.model_files):
-            files[_model_file_name(ckpt, r)] = m
+            files[_model_file_name(ckpt.zero_stage, r)] = m
     else:
-        files = _rank_files(ckpt, dp)
+        files = _rank_files(ckpt, dp, stage)
     for name in files:
         (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
     on_start, on_progress = progress

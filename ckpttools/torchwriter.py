@@ -268,28 +268,43 @@ def _write_record(zf: zipfile.ZipFile, name: str, size: int, chunks: Iterator[me
                 after_chunk(len(view))
 
 
-# A read of `nbytes` bytes of `record` from byte `start`, or (record None) `nbytes` zero bytes.
-_Op = tuple[Record | None, int, int]
+# A read of `nbytes` bytes of `record` from byte `start`, or (record None) `nbytes` zero bytes; with a cast
+# (source dtype, storage dtype), the bytes read are converted, so the op yields nbytes / src.itemsize elements.
+_Op = tuple[Record | None, int, int, tuple[DType, DType] | None]
+
+
+def _op_out_bytes(op: _Op) -> int:
+    _, _, nbytes, cast = op
+    return nbytes if cast is None else nbytes // cast[0].itemsize * cast[1].itemsize
 
 
 def _storage_ops(source: Record | NewTensor, chunk_bytes: int) -> Iterator[_Op]:
-    """The reads and zero fills, at most `chunk_bytes` each, that produce one storage record's bytes."""
+    """The reads and zero fills, at most `chunk_bytes` in and out each, that produce one storage record's bytes.
+
+    A slice of another dtype than its tensor is cast (round to nearest even, as torch's `.to()`): a 16-bit
+    module weight written from its fp32 master.
+    """
     if isinstance(source, NewTensor):
         item = source.dtype.itemsize
         spans: list[_Op] = []
         for piece in source.pieces:
             if isinstance(piece, Fill):
-                spans.append((None, 0, piece.count * item))
+                spans.append((None, 0, piece.count * item, None))
                 continue
-            if piece.tensor.dtype != source.dtype:
-                raise ValueError(f"slice dtype {piece.tensor.dtype} does not match {source.dtype}")
+            src = piece.tensor.dtype
+            cast = None if src == source.dtype else (src, source.dtype)
+            if cast is not None and (src.numpy is None or source.dtype.numpy is None):
+                raise ValueError(f"cannot cast {src} to {source.dtype}")
             base, _ = piece.tensor.byte_span()
-            spans.append((piece.tensor.record, base + piece.start * item, piece.count * item))
+            spans.append((piece.tensor.record, base + piece.start * src.itemsize, piece.count * src.itemsize, cast))
     else:
-        spans = [(source, 0, source.nbytes)]
-    for record, start, nbytes in spans:
-        for pos in range(0, nbytes, chunk_bytes):
-            yield record, start + pos, min(chunk_bytes, nbytes - pos)
+        spans = [(source, 0, source.nbytes, None)]
+    for record, start, nbytes, cast in spans:
+        step = (
+            chunk_bytes if cast is None else chunk_bytes // max(cast[0].itemsize, cast[1].itemsize) * cast[0].itemsize
+        )
+        for pos in range(0, nbytes, step):
+            yield record, start + pos, min(step, nbytes - pos), cast
 
 
 @dataclass
@@ -333,8 +348,9 @@ class _ReadPump:
 
     def _run(self) -> None:
         try:
-            read_ahead = ReadAhead(self.reader, self.ops)
-            for i, (record, start, nbytes) in enumerate(self.ops):
+            read_ahead = ReadAhead(self.reader, [(r, s, n) for r, s, n, _ in self.ops])
+            scratch: bytearray | None = None
+            for i, (record, start, nbytes, cast) in enumerate(self.ops):
                 read_ahead.before(i)
                 if record is None:
                     self.ready.put((None, self.zeros[:nbytes]))
@@ -342,8 +358,15 @@ class _ReadPump:
                 buf = self.free.get()
                 if self.stop.is_set():
                     return
-                view = memoryview(buf)[:nbytes]
-                self.reader.readinto(record, start, view)
+                if cast is None:
+                    view = memoryview(buf)[:nbytes]
+                    self.reader.readinto(record, start, view)
+                else:
+                    scratch = scratch if scratch is not None else bytearray(len(buf))
+                    self.reader.readinto(record, start, memoryview(scratch)[:nbytes])
+                    count = nbytes // cast[0].itemsize
+                    view = memoryview(buf)[: count * cast[1].itemsize]
+                    dtypes.cast(scratch, cast[0], view, cast[1], count)
                 self.ready.put((buf, view))
         except BaseException as e:  # noqa: BLE001 - handed to the writer, which re-raises it
             self.ready.put((None, e))
@@ -381,7 +404,7 @@ def write_torch_files(files: Sequence[tuple[Path, Any]], reader: RecordReader, *
     plans = [_plan_file(path, obj, chunk_bytes) for path, obj in files]
     ops = [op for plan in plans for _, _, storage_ops in plan.storages for op in storage_ops]
     if on_start:
-        on_start(sum(n for _, _, n in ops))
+        on_start(sum(_op_out_bytes(op) for op in ops))
     written = 0
     with _ReadPump(ops, reader, chunk_bytes) as pump:
         chunks = pump.chunks()

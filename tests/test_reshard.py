@@ -174,9 +174,9 @@ def test_universal_matches_ds_to_universal_and_converts_back(name, dp, tmp_path)
 
 
 def test_universal_options_are_exclusive(tmp_path):
-    with pytest.raises(UsageError, match="exactly one"):
+    with pytest.raises(UsageError, match="without --dp/--stage"):
         reshard(_src("z2_dp2_fp32"), tmp_path / "x", dp=2, universal=True)
-    with pytest.raises(UsageError, match="exactly one"):
+    with pytest.raises(UsageError, match="pass --dp M, --stage S or --universal"):
         reshard(_src("z2_dp2_fp32"), tmp_path / "x")
 
 

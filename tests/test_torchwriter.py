@@ -176,3 +176,22 @@ def test_a_write_failure_stops_the_reader_thread(tmp_path):
     with RecordReader() as reader, pytest.raises(FileNotFoundError):
         write_torch_files(files, reader, chunk_bytes=4096)
     assert not [t for t in threading.enumerate() if t.name == "ckpt-reader"]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1000, 16 << 20])
+def test_slices_of_another_dtype_are_cast_like_torch(tmp_path, chunk_bytes):
+    """A 16-bit module weight written from its fp32 master (ZeRO-3 -> 1/2) rounds to nearest even, as .to()."""
+    from ckpttools import dtypes
+    from ckpttools.torchfile import RecordReader, load_pickle
+    from ckpttools.torchwriter import Fill, NewTensor, Slice, write_torch_files
+
+    x = torch.randn(20000) * 1e3
+    x[5] = float("inf")
+    torch.save({"x": x}, tmp_path / "src.pt")
+    lazy = load_pickle(tmp_path / "src.pt")["x"]
+    pieces = (Slice(lazy, 10, 5000), Fill(3), Slice(lazy, 0, 7))
+    with RecordReader() as reader:
+        write_torch_files([(tmp_path / "out.pt", {"y": NewTensor(dtypes.BFLOAT16, pieces)})], reader,
+                          chunk_bytes=chunk_bytes)  # fmt: skip
+    want = torch.cat([x[10:5010], torch.zeros(3), x[:7]]).to(torch.bfloat16)
+    assert torch.equal(torch.load(tmp_path / "out.pt")["y"], want)

@@ -52,6 +52,16 @@ from ._common import (
     is_flag=True,
     help="Also build the model from config.json (meta device) and fail on missing/unexpected keys.",
 )
+@click.option(
+    "--merge",
+    is_flag=True,
+    help="PEFT/LoRA run: write the full model with the adapters merged (as merge_and_unload).",
+)
+@click.option(
+    "--base",
+    type=click.Path(path_type=Path),
+    help="With --merge: the base model's folder (weights and config.json), for runs saved without frozen weights.",
+)
 @checkpoint_selection
 @json_option
 @quiet_option
@@ -64,19 +74,25 @@ def consolidate_cmd(
     overwrite: bool,
     config: Path | None,
     check_keys: bool,
+    merge: bool,
+    base: Path | None,
     tag: str | None,
     step: int | None,
     best: bool,
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write consolidated weights from a ZeRO checkpoint as a folder from_pretrained loads."""
+    """Write consolidated weights from a ZeRO checkpoint as a folder from_pretrained loads.
+
+    A PEFT (LoRA) run gives the adapter folder PEFT's save_pretrained writes; with --merge, the full
+    model with the adapters merged into the base weights.
+    """
     from ..consolidate import consolidate
 
     with progress_callbacks("consolidate", quiet) as progress:
         result = consolidate(path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
-                             best=best, overwrite=overwrite, check_keys=check_keys, config=config,
-                             **progress)  # fmt: skip
+                             best=best, overwrite=overwrite, check_keys=check_keys, config=config, merge=merge,
+                             base=base, **progress)  # fmt: skip
     report(result.to_dict(), as_json, quiet, _human_consolidate)
 
 
@@ -92,6 +108,12 @@ def _human_consolidate(d: dict[str, Any]) -> str:
 @click.option("--dp", "dp", type=int, help="The new data-parallel size (number of ranks): native ZeRO files.")
 @click.option("--universal", is_flag=True, help="Write DeepSpeed's universal checkpoint instead (any DP size).")
 @click.option(
+    "--stage",
+    "stage",
+    type=click.IntRange(1, 3),
+    help="Write the files DeepSpeed saves at this ZeRO stage (1, 2 or 3), to resume at that stage.",
+)
+@click.option(
     "--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it)."
 )
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
@@ -103,6 +125,7 @@ def reshard_cmd(
     path: Path,
     dp: int | None,
     universal: bool,
+    stage: int | None,
     out: Path | None,
     overwrite: bool,
     config: Path | None,
@@ -112,24 +135,31 @@ def reshard_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Rewrite a ZeRO checkpoint for a different number of data-parallel ranks.
+    """Rewrite a ZeRO checkpoint for a different number of data-parallel ranks or another ZeRO stage.
 
     With --dp M the result loads with DeepSpeed's plain load_checkpoint (and Trainer's
-    resume_from_checkpoint) at M ranks, with the same DeepSpeed config. With --universal it is
-    DeepSpeed's universal format (load with "checkpoint": {"load_universal": true}); a universal
-    checkpoint given as PATH with --dp M becomes native shards again.
+    resume_from_checkpoint) at M ranks, with the same DeepSpeed config. With --stage S (and
+    optionally --dp M) it holds what DeepSpeed saves at ZeRO stage S: resume with
+    zero_optimization.stage S. With --universal it is DeepSpeed's universal format (load with
+    "checkpoint": {"load_universal": true}); a universal checkpoint given as PATH with --dp M
+    becomes native shards again.
     """
     from ..reshard import reshard
 
     with progress_callbacks("reshard", quiet) as progress:
-        result = reshard(path, out, dp=dp, universal=universal, tag=tag, step=step, best=best, overwrite=overwrite,
-                         config=config, **progress)  # fmt: skip
+        result = reshard(path, out, dp=dp, universal=universal, stage=stage, tag=tag, step=step, best=best,
+                         overwrite=overwrite, config=config, **progress)  # fmt: skip
     report(result.to_dict(), as_json, quiet, _human_reshard)
 
 
 def _human_reshard(d: dict[str, Any]) -> str:
     if not d["output_dir"]:
         return "Nothing written."
+    if d.get("zero_stage_from"):
+        return (
+            f"Resharded tag {d['tag']} from ZeRO-{d['zero_stage_from']}, {_dp_name(d['dp_from'])} to "
+            f"ZeRO-{d['zero_stage']}, {_dp_name(d['dp_to'])}: {d['output_dir']}"
+        )
     return (
         f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from {_dp_name(d['dp_from'])} to {_dp_name(d['dp_to'])}: "
         f"{d['output_dir']}"
