@@ -183,6 +183,11 @@ def _trainer_checkpoints(folder: Path) -> dict[int, Path]:
     return found
 
 
+def _lightning_checkpoints(folder: Path) -> list[Path]:
+    """Lightning's ModelCheckpoint with DeepSpeedStrategy: each `<name>.ckpt/` is a DeepSpeed save_dir."""
+    return sorted(p for p in folder.iterdir() if p.suffix == ".ckpt" and p.is_dir() and (p / "latest").is_file())
+
+
 def _tag_dirs(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*_model_states.pt")))
 
@@ -230,6 +235,13 @@ def _resolve_root(path: Path, step: int | None, best: bool) -> tuple[Path, Path 
         return path.parent, None, path.name  # PATH is the tag folder itself
     if _trainer_checkpoints(path):
         return _pick_trainer_checkpoint(path, step, best), path, None
+    if lightning := _lightning_checkpoints(path):
+        if len(lightning) > 1:
+            raise CkptError(
+                f"{path} holds {len(lightning)} Lightning checkpoints ({', '.join(p.name for p in lightning[:4])}"
+                f"{', ...' if len(lightning) > 4 else ''}); pass the one to read"
+            )
+        return lightning[0], None, None
     if (path / "latest_universal").is_file() or (path / "zero").is_dir():
         raise UnsupportedCheckpointError(
             f"{path} is a DeepSpeed universal checkpoint; open it with ckpttools.open_checkpoint or read_universal"

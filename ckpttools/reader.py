@@ -26,7 +26,7 @@ from .layout import CheckpointLocation, locate
 from .parallel import ParallelLayout
 from .torchfile import LazyTensor, PickledObject, RecordReader, load_pickle
 
-STRIPPED_PREFIXES = ("module.", "_orig_mod.")
+STRIPPED_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")  # DDP/engine, torch.compile, Lightning < 2.1
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,10 @@ class ZeroCheckpoint:
     model_files: list[dict[str, Any]] = field(default_factory=list)  # ZeRO-3: per rank; else [mp_rank_00], as stored
     source_format: str = "native"  # or "universal"
     layout: ParallelLayout = field(default_factory=ParallelLayout)
+    # Pipeline / tensor-parallel: per model-parallel rank (stage or TP rank), that slice as the data-parallel
+    # ZeRO checkpoint its files hold (names as stored); resharding re-cuts each. Empty for plain DP.
+    slices: list[ZeroCheckpoint] = field(default_factory=list)
+    layout_files: list[str] = field(default_factory=list)  # DP-independent files of the layout, kept as they are
 
     @functools.cached_property
     def masters(self) -> dict[str, TensorSource]:

@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, hf, partition, stages
+from . import dtypes, hf, partition, stages, zero0
 from .crosscheck import check_module_copies
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
+from .parallel import KIND_NAMES
 from .reader import Param, TensorSource, ZeroCheckpoint, strip_prefixes
 from .sources import open_checkpoint
 from .staging import check_output_dir, staged_folder
-from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize
+from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize, load_pickle
 from .torchwriter import Fill, NewTensor, ProgressFn, Slice, write_torch_files
 from .universal import MASTER, universal_files
 
@@ -439,6 +440,7 @@ def reshard(
             raise UsageError(f"{path} is a universal checkpoint; pass --dp M with --stage to write native shards")
         dp = ckpt.dp_world_size
     target = stage if stage is not None else ckpt.zero_stage
+    _check_layout(ckpt, universal, target)
     if target != ckpt.zero_stage:
         stages.check_stage_change(ckpt, target)
     unchanged = dp == ckpt.dp_world_size and target == ckpt.zero_stage and ckpt.source_format == "native"
@@ -453,6 +455,23 @@ def reshard(
         )
     model_config = hf.find_config(ckpt.location.root, config) if config is not None else None
     return _write(ckpt, dp, target, out_dir, overwrite, model_config, (on_start, on_progress))
+
+
+def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int) -> None:
+    """Only what is proven to load in DeepSpeed is written: plain DP; other layouts' DP size slice by slice."""
+    kind = ckpt.layout.kind
+    if kind == "dp":
+        return
+    if kind == "zero0":
+        zero0.check_zero0_reshard(ckpt, universal=universal, stage=stage)
+        return
+    what = f"{ckpt.location.tag_dir} is a {KIND_NAMES[kind]} checkpoint ({ckpt.layout.describe()})"
+    if not ckpt.slices:
+        raise UnsupportedCheckpointError(f"{what}; resharding it is not supported yet (consolidate works)")
+    if universal:
+        raise UnsupportedCheckpointError(f"{what}; --universal is not supported for it yet, reshard with --dp M")
+    if stage != ckpt.zero_stage:
+        raise UnsupportedCheckpointError(f"{what}; --stage is supported for data-parallel checkpoints only")
 
 
 def _default_out(root: Path, dp: int | None, stage: int | None = None) -> Path:
@@ -502,20 +521,33 @@ def _write(
     return result
 
 
-def _rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, Any]:
+def _rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int, mp: int = 0) -> dict[str, Any]:
+    """The optimizer and model-states files of one model-parallel slice (`mp`: stage or TP rank) at `dp` ranks."""
+    if ckpt.zero_stage == 0:
+        return zero0.zero0_rank_files(ckpt, dp)
     if stage == 3:
         model_files, optim_files = _zero3_files(ckpt, dp)
     else:
         model_files, optim_files = _zero12_files(ckpt, dp, stage)
     prefix = ckpt.location.files.optim_prefix
-    files = {f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": o for r, o in enumerate(optim_files)}
+    files = {f"{prefix}zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt": o for r, o in enumerate(optim_files)}
     for r, m in enumerate(model_files):
-        files[_model_file_name(stage, r)] = m
+        files[_model_file_name(stage, r, mp)] = m
     return files
 
 
-def _model_file_name(stage: int, rank: int) -> str:
-    return f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+def _model_file_name(stage: int, rank: int, mp: int = 0) -> str:
+    return (
+        f"zero_pp_rank_{rank}_mp_rank_{mp:02d}_model_states.pt" if stage == 3 else f"mp_rank_{mp:02d}_model_states.pt"
+    )
+
+
+def _sliced_rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, Any]:
+    """Pipeline / tensor-parallel: every slice re-cut on its own, the layout's other files kept."""
+    files: dict[str, Any] = {}
+    for mp, part in enumerate(ckpt.slices):
+        files.update(_rank_files(part, dp, stage, mp))
+    return files
 
 
 def _write_tag(
@@ -525,6 +557,10 @@ def _write_tag(
         files = universal_files(ckpt)
         for r, m in enumerate(ckpt.model_files):
             files[_model_file_name(ckpt.zero_stage, r)] = m
+    elif ckpt.slices:
+        files = _sliced_rank_files(ckpt, dp, stage)
+        for name in ckpt.layout_files:  # rewritten, not copied: every record's CRC is checked on the way
+            files[name] = load_pickle(ckpt.location.tag_dir / name)
     else:
         files = _rank_files(ckpt, dp, stage)
     for name in files:

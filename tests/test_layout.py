@@ -151,3 +151,19 @@ def test_missing_path_and_file_path(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(CheckpointNotFoundError, match="is a file"):
         locate(tmp_path / "f")
+
+
+def test_lightning_checkpoint_folders_are_found(tmp_path):
+    """ModelCheckpoint with DeepSpeedStrategy writes `<name>.ckpt/` save_dirs into its dirpath."""
+    import shutil
+
+    from .conftest import FIXTURES
+
+    src = FIXTURES / "lightning_z2_bf16" / "checkpoint" / "epoch=0-step=2.ckpt"
+    if not src.is_dir():
+        pytest.skip("lightning fixture not built")
+    shutil.copytree(src, tmp_path / "epoch=0-step=2.ckpt")
+    assert locate(tmp_path).root == tmp_path / "epoch=0-step=2.ckpt"
+    shutil.copytree(src, tmp_path / "last.ckpt")
+    with pytest.raises(CkptError, match="holds 2 Lightning checkpoints .*pass the one to read"):
+        locate(tmp_path)
