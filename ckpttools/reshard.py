@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import dtypes, hf, partition, stages, zero0
+from . import dtypes, hf, moe, partition, stages, zero0
 from .crosscheck import check_module_copies
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
 from .parallel import KIND_NAMES
@@ -465,6 +465,9 @@ def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int) -> None:
     if kind == "zero0":
         zero0.check_zero0_reshard(ckpt, universal=universal, stage=stage)
         return
+    if kind == "moe":
+        moe.check_moe_reshard(ckpt, universal=universal, stage=stage)
+        return
     what = f"{ckpt.location.tag_dir} is a {KIND_NAMES[kind]} checkpoint ({ckpt.layout.describe()})"
     if not ckpt.slices:
         raise UnsupportedCheckpointError(f"{what}; resharding it is not supported yet (consolidate works)")
@@ -557,6 +560,8 @@ def _write_tag(
         files = universal_files(ckpt)
         for r, m in enumerate(ckpt.model_files):
             files[_model_file_name(ckpt.zero_stage, r)] = m
+    elif ckpt.layout.kind == "moe":
+        files = moe.moe_rank_files(ckpt, dp, stage)
     elif ckpt.slices:
         files = _sliced_rank_files(ckpt, dp, stage)
         for name in ckpt.layout_files:  # rewritten, not copied: every record's CRC is checked on the way

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes
-from .errors import CheckpointNotFoundError, CorruptCheckpointError, short
+from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from .layout import HF_SIDE_FILES, MODEL_RE, ZERO3_MODEL_RE, CheckpointLocation, TagFiles, check_tag_name
-from .parallel import ParallelLayout
+from .parallel import KIND_NAMES, ParallelLayout
 from .reader import (
     OptimizerState,
     Param,
@@ -254,6 +254,11 @@ def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     flat tensors and no step.pt for ZeRO-3; DeepSpeed reads both). A checkpoint saved before the first
     optimizer step has only fp32.pt files. The shared optimizer state is lean: no rank's shard in it.
     """
+    if ckpt.layout.kind != "dp":  # DeepSpeed's universal loader would misplace what it cannot tell apart
+        raise UnsupportedCheckpointError(
+            f"{ckpt.location.tag_dir} is a {KIND_NAMES[ckpt.layout.kind]} checkpoint ({ckpt.layout.describe()}); "
+            "writing it in the universal format is not supported yet"
+        )
     opt = ckpt.optimizer
     groups = opt.param_groups
     if groups is None:
