@@ -6,12 +6,13 @@ inputs are never touched.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from . import dtypes, hf
+from . import dtypes, hf, peft
 from .crosscheck import check_module_copies
 from .dtypes import DType
 from .errors import CkptError, UsageError, short
@@ -146,6 +147,8 @@ def consolidate(
     check_existing: bool = True,
     check_keys: bool = False,
     config: Path | str | None = None,
+    merge: bool = False,
+    base: Path | str | None = None,
     on_progress: ProgressFn | None = None,
     on_start: Any = None,
 ) -> ConsolidateResult:
@@ -165,6 +168,11 @@ def consolidate(
         check_keys: also build the model from config.json on the meta device (in a child process that
             imports transformers and torch: about 3 s and 350 MB more) and fail on missing or unexpected
             keys. `ckpt verify` always does this check.
+        merge: a PEFT (LoRA) run: write the full model with the adapters merged into the base weights,
+            bit-identical to PEFT's merge_and_unload() in that dtype on CPU. Without it, a PEFT run gives the
+            adapter folder PEFT's save_pretrained writes.
+        base: the base model's folder (save_pretrained's, sharded safetensors included) for a merge: its weights
+            and config.json; needed when the run was saved without its frozen base weights.
         on_progress: called with the number of bytes written after each chunk.
         on_start: called once with the total bytes to write.
 
@@ -176,9 +184,16 @@ def consolidate(
         raise UsageError(f"--to must be one of {', '.join(FORMATS)}, not {to!r}")
     if dtype not in DTYPES:
         raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if (merge or base is not None) and to != "safetensors":
+        raise UsageError("--merge writes safetensors only (what from_pretrained loads); drop --to pt")
+    if base is not None and not merge:
+        raise UsageError("--base is the base model of a --merge; pass --merge too")
     ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
     out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt.location.root, overwrite)
     out_dtype = DTYPES[dtype]
+    if merge or peft.is_peft(ckpt):
+        job = _PeftJob(ckpt, out, out_dtype, overwrite, max_shard_size, on_progress, on_start)
+        return job.merge(base, config) if merge else job.adapters(to)
     model_config = hf.find_config(ckpt.location.root, config)  # read once, refused before writing
     tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=model_config is not None,
                                     config=model_config.config if model_config else {})  # fmt: skip
@@ -326,3 +341,113 @@ def _differences(
                 if ours.shape != saved.shape or not torch.equal(ours, saved):
                     differing.append(key)
     return differing, seen
+
+
+@dataclass
+class _PeftJob:
+    """A PEFT run's outputs: the adapter folder(s) save_pretrained writes, or the merged model."""
+
+    ckpt: ZeroCheckpoint
+    out: Path
+    dtype: DType
+    overwrite: bool
+    max_shard_size: int | str
+    on_progress: ProgressFn | None
+    on_start: Any
+
+    def adapters(self, to: str) -> ConsolidateResult:
+        if to != "safetensors":
+            raise UsageError(
+                "a PEFT run's adapter folder is safetensors only (adapter_model.safetensors); drop --to pt"
+            )
+        run = peft.read_peft_run(self.ckpt)
+        if not run.adapters:
+            raise peft.PeftError(f"{self.ckpt.location.root} holds adapter_config.json but no adapter tensors")
+        tensors = [t for a in run.adapters for t in peft.adapter_tensors(self.ckpt, a, self.dtype)]
+        total = sum(t.nbytes for t in tensors)
+        written = ", ".join(a.name for a in run.adapters)
+        notes = [f"wrote the adapter folder PEFT's save_pretrained writes for adapter(s) {written}"]
+        notes += self._adapter_notes(run)
+        with RecordReader() as reader:
+            check_module_copies(self.ckpt)
+            with staged_folder(self.out, overwrite=self.overwrite, needed_bytes=total) as tmp:
+                if self.on_start:
+                    self.on_start(total)
+                files = []
+                for adapter in run.adapters:
+                    files += peft.write_adapter_folder(tmp, self.ckpt, adapter, self.dtype, reader, self.on_progress)
+                files += self._side_files(tmp, exclude=files)
+                reader.finish()
+        return self._result(files, tensors, total, notes, sum(t.source.numel() for t in tensors))
+
+    def merge(self, base: Path | str | None, config: Path | str | None) -> ConsolidateResult:
+        ckpt = self.ckpt
+        run = peft.trained_adapters(peft.read_peft_run(ckpt), ckpt)
+        if not run.adapters:
+            raise peft.PeftError(f"{ckpt.location.root} holds no trained LoRA adapter tensors: nothing to merge")
+        base_dir = peft.find_base(base)
+        model_config = hf.find_config(base_dir, config) if base_dir is not None else hf.find_config(
+            ckpt.location.root, config)  # fmt: skip
+        if model_config is None and base_dir is not None:
+            raise peft.PeftError(f"--base {base_dir} holds no config.json; pass the folder the base model's "
+                                 "save_pretrained wrote (or --config)")  # fmt: skip
+        if model_config is None:
+            raise peft.PeftError(f"{ckpt.location.root} holds no config.json of the base model; pass --base with the "
+                                 "base model's folder")  # fmt: skip
+        base_tensors = peft.base_from_folder(base_dir) if base_dir is not None else peft.base_from_checkpoint(ckpt)
+        tied = peft.tied_aliases(base_tensors, model_config.config, ckpt)
+        tensors = peft.plan_merge(ckpt, run, base_tensors, self.dtype, tied)
+        shards = plan_shards(tensors, "safetensors", self.max_shard_size)
+        total = sum(t.nbytes for t in tensors)
+        with RecordReader() as reader:
+            check_module_copies(ckpt)
+            with staged_folder(self.out, overwrite=self.overwrite, needed_bytes=total) as tmp:
+                if self.on_start:
+                    self.on_start(total)
+                for fname, group in shards.items():
+                    peft.write_merged_safetensors(tmp / fname, group, reader, self.on_progress)
+                files = list(shards)
+                if len(shards) > 1:
+                    weight_map = {t.name: f for f, group in shards.items() for t in group}
+                    count = sum(math.prod(t.shape) for t in tensors)
+                    files.append(hf.write_index(tmp, "model.safetensors.index.json", weight_map, total, count))
+                hf.write_config(model_config.config, tmp / "config.json", self.dtype)
+                files.append("config.json")
+                files += hf.copy_side_files(model_config.folder, model_config.side_files, tmp)
+                files += self._side_files(tmp, exclude=files)
+                reader.finish()
+        merged = ", ".join(a.name for a in run.adapters)
+        source = "--base" if base_dir is not None else "the checkpoint's frozen weights"
+        notes = [f"merged adapter(s) {merged} into the base weights from {source}"]
+        return self._result(files, tensors, total, notes, sum(math.prod(t.shape) for t in tensors))
+
+    def _side_files(self, tmp: Path, exclude: list[str]) -> list[str]:
+        """The tokenizer and generation config the Trainer left (never adapter_config.json at the top of a merged
+        model: from_pretrained would load the folder as an adapter)."""
+        names = [n for n in self.ckpt.location.side_files
+                 if n not in exclude and n != peft.ADAPTER_CONFIG and not (tmp / n).exists()]  # fmt: skip
+        return hf.copy_side_files(self.ckpt.location.root, names, tmp)
+
+    def _adapter_notes(self, run: peft.PeftRun) -> list[str]:
+        notes = [
+            f"adapter {a.name!r} has no adapter_config.json beside the checkpoint: PEFT cannot load its folder "
+            "until the run's config is copied in"
+            for a in run.adapters
+            if a.config_path is None
+        ]
+        if run.untracked:
+            notes.append(f"{len(run.untracked)} trained tensors belong to no adapter and are not written (PEFT's "
+                         f"save_pretrained drops them too): {hf.names(run.untracked, 3)}")  # fmt: skip
+        return notes
+
+    def _result(self, files: list[str], tensors: Sequence[Any], total: int, notes: list[str],
+                params: int) -> ConsolidateResult:  # fmt: skip
+        return ConsolidateResult(
+            output_dir=str(self.out), files=files, dtype=_short(self.dtype),
+            format="safetensors", num_parameters=params, num_tensors=len(tensors), total_size=total,
+            source=source_summary(self.ckpt), notes=notes,
+        )  # fmt: skip
+
+
+def _short(dtype: DType) -> str:
+    return next(k for k, v in DTYPES.items() if v is dtype)

@@ -11,6 +11,8 @@ open shard before the next group is gathered.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import json
 import os
 import pickle
@@ -492,6 +494,7 @@ def save_pretrained_from_engine(
     max_gather_bytes: int = DEFAULT_MAX_GATHER_BYTES,
     if_exists: str = "error",
     exclude_frozen_parameters: bool = False,
+    adapter: bool = False,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> EngineSaveResult:
     """Write the engine's weights as a Hugging Face folder (safetensors shards, index, config.json).
@@ -536,6 +539,11 @@ def save_pretrained_from_engine(
             `model*.safetensors` files; used for a Trainer `checkpoint-N/`).
         exclude_frozen_parameters: leave out parameters with requires_grad=False, as
             `save_16bit_model(exclude_frozen_parameters=True)` does (e.g. PEFT base weights).
+        adapter: the module is a PEFT model (LoRA): write the adapter folder PEFT's `save_pretrained` writes
+            instead (`adapter_model.safetensors` under PEFT's saved names and `adapter_config.json`; adapters
+            other than `default` in sub-folders of their name), from the live (gathered) weights. Only the
+            adapter tensors are gathered; `max_shard_size`, `config` and `exclude_frozen_parameters` do not
+            apply (one file per adapter, no model card).
         chunk_bytes: size of the cast / copy buffer.
 
     Returns:
@@ -565,13 +573,19 @@ def save_pretrained_from_engine(
         module, stage = _unwrap(engine), None
     out = Path(out_dir).absolute()
 
-    entries, omitted, copied = plan_tensors(module, out_dtype, exclude_frozen_parameters=exclude_frozen_parameters)
-    if not entries:
-        raise UsageError("the module has no parameters or persistent buffers to save")
+    omitted: dict[str, str] = {}
+    copied: dict[str, str] = {}
+    adapter_configs: dict[str, Any] = {}
+    if adapter:
+        entries, shards, adapter_configs = _plan_adapters(module, out_dtype)
+    else:
+        entries, omitted, copied = plan_tensors(module, out_dtype, exclude_frozen_parameters=exclude_frozen_parameters)
+        if not entries:
+            raise UsageError("the module has no parameters or persistent buffers to save")
+        shards = plan_shards(entries, "safetensors", max_shard_size)
     partitioned = any(e.partitioned for e in entries)
     if stage is None and partitioned:
         stage = 3
-    shards = plan_shards(entries, "safetensors", max_shard_size)
     groups = plan_gathers(shards, max_gather_bytes)
     num_parameters = _count_parameters(entries)
     written_dtype = out_dtype or _main_dtype(entries)
@@ -585,6 +599,8 @@ def save_pretrained_from_engine(
 
     def prepare() -> Path:
         staged.append(_prepare(out, if_exists, sum(e.nbytes for e in entries)))
+        for fname in shards:  # adapters other than `default` go to sub-folders
+            (staged[0].path / fname).parent.mkdir(parents=True, exist_ok=True)
         return staged[0].path
 
     tmp: Path = rank0_decides(prepare)
@@ -599,11 +615,14 @@ def save_pretrained_from_engine(
             if writer.error is not None:
                 raise writer.error
             names = list(shards)
-            if len(shards) > 1:
+            if adapter:
+                names += _write_adapter_configs(tmp, adapter_configs)
+            elif len(shards) > 1:
                 weight_map = {e.name: fname for fname, g in shards.items() for e in g}
                 total = sum(e.nbytes for g in shards.values() for e in g)
                 names.append(hf.write_index(tmp, "model.safetensors.index.json", weight_map, total, num_parameters))
-            names += _write_side_files(tmp, module, config, written_dtype, notes)
+            if not adapter:
+                names += _write_side_files(tmp, module, config, written_dtype, notes)
             if if_exists == "add" and out.is_dir():
                 _publish_into(tmp, out)
             else:
@@ -632,6 +651,41 @@ def save_pretrained_from_engine(
         copied_aliases=copied,
         notes=notes,
     )
+
+
+def _plan_adapters(module: Any, dtype: DType | None) -> tuple[list[_Entry], dict[str, list[_Entry]], dict[str, Any]]:
+    """A PEFT model's adapter tensors under PEFT's saved names, one file per adapter, and each adapter's config."""
+    from . import peft
+
+    configs = getattr(module, "peft_config", None)
+    if not isinstance(configs, dict) or not configs:
+        raise UsageError("adapter=True needs a PEFT model (a PeftModel, with peft_config); this module has none")
+    entries, _, _ = plan_tensors(module, dtype)
+    shards: dict[str, list[_Entry]] = {}
+    folders = {name: ("" if name == peft.DEFAULT_ADAPTER else f"{name}/") for name in configs}
+    for e in entries:
+        owner = peft.adapter_of(e.name)
+        if owner is not None and owner in folders:
+            renamed = dataclasses.replace(e, name=peft.saved_name(e.name, owner))
+            shards.setdefault(folders[owner] + peft.ADAPTER_WEIGHTS, []).append(renamed)
+    if not shards:
+        raise UsageError(f"the PEFT model holds no tensors of its adapters {', '.join(configs)}")
+    kept = {name: cfg for name, cfg in configs.items() if folders[name] + peft.ADAPTER_WEIGHTS in shards}
+    return [e for group in shards.values() for e in group], shards, kept
+
+
+def _write_adapter_configs(tmp: Path, configs: dict[str, Any]) -> list[str]:
+    """adapter_config.json as PeftModel.save_pretrained writes it: a copy of the config with inference_mode on."""
+    from . import peft
+
+    names = []
+    for name, config in configs.items():
+        folder = "" if name == peft.DEFAULT_ADAPTER else f"{name}/"
+        saved = copy.deepcopy(config)
+        saved.inference_mode = True
+        saved.save_pretrained(str(tmp / folder))
+        names.append(folder + peft.ADAPTER_CONFIG)
+    return names
 
 
 def _gather_and_write(engine: Any, groups: Sequence[list[tuple[str, _Entry]]], writer: _ShardWriter | None) -> int:

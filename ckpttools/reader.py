@@ -603,6 +603,21 @@ def _whole(f: _File, name: str, value: Any, kind: str) -> TensorSource:
     return TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), kind)
 
 
+def _drop_excluded_ties(
+    loc: CheckpointLocation, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]
+) -> None:
+    """exclude_frozen_parameters drops a frozen tie owner (a PEFT run's wte.weight) but keeps its alias
+    (lm_head.weight is not in named_parameters, so DeepSpeed does not drop it) and the tie: the alias is one of
+    the absent base weights too, so it goes with its owner."""
+    if not _frozen_excluded(loc, params, frozen):
+        return
+    for alias, owner in list(mod.shared.items()):
+        if owner not in params and owner not in frozen:
+            del mod.shared[alias]
+            mod.tensors.pop(alias, None)
+            mod.keys.remove(alias)
+
+
 def _check_ties(f: _File, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]) -> None:
     """Each tie names a real owner and an alias that is not itself stored as a parameter."""
     for alias, owner in mod.shared.items():
@@ -707,6 +722,7 @@ class _Zero12Reader:
         by_name = {p.name: p for p in params}
         bit16 = zero12_bit16(f0, mod, by_name)
         frozen = {n: s for n, s in bit16.items() if n not in by_name}
+        _drop_excluded_ties(self.loc, mod, by_name, frozen)
         _check_ties(f0, mod, by_name, frozen)
         _check_module_keys(f0, mod, by_name, frozen)
         for name, src in bit16.items():
@@ -935,6 +951,7 @@ class _Zero3Reader:
         overlap = sorted(set(frozen) & set(by_name))
         if overlap:
             raise f0.fail(f"{overlap[0]} is listed both as a trained and as a frozen parameter")
+        _drop_excluded_ties(self.loc, mod, by_name, frozen)
         _check_ties(f0, mod, by_name, frozen)
         _check_module_keys(f0, mod, by_name, frozen)
         return ZeroCheckpoint(

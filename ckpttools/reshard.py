@@ -471,6 +471,13 @@ def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int) -> None:
     what = f"{ckpt.location.tag_dir} is a {KIND_NAMES[kind]} checkpoint ({ckpt.layout.describe()})"
     if not ckpt.slices:
         raise UnsupportedCheckpointError(f"{what}; resharding it is not supported yet (consolidate works)")
+    zero = ckpt.ds_config.get("zero_optimization")
+    if kind == "pipeline" and (zero.get("stage", 0) if isinstance(zero, dict) else 0) == 0:
+        raise UnsupportedCheckpointError(
+            f"{what}, saved without ZeRO (BF16_Optimizer keeps DP rank 0's state in every stage file); DeepSpeed "
+            "0.19.8 cannot resume such a checkpoint even at its own size (KeyError: 0 in _load_legacy_checkpoint), "
+            "so resharding it is not supported (consolidate works)"
+        )
     if universal:
         raise UnsupportedCheckpointError(f"{what}; --universal is not supported for it yet, reshard with --dp M")
     if stage != ckpt.zero_stage:

@@ -1,0 +1,119 @@
+"""Worker for tests/test_pipeline.py: load a pipeline checkpoint with plain DeepSpeed, dump what the engines of
+every stage hold, and train on.  Run it under torchrun with DP x stages processes; not a test.
+
+    torchrun --nproc_per_node <dp*stages> tests/pipe_load_worker.py --fixture-meta fixtures/pp2_dp1_z1_bf16/meta.json \
+        --load CKPT_ROOT --dump OUT.safetensors [--universal] [--steps K]
+
+  * the PipelineModule is built exactly as scripts/fixture_pipe.py built it (same layers, seed, stages, partition
+    method, the fixture's ds_config with the batch size for this DP size), then every parameter and persistent
+    buffer is overwritten, so anything `load_checkpoint` does not restore shows up in the dump;
+  * `engine.load_checkpoint(CKPT_ROOT, load_optimizer_states=True, load_lr_scheduler_states=True)` (a None load
+    path is an error); with --universal the config gets `"checkpoint": {"load_universal": true}`;
+  * --dump (global rank 0 writes; every rank takes part): `fp32/<key>`, `exp_avg/<key>`, `exp_avg_sq/<key>` of
+    every trainable param (safe_get_full_fp32_param / safe_get_full_optimizer_state on its stage) and
+    `module/<key>` for every entry of every stage's module state_dict, whole-model keys, tied ones once (checked
+    equal across stages); OUT.json beside it: global steps, optimizer steps, losses of the K steps after loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRAMBLE_SEED = 4242
+
+
+def _fixture_pipe():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("ckpt_fixture_pipe", ROOT / "scripts" / "fixture_pipe.py")
+    assert spec
+    assert spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["ckpt_fixture_pipe"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+FP = _fixture_pipe()
+
+
+def scramble(module: torch.nn.Module) -> None:
+    g = torch.Generator().manual_seed(SCRAMBLE_SEED)
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+
+
+def build_engine(meta: dict, dp: int, universal: bool):
+    spec = {"zero_stage": meta["zero_stage"], "dtype": meta["dtype"], "stages": meta["stages"],
+            "partition_method": meta["partition_method"]}  # fmt: skip
+    extra = {"checkpoint": {"load_universal": True}} if universal else None
+    engine, _cfg = FP.make_engine(spec, dp, extra)
+    return engine
+
+
+def main(argv=None) -> int:
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fixture-meta", required=True)
+    ap.add_argument("--load", required=True)
+    ap.add_argument("--dump", required=True)
+    ap.add_argument("--universal", action="store_true")
+    ap.add_argument("--steps", type=int, default=1)
+    a = ap.parse_args(argv)
+    meta = json.loads(Path(a.fixture_meta).read_text())
+    world = int(os.environ["WORLD_SIZE"])
+    dp = world // meta["stages"]
+    engine = build_engine(meta, dp, a.universal)
+    scramble(engine.module)
+    load_path, _ = engine.load_checkpoint(a.load, load_optimizer_states=True, load_lr_scheduler_states=True)
+    FP.quiet_loggers()
+    if load_path is None:
+        raise RuntimeError(f"load_checkpoint({a.load}) found nothing to load")
+    grid = engine.grid
+    stage, dp_rank = grid.get_stage_id(), grid.get_data_parallel_rank()
+    full = FP.stage_full_state(engine)
+    module = {f"module/{k}": v.detach().cpu().clone() for k, v in engine.module.state_dict().items()}
+    base = engine.optimizer.optimizer
+    steps = sorted({int(st["step"]) for st in base.state.values() if "step" in st})
+    global_steps = engine.global_steps
+    it = FP.batches(dp_rank, seed_offset=77)
+    losses = [float(engine.train_batch(data_iter=it)) for _ in range(a.steps)]
+    local = {"stage": stage, "dp_rank": dp_rank, "state": {**full, **module} if dp_rank == 0 else None,
+             "optimizer_steps": steps, "load_path": load_path}  # fmt: skip
+    everyone = FP.gather_to_rank0(local)
+    if dist.get_rank() == 0:
+        firsts = sorted((p for p in everyone if p["dp_rank"] == 0), key=lambda p: p["stage"])
+        merged, _, copies = FP.merge_stages([p["state"] for p in firsts])
+        FP.save_st(merged, Path(a.dump))
+        FP.save_st(copies, Path(a.dump).with_suffix(".tied.safetensors"))
+        facts = {
+            "world_size": world,
+            "dp": dp,
+            "stages": meta["stages"],
+            "global_steps_after_load": global_steps,
+            "optimizer_steps_after_load": {
+                f"stage{p['stage']}_dp{p['dp_rank']}": p["optimizer_steps"] for p in everyone
+            },
+            "losses_after_load": losses,
+            "global_steps_after_training": engine.global_steps,
+        }
+        Path(a.dump).with_suffix(".json").write_text(json.dumps(facts, indent=1))
+    FP.finish_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
