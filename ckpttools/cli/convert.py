@@ -191,6 +191,26 @@ def _parallel(d: dict[str, Any]) -> str:
     return layout.describe() + ("" if layout.kind == "dp" else f" ({KIND_NAMES[layout.kind]})")
 
 
+def _layout_lines(p: dict[str, Any]) -> list[str]:
+    """What a pipeline or MoE layout adds to `ckpt inspect`: stages and tied modules, experts per layer."""
+    if p.get("kind") == "pipeline":
+        by_stage: dict[int, list[str]] = {}
+        for layer, stage in (p.get("layer_stage") or {}).items():
+            by_stage.setdefault(int(stage), []).append(str(layer))
+        stages = "; ".join(f"stage {s}: layers {', '.join(ls)}" for s, ls in sorted(by_stage.items()))
+        tied = ", ".join(
+            f"{name} (stages {', '.join(map(str, t.get('stages', [])))})" for name, t in (p.get("tied") or {}).items()
+        )
+        return [f"stages         {stages or p.get('pp')}"] + ([f"tied modules   {tied}"] if tied else [])
+    if p.get("kind") == "moe":
+        layers = p.get("moe_layers") or []
+        experts = p.get("num_experts") or []
+        per_layer = ", ".join(f"{name} {n}" for name, n in zip(layers, experts, strict=False))
+        expert_dp = ", ".join(map(str, (p.get("expert_dp") or {}).values()))
+        return [f"experts        {per_layer} (EP {p.get('ep')}, expert-DP {expert_dp})"]
+    return []
+
+
 def _human_inspect(d: dict[str, Any]) -> str:
     ts = d["trainer_state"]
     lines = [
@@ -210,6 +230,7 @@ def _human_inspect(d: dict[str, Any]) -> str:
         f"16-bit weights {', '.join(d['gathered_16bit_weights']) or 'none saved beside the shards'}",
         "output size    " + ", ".join(f"{k} {human_size(v)}" for k, v in d["output_bytes"].items()),
     ]
+    lines += _layout_lines(d.get("parallel") or {})
     if ts:
         lines.append(
             f"trainer        step {ts.get('global_step')}, epoch {ts.get('epoch')}, last loss {ts.get('last_loss')}"
