@@ -16,16 +16,22 @@ What DeepSpeed 0.19.8 writes (checked on the moe_* fixtures):
 
 Every expert param comes out under its global key; the fp32 masters and optimizer states of experts come from the
 optimizer files of the ranks that hold them, the 16-bit copies from the expert files.
+
+`moe_rank_files` writes the checkpoint back at another DP size (a multiple of every ep size): only the optimizer
+files change (each `moe` group re-cut over the new expert-DP groups); the expert files and the module file come
+along, the latter with its new dp_world_size.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from . import partition
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from .layout import EXPERT_OPTIM_RE, EXPERT_RE, MODEL_RE, CheckpointLocation
 from .parallel import ParallelLayout
@@ -60,6 +66,7 @@ from .reader import (
     zero12_bit16,
 )
 from .torchfile import RecordReader, load_pickle
+from .universal import MASTER
 
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 EXPERT_KEY_RE = re.compile(r"^(?P<prefix>.+)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<id>\d+)\.(?P<rest>.+)$")
@@ -300,6 +307,7 @@ class _MoEReader(_Zero12Reader):
             frozen_excluded=_frozen_excluded(self.loc, by_name, bit16),
             ds_config=_dict_at(f0.obj, "ds_config"),
             model_files=[f0.obj],
+            layout_files=[f.path.name for layer in layers for _, f in sorted(layer.files.items())],  # DP-independent
             layout=ParallelLayout("moe", dp=self.dp, ep=max(eps), details=_details(self, layers)),
         )
 
@@ -476,17 +484,115 @@ def _details(reader: _MoEReader, layers: Sequence[MoELayer]) -> dict[str, Any]:
 
 
 # --- Resharding ------------------------------------------------------------------------------------------------
+#
+# Only the optimizer files depend on the DP size. A dense group is cut over all `dp` ranks as in plain ZeRO-1/2;
+# an `ep_size_K` group on rank r holds the local experts of r's expert-parallel rank, cut over that rank's
+# expert-DP group of dp/K ranks. The expert files and the module file (but its dp_world_size) stay as they are.
 
 
-def check_moe_reshard(ckpt: ZeroCheckpoint, *, universal: bool, stage: int | None) -> None:
+def check_moe_reshard(ckpt: ZeroCheckpoint, *, universal: bool, stage: int | None, dp: int | None = None) -> None:
     """What `reshard` cannot write for a DeepSpeed-MoE checkpoint, refused before anything is written."""
-    raise UnsupportedCheckpointError(
-        f"{ckpt.location.tag_dir} is a DeepSpeed-MoE checkpoint ({ckpt.layout.describe()}); resharding it is not "
-        "supported yet (consolidate works)"
-    )
+    what = f"{ckpt.location.tag_dir} is a DeepSpeed-MoE checkpoint ({ckpt.layout.describe()})"
+    if universal:
+        raise UnsupportedCheckpointError(
+            f"{what}; --universal is refused: DeepSpeed's universal loader looks experts up by their local name, "
+            "so every expert-parallel rank but the first would silently load another rank's experts; reshard "
+            "with --dp M instead"
+        )
+    if stage is not None and stage != ckpt.zero_stage:
+        raise UnsupportedCheckpointError(
+            f"{what}; --stage is refused: DeepSpeed-MoE runs at ZeRO-1 or 2 only and changing between them is not "
+            "proven for MoE; reshard with --dp M at its own stage"
+        )
+    if ckpt.zero_stage not in (1, 2) or ckpt.optimizer.elastic or ckpt.optimizer.param_groups is None:
+        raise UnsupportedCheckpointError(f"{what}; only rigid ZeRO-1/2 MoE checkpoints can be resharded")
+    eps = sorted(set(_group_ep_sizes(ckpt)) - {1})
+    if dp is not None and any(dp % ep for ep in eps):
+        raise UnsupportedCheckpointError(
+            f"{what}; DP {dp} is not a multiple of the expert-parallel size "
+            f"{' and '.join(map(str, eps))}: DeepSpeed needs dp = ep x expert-DP; pick a multiple of "
+            f"{math.lcm(*eps)}"
+        )
 
 
 def moe_rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, Any]:
-    """Relative path -> object: every rank file of the checkpoint at `dp` ranks (experts stay where they are)."""
-    check_moe_reshard(ckpt, universal=False, stage=stage)
-    return {}
+    """Relative path -> object: every rank file of the checkpoint at `dp` ranks (experts stay where they are).
+
+    The optimizer files are planned from the checkpoint model; the module file gets the new dp_world_size; the
+    expert files are rewritten from `load_pickle` objects so every record's CRC is checked on the way.
+    """
+    check_moe_reshard(ckpt, universal=False, stage=stage, dp=dp)
+    opt = ckpt.optimizer
+    common = {k: v for k, v in opt.common.items() if k != "param_groups"}
+    osds = [{**common, "single_partition_of_fp32_groups": [], "group_paddings": [], "param_slice_mappings": [],
+             "partition_count": [], "base_optimizer_state": {"state": {}, "param_groups": opt.param_groups}}
+            for _ in range(dp)]  # fmt: skip
+    dbe = ckpt.layout.details.get("topology") == "data_before_expert"
+    for g, ep in enumerate(_group_ep_sizes(ckpt)):
+        for e, group in enumerate(_local_members(ckpt, g, ep)):
+            ranks = expert_dp_ranks(e, ep, dp, dbe)
+            _append_partitions(g, group, [osds[r] for r in ranks], opt.group_scalars)
+    prefix = ckpt.location.files.optim_prefix
+    files: dict[str, Any] = {
+        f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": {"optimizer_state_dict": osd, **opt.file_meta}
+        for r, osd in enumerate(osds)
+    }
+    files["mp_rank_00_model_states.pt"] = {**ckpt.model_files[0], "dp_world_size": dp}
+    for name in ckpt.layout_files:
+        files[name] = load_pickle(ckpt.location.tag_dir / name)
+    return files
+
+
+def _group_ep_sizes(ckpt: ZeroCheckpoint) -> list[int]:
+    """Per param group: K of an `ep_size_K` MoE group, 1 for a dense group (its experts-DP group is every rank)."""
+    out = []
+    for pg in ckpt.optimizer.param_groups or []:
+        m = EP_GROUP_RE.match(str(pg.get("name"))) if pg.get("moe") else None
+        out.append(int(m["ep"]) if m else 1)
+    return out
+
+
+def _local_members(ckpt: ZeroCheckpoint, g: int, ep: int) -> list[list[Param]]:
+    """Per expert-parallel rank: the params of group g it holds, in file order, under the names it gives them."""
+    details = ckpt.layout.details
+    layers = zip(details["moe_layers"], details["num_experts"], details["ep_sizes"], strict=True)
+    num_local = {prefix: n // k for prefix, n, k in layers}
+    members: list[list[Param]] = [[] for _ in range(ep)]
+    for p in ckpt.params:
+        if p.group != g:
+            continue
+        key = expert_key(p.name)
+        if ep == 1 or key is None:
+            members[0].append(p)
+            continue
+        local, e = local_expert_name(p.file_name, num_local[key.prefix])
+        members[e].append(dataclasses.replace(p, file_name=local))
+    if any(not m for m in members):
+        raise CorruptCheckpointError(
+            f"{ckpt.location.tag_dir}: param group {g} has no params for some of its {ep} expert-parallel ranks"
+        )
+    return members
+
+
+def _append_partitions(g: int, group: list[Param], osds: Sequence[dict[str, Any]],
+                       group_scalars: Sequence[Mapping[str, Any]]) -> None:  # fmt: skip
+    """Param group g cut over the ranks of `osds` (its expert-DP group, in expert-DP rank order) with the ZeRO-1/2
+    arithmetic, each rank's partition appended to its optimizer dict."""
+    from .reshard import Flat, _group_keys, _master, _new, _slice_mappings, _state, padded, pieces_of  # cyclic
+
+    keys = _group_keys(group)
+    total = sum(p.numel + p.align_pad for p in group)
+    size = partition.zero12_partition_size(total, len(osds))
+    flats = {k: Flat([x for p in group for x in padded(pieces_of(_state(p, k)), p.align_pad)]) for k in [MASTER, *keys]}
+    for index, osd in enumerate(osds):
+        lo = index * size
+        n = max(0, min(size, total - lo))
+        osd["single_partition_of_fp32_groups"].append(_master(flats[MASTER].take(lo, n)))
+        state = dict(group_scalars[g]) if g < len(group_scalars) else {}
+        for key in keys:
+            state[key] = _new(group[0].states[key].dtype, padded(flats[key].take(lo, n), size - n))
+        if state:  # before the first optimizer step the torch optimizer has no state at all
+            osd["base_optimizer_state"]["state"][g] = state
+        osd["group_paddings"].append(size - n)
+        osd["param_slice_mappings"].append(_slice_mappings(group, lo, lo + n))
+        osd["partition_count"].append(len(osds))

@@ -432,9 +432,11 @@ def _refuse_unsupported(f: _File) -> None:
     mp = f.opt(model_state, "mp_world_size", int)
     if isinstance(mp, bool):
         raise f.fail("mp_world_size is a bool, not a rank count")
-    if mp not in (1, None):
-        raise UnsupportedCheckpointError(
-            f"{f.path}: tensor/model parallel size {short(model_state['mp_world_size'], 20)} is not supported"
+    if mp not in (1, None):  # a TP or pipeline folder would have files of other mp ranks beside these
+        others = "mp rank 1" if mp == 2 else f"mp ranks 1-{mp - 1}" if isinstance(mp, int) and mp > 2 else "the others"
+        raise CheckpointNotFoundError(
+            f"{f.path} records {short(mp, 20)} model-parallel ranks (tensor- or pipeline-parallel run), but the tag "
+            f"folder holds the files of mp_rank_00 only: {others} missing; re-copy the whole tag folder"
         )
     if model_state.get("num_experts") or model_state.get("ds_autoep_layers"):
         raise UnsupportedCheckpointError(f"{f.path} is a MoE checkpoint; MoE experts are not supported yet")

@@ -440,7 +440,7 @@ def reshard(
             raise UsageError(f"{path} is a universal checkpoint; pass --dp M with --stage to write native shards")
         dp = ckpt.dp_world_size
     target = stage if stage is not None else ckpt.zero_stage
-    _check_layout(ckpt, universal, target)
+    _check_layout(ckpt, universal, target, dp)
     if target != ckpt.zero_stage:
         stages.check_stage_change(ckpt, target)
     unchanged = dp == ckpt.dp_world_size and target == ckpt.zero_stage and ckpt.source_format == "native"
@@ -457,7 +457,7 @@ def reshard(
     return _write(ckpt, dp, target, out_dir, overwrite, model_config, (on_start, on_progress))
 
 
-def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int) -> None:
+def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int, dp: int | None) -> None:
     """Only what is proven to load in DeepSpeed is written: plain DP; other layouts' DP size slice by slice."""
     kind = ckpt.layout.kind
     if kind == "dp":
@@ -466,7 +466,7 @@ def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int) -> None:
         zero0.check_zero0_reshard(ckpt, universal=universal, stage=stage)
         return
     if kind == "moe":
-        moe.check_moe_reshard(ckpt, universal=universal, stage=stage)
+        moe.check_moe_reshard(ckpt, universal=universal, stage=stage, dp=dp)
         return
     what = f"{ckpt.location.tag_dir} is a {KIND_NAMES[kind]} checkpoint ({ckpt.layout.describe()})"
     if not ckpt.slices:

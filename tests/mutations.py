@@ -992,6 +992,8 @@ def m_change_lr(ctx: Ctx) -> str:
 
 @family("change_partition_count", "pickle", weight=2)
 def m_partition_count(ctx: Ctx) -> str:
+    if ctx.info.stage == 0:  # no partitions: the recorded dp_world_size is all there is, and nothing depends on it
+        raise NotApplicable("stage 0 partitions nothing")
     dp = ctx.info.dp
     target = ctx.rng.choice(["partition_count", "partition_count", "dp_world_size"])
     value = ctx.rng.choice([dp + 1, dp - 1, 0, -1, 10**12, 2**64, "2", None, [dp, dp]])

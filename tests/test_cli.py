@@ -95,7 +95,8 @@ def _break_tensor_bytes(ckpt):
 
 
 def _break_pipeline(ckpt):
-    (_tag_dir(ckpt) / "layer_01-model_00-model_states.pt").write_bytes(b"")
+    """A pipeline layer file among ZeRO-3 rank files: refused as a mix, not read as either."""
+    (_tag_dir(ckpt) / "layer_01-model_states.pt").write_bytes(b"")
 
 
 def _break_moe(ckpt):
@@ -133,7 +134,7 @@ BAD = {
     "stage disagrees": (_break_stage, "disagree on the ZeRO stage"),
     "truncated file": (_break_truncate, "damaged"),
     "damaged tensor bytes": (_break_tensor_bytes, "fails its CRC-32 check"),
-    "pipeline": (_break_pipeline, "pipeline-parallel"),
+    "pipeline": (_break_pipeline, "into a pipeline checkpoint"),
     "moe": (_break_moe, "MoE"),
     "nvme": (_break_nvme, "NVMe"),
     "no latest": (_break_latest, "no `latest` file; pass --tag"),

@@ -1,0 +1,110 @@
+"""Worker for tests/test_tensor_parallel.py: load an AutoTP checkpoint with plain DeepSpeed, dump what the
+engine holds, and train on.  Run it under torchrun (DP x 2 processes); not a test.
+
+    torchrun --nproc_per_node 4 tests/autotp_load_worker.py --fixture-meta fixtures/autotp_tp2_dp2_z1_bf16/meta.json \
+        --load CKPT_ROOT [--universal] [--dump OUT.safetensors] [--steps K]
+
+  * the model is the fixture's (scripts/fixture_autotp.py: same Llama config, seed, AutoTP degree 2, ZeRO stage
+    and DS config), *scrambled* before AutoTP shards it, so whatever `load_checkpoint` does not restore shows;
+  * the DP size is WORLD_SIZE / 2 (TP 2 is fixed by the model);
+  * `engine.load_checkpoint(CKPT_ROOT, load_optimizer_states=True, load_lr_scheduler_states=True)`; a None load
+    path is an error. --universal adds `"checkpoint": {"load_universal": true}` to the config;
+  * --dump (rank 0 writes; every rank takes part): for TP rank r (DP rank 0) `tp{r}/fp32/<n>`, `tp{r}/exp_avg/<n>`,
+    `tp{r}/exp_avg_sq/<n>` (safe_get_full_fp32_param / safe_get_full_optimizer_state: the LOCAL TP shard,
+    gathered over DP) and `tp{r}/module/<n>` (the module's 16-bit shard); OUT.json beside it: global steps, the
+    optimizer step, the losses of the --steps more training steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import math
+import os
+import sys
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRAMBLE_SEED = 4242
+
+
+def _fixture_module():
+    """scripts/fixture_autotp.py, which built the fixtures (model, config, training batches)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("ckpt_fixture_autotp", ROOT / "scripts" / "fixture_autotp.py")
+    assert spec
+    assert spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+FA = _fixture_module()
+
+
+def scramble(model: torch.nn.Module) -> None:
+    g = torch.Generator().manual_seed(SCRAMBLE_SEED)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3 + 0.7)
+
+
+def dump(engine, out: Path, info: dict) -> None:
+    import torch.distributed as dist
+
+    dp_rank, tp_rank = FA.ranks()
+    mine = {f"tp{tp_rank}/{k}": v for k, v in FA.live_state(engine).items()}
+    mine.update({f"tp{tp_rank}/module/{k}": v for k, v in engine.module.state_dict().items()})
+    everyone = FA.gather_to_rank0(mine if dp_rank == 0 else {})
+    if dist.get_rank() == 0:
+        tensors = {k: v for part in everyone for k, v in part.items()}
+        FA.save_st(tensors, out)
+        out.with_suffix(".json").write_text(json.dumps(info, indent=1))
+
+
+def main(argv=None) -> int:
+    import deepspeed
+    import torch.distributed as dist
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fixture-meta", required=True)
+    ap.add_argument("--load", required=True)
+    ap.add_argument("--universal", action="store_true")
+    ap.add_argument("--dump")
+    ap.add_argument("--steps", type=int, default=1)
+    a = ap.parse_args(argv)
+    meta = json.loads(Path(a.fixture_meta).read_text())
+    FA.quiet_loggers()
+    deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
+    FA.quiet_loggers()
+    extra = {"checkpoint": {"load_universal": True}} if a.universal else {}
+    engine = FA.build_engine(meta["zero_stage"], config_extra=extra, prepare=scramble)
+    path, _ = engine.load_checkpoint(a.load, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise SystemExit(f"load_checkpoint({a.load}) found nothing to load")
+    base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
+    steps = sorted({int(s["step"]) for s in [*base.state.values(), *base.param_groups] if "step" in s})
+    info = {"global_steps": engine.global_steps, "optimizer_steps": steps, "dp": dist.get_world_size() // FA.TP}
+    if a.dump:
+        dump(engine, Path(a.dump), info)  # before training on: what was loaded
+    losses = FA.train(engine, a.steps, first=FA.STEPS)
+    if not all(math.isfinite(v) for v in losses):
+        raise SystemExit(f"training after the load gave losses {losses}")
+    if a.dump and dist.get_rank() == 0:
+        info["losses_after_load"] = losses
+        Path(a.dump).with_suffix(".json").write_text(json.dumps(info, indent=1))
+    FA.finish_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
