@@ -478,7 +478,7 @@ def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int, dp: int | N
             "0.19.8 cannot resume such a checkpoint even at its own size (KeyError: 0 in _load_legacy_checkpoint), "
             "so resharding it is not supported (consolidate works)"
         )
-    if universal:
+    if universal and kind != "tensor":  # AutoTP: universal.universal_files writes (or refuses) it
         raise UnsupportedCheckpointError(f"{what}; --universal is not supported for it yet, reshard with --dp M")
     if stage != ckpt.zero_stage:
         raise UnsupportedCheckpointError(f"{what}; --stage is supported for data-parallel checkpoints only")
@@ -565,8 +565,9 @@ def _write_tag(
 ) -> list[str]:
     if dp is None:
         files = universal_files(ckpt)
-        for r, m in enumerate(ckpt.model_files):
-            files[_model_file_name(ckpt.zero_stage, r)] = m
+        if ckpt.layout.kind == "dp":  # other layouts' universal writers name their own model-states files
+            for r, m in enumerate(ckpt.model_files):
+                files[_model_file_name(ckpt.zero_stage, r)] = m
     elif ckpt.layout.kind == "moe":
         files = moe.moe_rank_files(ckpt, dp, stage)
     elif ckpt.slices:

@@ -661,3 +661,15 @@ def _slice(src: TensorSource, start: int, count: int) -> Iterator[Segment]:
         pos += seg.count
         if pos >= start + count:
             return
+
+
+# --- The universal format ---------------------------------------------------------------------------------------
+
+
+def tensor_universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    """Relative path -> object: DeepSpeed's universal layout of an AutoTP checkpoint (as ds_to_universal writes it),
+    which load_universal re-splits at any TP and DP size."""
+    raise UnsupportedCheckpointError(
+        f"{ckpt.location.tag_dir} is a tensor-parallel (AutoTP) checkpoint ({ckpt.layout.describe()}); writing it in "
+        "the universal format is not supported yet (reshard with --dp M, or use DeepSpeed's ds_to_universal)"
+    )
