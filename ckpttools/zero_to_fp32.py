@@ -94,9 +94,16 @@ def _plan(ckpt: ZeroCheckpoint, exclude_frozen_parameters: bool) -> OrderedDict[
     dtype; none when the checkpoint records no frozen_param_shapes, as in ZeRO-1), trainable params
     (`param_shapes` order, fp32 masters), then each `shared_params` alias whose owner is present.
     """
+    entries: OrderedDict[str, _Entry] = OrderedDict()
+    if ckpt.layout.kind != "dp":  # layouts DeepSpeed's script cannot read: the whole model, as `consolidate` writes
+        for src in ckpt.sources(dtypes.FLOAT32):
+            entries[src.name] = _Entry(src, dtypes.FLOAT32 if src.dtype.is_floating_point else src.dtype)
+        for alias, owner in ckpt.shared_params.items():
+            if owner in entries:
+                entries[alias] = entries[owner]
+        return entries
     model = ckpt.model_state
     module = model.get("module") or {}
-    entries: OrderedDict[str, _Entry] = OrderedDict()
     for raw in module:
         buf = ckpt.buffers.get(strip_prefixes(raw))
         if buf is not None:

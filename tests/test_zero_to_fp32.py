@@ -288,3 +288,19 @@ def test_load_state_dict_size_mismatch_raises_like_torch(capsys):
     assert torch.equal(
         model.fc1.weight, ds.get_fp32_state_dict_from_zero_checkpoint(str(_src("z2_dp2_bf16")))["fc1.weight"]
     )
+
+
+@pytest.mark.parametrize(
+    "name", ["pp2_dp1_z1_bf16", "autotp_tp2_dp2_z1_bf16", "z0_dp2_bf16", "moe_ep2_dp2_z2_bf16"]
+)
+def test_layouts_deepspeeds_script_refuses_convert_to_the_full_fp32_masters(name, tmp_path):
+    """DeepSpeed's zero_to_fp32 fails on pipeline, AutoTP, ZeRO-0 and MoE folders (its errors are in each fixture's
+    meta.json); ours writes the full fp32 state dict, the same tensors `ckpt consolidate` writes."""
+    from ckpttools.consolidate import consolidate
+
+    assert not json.loads((FIXTURES / name / "meta.json").read_text())["zero_to_fp32"]["ok"]
+    assert cli([str(FIXTURES / name / "checkpoint"), str(tmp_path / "ours"), "--safe_serialization"]) == 0
+    consolidate(FIXTURES / name / "checkpoint", tmp_path / "ckpt")
+    got, want = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert all(t.dtype == torch.float32 for k, t in got.items() if t.is_floating_point())
