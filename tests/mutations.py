@@ -153,7 +153,10 @@ class Ctx:
     def rank_files(self, kind: str = "any") -> list[Path]:
         optim = [self.tag_dir / n for n in self.info.optim_files]
         model = [self.tag_dir / n for n in self.info.model_files]
-        return {"optim": optim, "model": model, "any": optim + model}[kind]
+        files = {"optim": optim, "model": model, "any": optim + model}[kind]
+        if not files:  # ZeRO-0: no optimizer files
+            raise NotApplicable(f"no {kind} rank files")
+        return files
 
     def pick_rank_file(self, kind: str = "any") -> Path:
         return self.rng.choice(self.rank_files(kind))
@@ -621,6 +624,8 @@ def m_swap(ctx: Ctx) -> str:
 @family("stale_rank_file", "file", weight=2)
 def m_stale(ctx: Ctx) -> str:
     """A rank file from another step of the same run, or from another fixture (same file name)."""
+    if ctx.info.stage == 0:  # the one file is the whole checkpoint: another run's is just another checkpoint
+        raise NotApplicable("a stage-0 checkpoint is one file")
     path = ctx.pick_rank_file()
     own = path.read_bytes()
     same_shape, other = [], []
@@ -643,6 +648,8 @@ def m_stale(ctx: Ctx) -> str:
 @family("stray_rank_file", "file")
 def m_stray(ctx: Ctx) -> str:
     info, tag = ctx.info, ctx.tag_dir
+    if not info.optim_files:
+        raise NotApplicable("no optimizer files")
     rank0 = tag / info.optim_files[0]
     prefix = OPTIM_RE.match(info.optim_files[0])[1] or ""
     other_prefix = ctx.rng.choice([p for p in ("", "bf16_", "fp16_") if p != prefix])
@@ -1137,6 +1144,8 @@ def m_reorder(ctx: Ctx) -> str:
 
     def fn(obj: dict) -> str:
         shapes = obj.get("param_shapes")
+        if not shapes:  # ZeRO-0 records none
+            raise NotApplicable("no param_shapes")
         if how == "reverse_groups":
             if len(shapes) < 2:
                 raise NotApplicable("one group")
@@ -1536,6 +1545,8 @@ def m_zip_bomb(ctx: Ctx) -> str:
 
 @family("tag_is_file", "fs")
 def m_tag_is_file(ctx: Ctx) -> str:
+    if not ctx.info.optim_files:
+        raise NotApplicable("no optimizer files")
     shutil.rmtree(ctx.tag_dir)
     content = ctx.rng.choice([b"", b"global_step2", (ctx.info.src_root / ctx.info.tag / ctx.info.optim_files[0])
                               .read_bytes()])  # fmt: skip
