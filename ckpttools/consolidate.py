@@ -6,11 +6,12 @@ inputs are never touched.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from . import dtypes, hf, peft
 from .crosscheck import check_module_copies
@@ -18,9 +19,12 @@ from .dtypes import DType
 from .errors import CkptError, UsageError, short
 from .reader import TensorSource, ZeroCheckpoint
 from .sources import open_checkpoint
-from .staging import check_output_dir, staged_folder
-from .torchfile import RecordReader
+from .staging import check_output_dir, shared_staged_folder, staged_folder
+from .torchfile import Record, RecordReader
 from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, write_pt, write_safetensors
+
+if TYPE_CHECKING:
+    from .distributed import ProcessGroup
 
 DTYPES = dtypes.SHORT
 
@@ -48,9 +52,12 @@ class ConsolidateResult:
     total_size: int
     source: dict[str, Any]
     notes: list[str] = field(default_factory=list)
+    world_size: int | None = None  # set by a run on many ranks, with the rank that wrote each file
+    ranks: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        return d if self.world_size is not None else {k: v for k, v in d.items() if k not in ("world_size", "ranks")}
 
 
 def default_output_dir(ckpt: ZeroCheckpoint) -> Path:
@@ -151,6 +158,7 @@ def consolidate(
     base: Path | str | None = None,
     on_progress: ProgressFn | None = None,
     on_start: Any = None,
+    group: ProcessGroup | None = None,
 ) -> ConsolidateResult:
     """Consolidate a ZeRO checkpoint into a Hugging Face-loadable folder.
 
@@ -174,7 +182,11 @@ def consolidate(
         base: the base model's folder (save_pretrained's, sharded safetensors included) for a merge: its weights
             and config.json; needed when the run was saved without its frozen base weights.
         on_progress: called with the number of bytes written after each chunk.
-        on_start: called once with the total bytes to write.
+        on_start: called once with the total bytes to write (on many ranks: this rank's share).
+        group: the ranks of a launcher (`ckpttools.distributed.join_group`) sharing the work: each writes the
+            shards `plan_by_bytes` gives it into one staged folder on a filesystem all of them see, rank 0 the
+            index, config and companion files; the folder appears only when every rank succeeded, byte-identical
+            to a one-process run, and every rank returns rank 0's result.
 
     Example:
         >>> consolidate("out/checkpoint-500", "out/model", dtype="bf16").files
@@ -188,22 +200,18 @@ def consolidate(
         raise UsageError("--merge writes safetensors only (what from_pretrained loads); drop --to pt")
     if base is not None and not merge:
         raise UsageError("--base is the base model of a --merge; pass --merge too")
+    if group is not None and group.world_size > 1:
+        return _RanksJob(group, path, out_dir, to, dtype, max_shard_size, tag, step, best, overwrite, check_existing,
+                         check_keys, config, merge, base, on_progress, on_start).run()  # fmt: skip
     ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
     out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt.location.root, overwrite)
     out_dtype = DTYPES[dtype]
     if merge or peft.is_peft(ckpt):
         job = _PeftJob(ckpt, out, out_dtype, overwrite, max_shard_size, on_progress, on_start)
         return job.merge(base, config) if merge else job.adapters(to)
-    model_config = hf.find_config(ckpt.location.root, config)  # read once, refused before writing
-    tensors, omitted = plan_tensors(ckpt, out_dtype, hf_folder=model_config is not None,
-                                    config=model_config.config if model_config else {})  # fmt: skip
-    check = model_config is not None and model_config.standard_name and check_keys
-    keycheck = _KeyCheck(model_config.folder if model_config is not None and check else None, tensors)
-    shards = plan_shards(tensors, to, max_shard_size)
-    total = sum(t.nbytes for t in tensors)
-    notes: list[str] = [] if model_config is not None or not _is_accelerate(ckpt) else [_NO_CONFIG_NOTE]
-    if ckpt.frozen_excluded:
-        notes.append("this checkpoint holds only trainable (e.g. LoRA) weights: base weights are absent, as saved")
+    plan = _plan_output(ckpt, out_dtype, to, max_shard_size, config)
+    shards, total = plan.shards, plan.total
+    keycheck = plan.key_check(check_keys)
     try:
         with RecordReader() as reader:
             check_module_copies(ckpt)  # before anything is written
@@ -211,25 +219,68 @@ def consolidate(
                 if on_start:
                     on_start(total)
                 files = _write_shards(tmp, shards, to, reader, on_progress)
-                keycheck.problems(ckpt, omitted, notes)
-                files += _write_hf_files(tmp, ckpt, shards, tensors, to, out_dtype, model_config)
-                if check_existing and (ckpt.location.root / "config.json").is_file():
-                    notes += compare_with_existing(ckpt, reader, out_dtype)
+                files += plan.finish_folder(tmp, keycheck, reader, check_existing)
                 reader.finish()  # CRC-32 of every record read; raises before anything is published
     except BaseException:
         keycheck.cancel()
         raise
-    return ConsolidateResult(
-        output_dir=str(out),
-        files=files,
-        dtype=dtype,
-        format=to,
-        num_parameters=_param_count(tensors, ckpt),
-        num_tensors=len(tensors),
-        total_size=total,
-        source=source_summary(ckpt),
-        notes=notes,
-    )
+    return plan.result(out, files, dtype)
+
+
+@dataclass
+class _Output:
+    """What a consolidation writes, planned before anything is: tensors, shards, the config and notes."""
+
+    ckpt: ZeroCheckpoint
+    dtype: DType
+    to: str
+    model_config: hf.ModelConfig | None
+    tensors: list[OutputTensor]
+    omitted: dict[str, str]
+    shards: dict[str, list[OutputTensor]]
+    total: int
+    notes: list[str]
+
+    def key_check(self, check_keys: bool) -> _KeyCheck:
+        mc = self.model_config
+        return _KeyCheck(mc.folder if mc is not None and mc.standard_name and check_keys else None, self.tensors)
+
+    def finish_folder(self, tmp: Path, keycheck: _KeyCheck, reader: RecordReader, check_existing: bool) -> list[str]:
+        """After the shards: the key check's verdict, the index, config and companion files, the comparison with
+        the weights a Trainer saved beside the shards."""
+        ckpt = self.ckpt
+        keycheck.problems(ckpt, self.omitted, self.notes)
+        files = _write_hf_files(tmp, ckpt, self.shards, self.tensors, self.to, self.dtype, self.model_config)
+        if check_existing and (ckpt.location.root / "config.json").is_file():
+            self.notes += compare_with_existing(ckpt, reader, self.dtype)
+        return files
+
+    def result(self, out: Path, files: list[str], dtype: str) -> ConsolidateResult:
+        return ConsolidateResult(
+            output_dir=str(out),
+            files=files,
+            dtype=dtype,
+            format=self.to,
+            num_parameters=_param_count(self.tensors, self.ckpt),
+            num_tensors=len(self.tensors),
+            total_size=self.total,
+            source=source_summary(self.ckpt),
+            notes=self.notes,
+        )
+
+
+def _plan_output(
+    ckpt: ZeroCheckpoint, dtype: DType, to: str, max_shard_size: int | str, config: Path | str | None
+) -> _Output:
+    model_config = hf.find_config(ckpt.location.root, config)  # read once, refused before writing
+    tensors, omitted = plan_tensors(ckpt, dtype, hf_folder=model_config is not None,
+                                    config=model_config.config if model_config else {})  # fmt: skip
+    shards = plan_shards(tensors, to, max_shard_size)
+    notes: list[str] = [] if model_config is not None or not _is_accelerate(ckpt) else [_NO_CONFIG_NOTE]
+    if ckpt.frozen_excluded:
+        notes.append("this checkpoint holds only trainable (e.g. LoRA) weights: base weights are absent, as saved")
+    total = sum(t.nbytes for t in tensors)
+    return _Output(ckpt, dtype, to, model_config, tensors, omitted, shards, total, notes)
 
 
 _NO_CONFIG_NOTE = (
@@ -451,3 +502,103 @@ class _PeftJob:
 
 def _short(dtype: DType) -> str:
     return next(k for k, v in DTYPES.items() if v is dtype)
+
+
+@dataclass
+class _RanksJob:
+    """One consolidation shared by the ranks of a launcher: each writes the shards planned for it (balanced by
+    bytes read and written), rank 0 also the index, config and companion files, all into one staged folder."""
+
+    group: ProcessGroup
+    path: Path | str
+    out_dir: Path | str | None
+    to: str
+    dtype: str
+    max_shard_size: int | str
+    tag: str | None
+    step: int | None
+    best: bool
+    overwrite: bool
+    check_existing: bool
+    check_keys: bool
+    config: Path | str | None
+    merge: bool
+    base: Path | str | None
+    on_progress: ProgressFn | None
+    on_start: Any
+
+    def run(self) -> ConsolidateResult:
+        ckpt, out = self.group.run_agreed(self._open)
+        if self.merge or peft.is_peft(ckpt):
+            return self._share(self.group.run_agreed(self._peft_on_rank0))
+        plan = self.group.run_agreed(lambda: self._plan(ckpt))
+        owners = dict(zip(plan.shards, _plan_ranks(plan.shards, self.group.world_size), strict=True))
+        mine = {f: group for f, group in plan.shards.items() if owners[f] == self.group.rank}
+        keycheck = plan.key_check(self.check_keys and self.group.rank == 0)
+        try:
+            staging = shared_staged_folder(out, overwrite=self.overwrite, needed_bytes=plan.total, group=self.group)
+            with RecordReader() as reader, staging as tmp:
+                if self.on_start:
+                    self.on_start(sum(t.nbytes for group in mine.values() for t in group))
+                _write_shards(tmp, mine, self.to, reader, self.on_progress)
+                rank0 = self.group.rank == 0
+                extra = plan.finish_folder(tmp, keycheck, reader, self.check_existing) if rank0 else []
+                for record in _records_to_verify(plan.tensors, self.group):
+                    reader.verify(record)  # CRC-32: each record read by any rank is checked by one, before they agree
+        except BaseException:
+            keycheck.cancel()
+            raise
+        result = plan.result(out, list(plan.shards) + extra, self.dtype)
+        result.world_size, result.ranks = self.group.world_size, {**owners, **dict.fromkeys(extra, 0)}
+        return self._share(result)
+
+    def _open(self) -> tuple[ZeroCheckpoint, Path]:
+        ckpt = open_checkpoint(self.path, tag=self.tag, step=self.step, best=self.best)
+        out_dir = Path(self.out_dir) if self.out_dir else default_output_dir(ckpt)
+        return ckpt, check_output_dir(out_dir, ckpt.location.root, self.overwrite)
+
+    def _plan(self, ckpt: ZeroCheckpoint) -> _Output:
+        plan = _plan_output(ckpt, DTYPES[self.dtype], self.to, self.max_shard_size, self.config)
+        if self.group.rank == 0:
+            check_module_copies(ckpt)  # before anything is written; one whole-model pass
+        return plan
+
+    def _peft_on_rank0(self) -> ConsolidateResult | None:
+        """A PEFT run's outputs are small (adapters) or written as one merge: rank 0 writes them alone."""
+        if self.group.rank != 0:
+            return None
+        result = consolidate(self.path, self.out_dir, to=self.to, dtype=self.dtype, max_shard_size=self.max_shard_size,
+                             tag=self.tag, step=self.step, best=self.best, overwrite=self.overwrite,
+                             check_existing=self.check_existing, check_keys=self.check_keys, config=self.config,
+                             merge=self.merge, base=self.base, on_progress=self.on_progress,
+                             on_start=self.on_start)  # fmt: skip
+        result.world_size, result.ranks = self.group.world_size, dict.fromkeys(result.files, 0)
+        return result
+
+    def _share(self, result: ConsolidateResult | None) -> ConsolidateResult:
+        """Rank 0's result, on every rank (notes from its checks included)."""
+        text = self.group.share(json.dumps(result.to_dict()) if result is not None else "")
+        return ConsolidateResult(**json.loads(text))
+
+
+def _plan_ranks(shards: dict[str, list[OutputTensor]], world_size: int) -> list[int]:
+    """The rank writing each shard, balanced by the bytes it reads and writes (16-bit output reads fp32)."""
+    from .distributed import plan_by_bytes
+
+    return plan_by_bytes([_shard_bytes(group) for group in shards.values()], world_size)
+
+
+def _records_to_verify(tensors: Sequence[OutputTensor], group: ProcessGroup) -> list[Record]:
+    """This rank's share of the CRC-32 checks: every record any rank reads, each checked by one rank (whole
+    records, balanced by bytes), so a ZeRO flat partition every rank reads a piece of is not read by all."""
+    from .distributed import plan_by_bytes
+
+    records = list({(seg.tensor.record.path, seg.tensor.record.name): seg.tensor.record
+                    for t in tensors for seg in t.source.segments}.values())  # fmt: skip
+    owners = plan_by_bytes([r.nbytes for r in records], group.world_size)
+    return [r for r, owner in zip(records, owners, strict=True) if owner == group.rank]
+
+
+def _shard_bytes(tensors: Sequence[OutputTensor]) -> int:
+    read = sum(seg.count * seg.tensor.dtype.itemsize for t in tensors for seg in t.source.segments)
+    return read + sum(t.nbytes for t in tensors)

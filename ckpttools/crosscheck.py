@@ -18,6 +18,7 @@ import numpy as np
 from . import dtypes
 from .dtypes import DType
 from .errors import CorruptCheckpointError
+from .torchfile import open_readonly
 
 if TYPE_CHECKING:
     from .reader import TensorSource, ZeroCheckpoint
@@ -46,7 +47,7 @@ class _Files:
     def fd(self, path: str) -> int:
         with self.lock:
             if path not in self.fds:
-                self.fds[path] = os.open(path, os.O_RDONLY)
+                self.fds[path] = open_readonly(path)
             return self.fds[path]
 
     def close(self) -> None:

@@ -12,6 +12,11 @@ The same files as DeepSpeed's, with the same values:
 - ZeRO-1/2: per parameter `{"cat_dim": 0, "param": <full shape>}` for the fp32 master and every optimizer state,
   and `step.pt`; and, as DeepSpeed 0.19.8 does, `zero/<name>/fp32.pt` = `{"param": value.float()}` for every
   other module entry (buffers, frozen params, tied aliases: the module's values, which no DeepSpeed loader reads).
+- AutoTP (tensor-parallel ZeRO-1/2): per parameter the FULL tensor (the TP shards merged as the run's
+  `universal_checkpoint_info` says) as `{"param": ...}`, with `vocab_tensor: True` on vocabulary parameters and
+  `cat_dim` only where the run saved no affine map (DeepSpeed's loader re-splits at any TP size from the loading
+  engine's own map), `step.pt`, TP rank 0 / DP rank 0's shared optimizer state, every TP rank's model-states file
+  unchanged, and the module fp32 files from TP rank 0's module.
 - ZeRO-3: the per-parameter states (as `{"param": <full shape>, "cat_dim": 0}` where DeepSpeed writes bare flat
   tensors; DeepSpeed reads both), no `step.pt`; the step stays in `zero/optimizer_state.pt`, which here holds no
   copy of rank 0's shards.
@@ -122,9 +127,12 @@ def convert_to_universal(
     if ckpt.zero_stage == 3:  # DeepSpeed keeps the ZeRO-3 step in optimizer_state.pt only
         for p in ckpt.params:
             files.pop(f"zero/{p.file_name}/{STEP}.pt", None)
-    for rank, name in ckpt.location.files.model_files.items():
-        files[name] = ckpt.model_files[rank]
-    extra = _module_fp32_files(ckpt, files) if ckpt.zero_stage < 3 else []
+    if ckpt.layout.kind != "tensor":  # the AutoTP writer lists every TP rank's model-states file itself
+        for rank, name in ckpt.location.files.model_files.items():
+            files[name] = ckpt.model_files[rank]
+    # DeepSpeed takes these from mp_rank_00's module first: for AutoTP, TP rank 0's (local) values
+    module_owner = ckpt.slices[0] if ckpt.layout.kind == "tensor" else ckpt
+    extra = _module_fp32_files(module_owner, files) if ckpt.zero_stage < 3 else []
     tag_bytes = sum(p.stat().st_size for p in ckpt.location.tag_dir.rglob("*") if p.is_file())
     needed = tag_bytes + sum(src.numel() * 4 for _, src in extra)
     with RecordReader() as reader:

@@ -15,8 +15,12 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from .errors import OutputError
+
+if TYPE_CHECKING:
+    from .distributed import ProcessGroup
 
 SPACE_MARGIN = 64 << 20
 
@@ -113,6 +117,55 @@ def staged_folder(out: Path, *, overwrite: bool, needed_bytes: int = 0) -> Itera
     except BaseException:
         staged.abort()
         raise
+
+
+@contextlib.contextmanager
+def shared_staged_folder(out: Path, *, overwrite: bool, needed_bytes: int = 0, group: ProcessGroup) -> Iterator[Path]:
+    """`staged_folder` for a run on many ranks that all see one filesystem.
+
+    Rank 0 creates the temp folder and every rank writes its own files into it. On leaving the block the ranks
+    agree: rank 0 renames the folder into place only when every rank succeeded, and removes it when any failed;
+    then every rank raises the same `RankFailedError` (see `ckpttools.distributed`).
+    """
+    staged: StagedFolder | None = None
+
+    def create() -> str:
+        nonlocal staged
+        if group.rank == 0:
+            staged = StagedFolder(out, overwrite=overwrite, needed_bytes=needed_bytes)
+            return str(staged.path)
+        return ""
+
+    try:
+        with sigterm_as_interrupt():
+            path = Path(group.share(group.run_agreed(create)))
+            group.run_agreed(lambda: _check_visible(path))
+            try:
+                yield path
+            except BaseException as e:
+                group.agree(e)
+                raise
+            group.agree(None)
+            group.run_agreed(staged.commit if staged is not None else lambda: None)
+    except BaseException:
+        if staged is not None:
+            staged.abort()
+        _wait_for_cleanup(group)
+        raise
+
+
+def _check_visible(path: Path) -> None:
+    if not path.is_dir():
+        raise OutputError(
+            f"the temporary output folder {path} that rank 0 created is not visible here; the output folder must be "
+            "on a filesystem every rank sees (pass --out on shared storage)"
+        )
+
+
+def _wait_for_cleanup(group: ProcessGroup) -> None:
+    """No rank leaves before rank 0 removed the temp folder (a launcher kills the others once one exits)."""
+    with contextlib.suppress(Exception):
+        group.barrier()
 
 
 def publish(tmp: Path, out: Path, overwrite: bool) -> None:

@@ -40,6 +40,7 @@ from .reader import (
     _zero_stage,
 )
 from .torchfile import RecordReader, load_pickle
+from .universal import MASTER, NAME_KEY, STEP, _new
 
 AFFINE_MAP_VERSION = 1
 
@@ -277,6 +278,8 @@ def _matching(f0: _File, name: str, patterns: Mapping[str, Any]) -> str | None:
     return hits[0] if hits else None
 
 
+# Categories ds_to_universal merges other than by concatenation (averaged, chunk-interleaved): refused.
+UNMERGED_KEYS = ("parameter_to_average_patterns", "parameter_with_2_sub_params_cat_dim_0")
 CATEGORY_KEYS = ("tp_replicated_parameter_patterns", "parameter_with_row_parallelism_patterns",
                  "vocabulary_parameter_patterns")  # fmt: skip
 
@@ -305,6 +308,12 @@ def _category_map(f0: _File, info: dict[str, Any], name: str, local: list[tuple[
         )
     if _matching(f0, name, dict.fromkeys(info.get("tp_replicated_parameter_patterns") or [])) is not None:
         return _replicated(local)
+    for key in UNMERGED_KEYS:  # averaged or chunk-interleaved: not a concatenation, which is all that is left
+        if _matching(f0, name, dict.fromkeys(info.get(key) or [])) is not None:
+            raise UnsupportedCheckpointError(
+                f"{f0.path}: {name} matches {key} of universal_checkpoint_info without an affine map; ckpttools "
+                "does not merge such parameters (DeepSpeed's ds_to_universal does)"
+            )
     row_parallel = info.get("parameter_with_row_parallelism_patterns") or []
     return _concatenated(f0, name, local, 1 if _matching(f0, name, dict.fromkeys(row_parallel)) else 0)
 
@@ -666,10 +675,50 @@ def _slice(src: TensorSource, start: int, count: int) -> Iterator[Segment]:
 # --- The universal format ---------------------------------------------------------------------------------------
 
 
+# What ds_to_universal records beside each full tensor (its keys in deepspeed.checkpoint.constants).
+CAT_DIM, VOCAB_TENSOR = "cat_dim", "vocab_tensor"
+
+
 def tensor_universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
-    """Relative path -> object: DeepSpeed's universal layout of an AutoTP checkpoint (as ds_to_universal writes it),
-    which load_universal re-splits at any TP and DP size."""
-    raise UnsupportedCheckpointError(
-        f"{ckpt.location.tag_dir} is a tensor-parallel (AutoTP) checkpoint ({ckpt.layout.describe()}); writing it in "
-        "the universal format is not supported yet (reshard with --dp M, or use DeepSpeed's ds_to_universal)"
-    )
+    """Relative path -> object: DeepSpeed's universal layout of an AutoTP checkpoint, as ds_to_universal writes it.
+
+    Per trained parameter `zero/<name>/{fp32,<state>}.pt` = `{"param": <full tensor>, ...}` with ds_to_universal's
+    markers (none for a parameter its affine map covers: the loading engine's own map re-splits it at any TP
+    size; `cat_dim` 0/1 for concatenated ones without a map; `vocab_tensor` for vocabulary parameters) and the
+    parameter's name, `step.pt`, `zero/optimizer_state.pt` (TP rank 0, DP rank 0's shared state) and every TP
+    rank's model-states file unchanged.
+    """
+    opt = ckpt.optimizer
+    if opt.param_groups is None:
+        raise CorruptCheckpointError(
+            f"{ckpt.location.tag_dir}: elastic ZeRO-1/2 checkpoints carry no param_groups for the universal format; "
+            "reshard natively instead"
+        )
+    info = ckpt.model_files[0].get("universal_checkpoint_info") or {}
+    files: dict[str, Any] = {}
+    for p in ckpt.params:
+        markers = _universal_markers(info, p.file_name)
+        folder = f"zero/{p.file_name}"
+        for key, src in {MASTER: p.fp32, **p.states}.items():
+            files[f"{folder}/{key}.pt"] = {**markers, "param": _new(src, p.shape), NAME_KEY: p.file_name}
+        if STEP in opt.group_scalars[p.group]:
+            files[f"{folder}/{STEP}.pt"] = opt.group_scalars[p.group][STEP]
+    files["zero/optimizer_state.pt"] = dict(opt.common)
+    # ds_to_universal copies every TP rank's model-states file: their maps describe the saved TP shards
+    files.update(zip(ckpt.layout.details["model_files"], ckpt.model_files, strict=True))
+    return files
+
+
+def _universal_markers(info: Mapping[str, Any], name: str) -> dict[str, Any]:
+    """The keys ds_to_universal's merge_tp_slices writes beside a parameter's full tensor (re.match, like it)."""
+
+    def hit(key: str) -> bool:
+        return any(re.match(str(pattern), name) for pattern in info.get(key) or [])
+
+    affine = (info.get("affine_map") or {}).get("params") or {}
+    markers: dict[str, Any] = {}
+    if not any(re.match(str(pattern), name) for pattern in affine) and not hit("tp_replicated_parameter_patterns"):
+        markers[CAT_DIM] = 1 if hit("parameter_with_row_parallelism_patterns") else 0  # the reader refused the rest
+    if hit("vocabulary_parameter_patterns"):
+        markers[VOCAB_TENSOR] = True
+    return markers

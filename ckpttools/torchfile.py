@@ -11,6 +11,7 @@ is checked against the CRC-32 the zip format stores for it.
 from __future__ import annotations
 
 import enum
+import errno
 import functools
 import os
 import pickle
@@ -24,6 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from typing_extensions import Self
+
+try:  # imported now: importing it needs a file descriptor, which is what runs out when it is wanted
+    import resource
+except ImportError:  # not on Windows
+    resource = None  # type: ignore[assignment]
 
 from . import dtypes
 from .dtypes import DType
@@ -471,7 +477,7 @@ class RecordReader:
         with self._lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                fd = self._fds[path] = open_readonly(path)
             return fd
 
     def _cursor(self, record: Record) -> _CrcCursor:
@@ -551,6 +557,40 @@ class RecordReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_readonly(path: Path | str) -> int:
+    """A read-only descriptor, kept open while a conversion runs. Checkpoints of 1,000+ ranks need more than the
+    usual soft limit of 1,024 open files: on EMFILE the soft limit is raised to the hard one (by whichever thread
+    gets there first) and the open retried once."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        _raise_open_file_limit()
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as e:
+        if e.errno != errno.EMFILE:
+            raise
+        raise CkptError(
+            f"too many open files reading {path}: the checkpoint has more rank files than the limit allows; "
+            "raise it (ulimit -n) and run again"
+        ) from e
+
+
+def _raise_open_file_limit() -> bool:
+    if resource is None:
+        return False
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard != resource.RLIM_INFINITY and soft >= hard:
+            return False
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return True
+    except (ValueError, OSError):
+        return False
 
 
 READAHEAD_BYTES = 256 << 20  # asked of the kernel ahead of the reads: fills the page cache, not our memory

@@ -131,6 +131,12 @@ def _model_files(tag_dir: Path, stage: int) -> list[_File]:
         raise CheckpointNotFoundError(
             f"{tag_dir} has no {'zero_pp_rank_*_' if stage == 3 else ''}mp_rank_00_model_states.pt"
         )
+    if stage != 3 and len(found) > 1:
+        raise UnsupportedCheckpointError(
+            f"{tag_dir} holds {len(found)} mp_rank_*_model_states.pt files: a tensor-parallel (AutoTP) universal "
+            "checkpoint, which ckpttools does not read back; use the native checkpoint it was converted from, or "
+            'load it in DeepSpeed with "checkpoint": {"load_universal": true}'
+        )
     if set(found) != set(range(len(found))) or (stage != 3 and set(found) != {0}):
         raise CorruptCheckpointError(
             f"{tag_dir}: model-state files for ranks {sorted(found)}; expected 0-{len(found) - 1}"

@@ -1,18 +1,20 @@
-"""Worker for tests/test_tensor_parallel.py: load an AutoTP checkpoint with plain DeepSpeed, dump what the
-engine holds, and train on.  Run it under torchrun (DP x 2 processes); not a test.
+"""Worker for tests/test_tensor_parallel.py and test_tensor_universal.py: load an AutoTP checkpoint with plain
+DeepSpeed, dump what the engine holds, and train on.  Run it under torchrun (DP x TP processes); not a test.
 
     torchrun --nproc_per_node 4 tests/autotp_load_worker.py --fixture-meta fixtures/autotp_tp2_dp2_z1_bf16/meta.json \
-        --load CKPT_ROOT [--universal] [--dump OUT.safetensors] [--steps K]
+        --load CKPT_ROOT [--universal] [--tp T] [--dump OUT.safetensors] [--steps K]
 
   * the model is the fixture's (scripts/fixture_autotp.py: same Llama config, seed, AutoTP degree 2, ZeRO stage
     and DS config), *scrambled* before AutoTP shards it, so whatever `load_checkpoint` does not restore shows;
-  * the DP size is WORLD_SIZE / 2 (TP 2 is fixed by the model);
+  * the AutoTP degree is --tp (default 2, the fixtures'; another one only makes sense with --universal), the DP
+    size WORLD_SIZE / TP;
   * `engine.load_checkpoint(CKPT_ROOT, load_optimizer_states=True, load_lr_scheduler_states=True)`; a None load
     path is an error. --universal adds `"checkpoint": {"load_universal": true}` to the config;
   * --dump (rank 0 writes; every rank takes part): for TP rank r (DP rank 0) `tp{r}/fp32/<n>`, `tp{r}/exp_avg/<n>`,
     `tp{r}/exp_avg_sq/<n>` (safe_get_full_fp32_param / safe_get_full_optimizer_state: the LOCAL TP shard,
     gathered over DP) and `tp{r}/module/<n>` (the module's 16-bit shard); OUT.json beside it: global steps, the
-    optimizer step, the losses of the --steps more training steps.
+    optimizer step, DP and TP size, `none` (the keys DeepSpeed returned None for: an empty TP shard, e.g. the
+    attention of TP ranks holding no head at TP 4), the losses of the --steps more training steps.
 """
 
 from __future__ import annotations
@@ -67,7 +69,8 @@ def dump(engine, out: Path, info: dict) -> None:
     everyone = FA.gather_to_rank0(mine if dp_rank == 0 else {})
     if dist.get_rank() == 0:
         tensors = {k: v for part in everyone for k, v in part.items()}
-        FA.save_st(tensors, out)
+        info["none"] = sorted(k for k, v in tensors.items() if v is None)  # DeepSpeed gave no tensor for these
+        FA.save_st({k: v for k, v in tensors.items() if v is not None}, out)
         out.with_suffix(".json").write_text(json.dumps(info, indent=1))
 
 
@@ -81,7 +84,9 @@ def main(argv=None) -> int:
     ap.add_argument("--universal", action="store_true")
     ap.add_argument("--dump")
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=FA.TP)
     a = ap.parse_args(argv)
+    FA.TP = a.tp  # build_engine and ds_config read the module's TP degree
     meta = json.loads(Path(a.fixture_meta).read_text())
     FA.quiet_loggers()
     deepspeed.init_distributed(dist_backend="gloo", timeout=datetime.timedelta(seconds=180))
@@ -93,7 +98,12 @@ def main(argv=None) -> int:
         raise SystemExit(f"load_checkpoint({a.load}) found nothing to load")
     base = engine.optimizer.optimizer if hasattr(engine.optimizer, "optimizer") else engine.optimizer
     steps = sorted({int(s["step"]) for s in [*base.state.values(), *base.param_groups] if "step" in s})
-    info = {"global_steps": engine.global_steps, "optimizer_steps": steps, "dp": dist.get_world_size() // FA.TP}
+    info = {
+        "global_steps": engine.global_steps,
+        "optimizer_steps": steps,
+        "dp": dist.get_world_size() // FA.TP,
+        "tp": FA.TP,
+    }
     if a.dump:
         dump(engine, Path(a.dump), info)  # before training on: what was loaded
     losses = FA.train(engine, a.steps, first=FA.STEPS)

@@ -259,11 +259,12 @@ def test_without_an_affine_map_the_pattern_categories_merge_the_same(tmp_path):
 
 
 def _load_in_deepspeed(
-    name: str, load: Path, tmp_path: Path, universal: bool = False, nproc: int = 4
+    name: str, load: Path, tmp_path: Path, universal: bool = False, nproc: int = 4, tp: int = 2
 ) -> dict[str, torch.Tensor]:
     tmp_path.mkdir(parents=True)
     dump = tmp_path / "dump.safetensors"
-    args = ["--fixture-meta", str(FIXTURES / name / "meta.json"), "--load", str(load), "--dump", str(dump)]
+    args = ["--fixture-meta", str(FIXTURES / name / "meta.json"), "--load", str(load), "--dump", str(dump),
+            "--tp", str(tp)]  # fmt: skip
     run = ds_launch.torchrun(nproc, WORKER, args + (["--universal"] if universal else []), cwd=tmp_path, timeout=900)
     assert run.rc == 0, run.tail()
     return load_file(str(dump))

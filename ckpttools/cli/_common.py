@@ -14,12 +14,15 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import click
 
 from ..errors import CkptError
 from ..staging import sigterm_as_interrupt as _sigterm_as_interrupt
+
+if TYPE_CHECKING:
+    from ..distributed import Launch, ProcessGroup
 
 EPILOG = """\b
 Examples:
@@ -76,13 +79,15 @@ class CkptGroup(click.Group):
         return result[0] if result else None
 
 
-def run_guarded(body: Callable[[], object], *, debug: bool = False) -> int:
+def run_guarded(body: Callable[[], object], *, debug: bool = False, silent: bool = False) -> int:
     """Run a command body; the one place exceptions become a message and an exit code (see CkptGroup).
 
     Used by `ckpt` and by the argparse entry points that mirror DeepSpeed's scripts. SIGTERM is handled
-    like Ctrl-C, so staged outputs are removed either way.
+    like Ctrl-C, so staged outputs are removed either way. `silent`: the same exit code, nothing printed
+    (the ranks other than 0 of a run on many processes).
     """
     show = debug or _debug()
+    say = (lambda message: None) if silent else echo_error
     with _sigterm_as_interrupt():
         try:
             body()
@@ -90,26 +95,50 @@ def run_guarded(body: Callable[[], object], *, debug: bool = False) -> int:
             raise
         except CkptError as e:
             for problem in e.problems:
-                echo_error(problem)
+                say(problem)
             if show:
                 raise
-            echo_error(str(e))
+            say(str(e))
             return e.exit_code
         except KeyboardInterrupt:
-            click.echo("Interrupted; nothing was published.", err=True)
+            if not silent:
+                click.echo("Interrupted; nothing was published.", err=True)
             return EXIT_INTERRUPTED
         except OSError as e:  # disk full, permissions: the user's environment, not a bug
             if show:
                 raise
-            echo_error(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
+            say(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
             return 1
         except Exception as e:  # a bug: one line that says so instead of a traceback
             if show:
                 raise
             message = _one_line(str(e))
-            echo_error(INTERNAL_ERROR.format(what=f"{type(e).__name__}: {message}" if message else type(e).__name__))
+            say(INTERNAL_ERROR.format(what=f"{type(e).__name__}: {message}" if message else type(e).__name__))
             return 1
     return 0
+
+
+def run_on_ranks(launch: Launch, body: Callable[[ProcessGroup], object]) -> None:
+    """A command on every rank of a launcher's group (torchrun): errors agreed by all, printed by rank 0 only.
+
+    Every rank exits with the same code (a `RankFailedError` names the rank that failed), and none leaves
+    before rank 0 has cleaned up and printed: a launcher stops the remaining ranks once one has exited.
+    """
+    from ..distributed import join_group
+
+    joined: list[ProcessGroup] = []
+
+    def run() -> None:
+        joined.append(join_group(launch))
+        body(joined[0])
+
+    try:
+        code = run_guarded(run, silent=launch.rank != 0)
+    finally:
+        if joined:
+            joined[0].close()
+    if code:
+        raise click.exceptions.Exit(code)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ The library is imported inside each command, so `ckpt --help` and each command l
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -21,7 +21,11 @@ from ._common import (
     progress_callbacks,
     quiet_option,
     report,
+    run_on_ranks,
 )
+
+if TYPE_CHECKING:
+    from ..distributed import ProcessGroup
 
 
 @click.command("consolidate", epilog=EPILOG)
@@ -85,21 +89,33 @@ def consolidate_cmd(
     """Write consolidated weights from a ZeRO checkpoint as a folder from_pretrained loads.
 
     A PEFT (LoRA) run gives the adapter folder PEFT's save_pretrained writes; with --merge, the full
-    model with the adapters merged into the base weights.
+    model with the adapters merged into the base weights. Under torchrun (WORLD_SIZE > 1) the ranks
+    share the shards, balanced by bytes, into one folder on a filesystem they all see; only rank 0 prints.
     """
     from ..consolidate import consolidate
+    from ..distributed import launch_from_env
 
-    with progress_callbacks("consolidate", quiet) as progress:
-        result = consolidate(path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
-                             best=best, overwrite=overwrite, check_keys=check_keys, config=config, merge=merge,
-                             base=base, **progress)  # fmt: skip
-    report(result.to_dict(), as_json, quiet, _human_consolidate)
+    def run(group: ProcessGroup | None = None) -> None:
+        rank0 = group is None or group.rank == 0
+        with progress_callbacks("consolidate", quiet or not rank0) as progress:
+            result = consolidate(path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
+                                 best=best, overwrite=overwrite, check_keys=check_keys, config=config, merge=merge,
+                                 base=base, group=group, **progress)  # fmt: skip
+        if rank0:
+            report(result.to_dict(), as_json, quiet, _human_consolidate)
+
+    launch = launch_from_env()  # torchrun's WORLD_SIZE > 1: the ranks share the work
+    if launch is None:
+        run()
+    else:
+        run_on_ranks(launch, run)
 
 
 def _human_consolidate(d: dict[str, Any]) -> str:
+    ranks = f" on {d['world_size']} ranks" if d.get("world_size") else ""
     return (
         f"Wrote {d['num_tensors']} tensors ({d['num_parameters']:,} parameters, {human_size(d['total_size'])}, "
-        f"{d['dtype']}) to {d['output_dir']}: {', '.join(d['files'])}"
+        f"{d['dtype']}){ranks} to {d['output_dir']}: {', '.join(d['files'])}"
     )
 
 

@@ -1,0 +1,197 @@
+"""One command on many processes: the launcher's group, work balanced by bytes, and failures agreed by all.
+
+Under `torchrun` (or any launcher that sets WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT) every rank runs the
+same command, plans the same output, writes its own share of the files and meets the others at a few
+agreement points: if any rank failed, every rank raises the same `RankFailedError`, naming the first rank that
+failed and its message. The group is gloo, so no GPU is needed. Only `join_group` imports torch.distributed:
+a one-process run never loads it. Messages travel as UTF-8 bytes in tensors, never as pickles.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, TypeVar
+
+from .errors import CkptError, UsageError
+
+DEFAULT_TIMEOUT_S = 3600  # a rank waits this long at an agreement point for the slowest one
+EXIT_INTERRUPTED = 130
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the launcher told this process: its rank, the number of ranks and where rank 0 listens."""
+
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+
+
+def launch_from_env(env: Mapping[str, str] | None = None) -> Launch | None:
+    """The launcher's settings, or None for a one-process run (WORLD_SIZE unset or 1).
+
+    Raises:
+        UsageError: WORLD_SIZE > 1 with RANK, MASTER_ADDR or MASTER_PORT missing or malformed.
+    """
+    env = os.environ if env is None else env
+    world = _env_int(env, "WORLD_SIZE", default=1)
+    if world <= 1:
+        return None
+    rank = _env_int(env, "RANK")
+    if not 0 <= rank < world:
+        raise UsageError(f"RANK={rank} is outside 0..{world - 1} (WORLD_SIZE={world}); check the launcher's settings")
+    addr = env.get("MASTER_ADDR")
+    if not addr:
+        raise UsageError(f"WORLD_SIZE={world} but MASTER_ADDR is not set; launch with torchrun or set it")
+    return Launch(rank, world, addr, _env_int(env, "MASTER_PORT"))
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        if default is None:
+            raise UsageError(f"WORLD_SIZE > 1 but {name} is not set; launch with torchrun or set it")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise UsageError(f"{name}={value!r} is not an integer") from None
+
+
+def plan_by_bytes(sizes: Sequence[int], world_size: int) -> list[int]:
+    """The rank that handles each item, so that every rank gets about the same number of bytes.
+
+    Largest first, each to the least loaded rank (lowest rank on ties): the classic LPT schedule, within 4/3
+    of the best split. Deterministic, so every rank computes the same plan on its own.
+
+    Example:
+        >>> plan_by_bytes([10, 3, 7, 4], 2)  # 10 -> 0, 7 -> 1, 4 -> 1, 3 -> 0
+        [0, 0, 1, 1]
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, not {world_size}")
+    loads = [0] * world_size
+    owner = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        owner[i] = rank
+        loads[rank] += sizes[i]
+    return owner
+
+
+class RankFailedError(CkptError):
+    """A rank failed, so every rank fails: raised on all of them with the first failing rank's message.
+
+    `rank` is None when every rank failed alike (a refusal all of them met, such as an existing output folder):
+    the message is then the plain one a one-process run prints.
+    """
+
+    def __init__(self, rank: int | None, world_size: int, message: str, exit_code: int = 1) -> None:
+        super().__init__(message if rank is None else f"rank {rank} of {world_size} failed: {message}")
+        self.rank, self.failed_message, self.exit_code = rank, message, exit_code
+
+
+def describe_failure(error: BaseException) -> tuple[int, str]:
+    """The exit code and one line a rank reports for its own failure (what the CLI would have printed)."""
+    if isinstance(error, CkptError):
+        return error.exit_code, " ".join(str(error).split())
+    if isinstance(error, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted"
+    if isinstance(error, OSError):
+        return 1, f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}"
+    text = " ".join(str(error).split())
+    return 1, f"internal error ({type(error).__name__}{f': {text}' if text else ''})"
+
+
+class ProcessGroup:
+    """The launcher's ranks in a gloo group: agreement on failures, rank 0's text to all, barrier, teardown."""
+
+    def __init__(self, launch: Launch, dist: Any) -> None:
+        self.rank, self.world_size = launch.rank, launch.world_size
+        self._dist = dist
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's bytes, in rank order, on every rank (lengths first, then the padded payloads)."""
+        import torch
+
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        lengths = [torch.zeros_like(length) for _ in range(self.world_size)]
+        self._dist.all_gather(lengths, length)
+        longest = max(int(n.item()) for n in lengths)
+        payload = torch.zeros(max(longest, 1), dtype=torch.uint8)
+        if data:
+            payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        payloads = [torch.zeros_like(payload) for _ in range(self.world_size)]
+        self._dist.all_gather(payloads, payload)
+        return [bytes(p[: int(n.item())].tolist()) for p, n in zip(payloads, lengths, strict=True)]
+
+    def share(self, text: str) -> str:
+        """Rank 0's text, on every rank (what the others pass is ignored)."""
+        return self.gather_bytes(text.encode() if self.rank == 0 else b"")[0].decode()
+
+    def agree(self, error: BaseException | None) -> None:
+        """Meet every rank; if any failed, raise RankFailedError for the first one that did, on every rank."""
+        code, message = describe_failure(error) if error is not None else (0, "")
+        reports = self.gather_bytes(f"{code}\n{message}".encode() if error is not None else b"")
+        failed = [(rank, report.decode(errors="replace")) for rank, report in enumerate(reports) if report]
+        if not failed:
+            return
+        rank, report = failed[0]
+        code_text, _, text = report.partition("\n")
+        alike = len(failed) == self.world_size and all(r == report for _, r in failed)
+        raise RankFailedError(None if alike else rank, self.world_size, text, int(code_text)) from error
+
+    def run_agreed(self, fn: Callable[[], _T]) -> _T:
+        """Run `fn` on this rank, then agree: its result if every rank succeeded, else RankFailedError."""
+        try:
+            result = fn()
+        except BaseException as e:  # reported to every rank, then raised there as RankFailedError
+            self.agree(e)
+            raise  # unreachable: agree raises for a failed rank
+        self.agree(None)
+        return result
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+    def close(self) -> None:
+        """Wait for every rank (so nobody exits while rank 0 still cleans up or prints), then leave the group."""
+        with contextlib.suppress(Exception):  # a peer already gone: leaving is all that is left to do
+            self._dist.barrier()
+        self._dist.destroy_process_group()
+
+
+def join_group(launch: Launch, timeout_s: float | None = None) -> ProcessGroup:
+    """Join the launcher's ranks in a gloo group (the env:// rendezvous at MASTER_ADDR:MASTER_PORT).
+
+    The rendezvous reads the launcher's variables from the environment; `launch` is what they said.
+
+    Args:
+        launch: from `launch_from_env`.
+        timeout_s: how long a collective waits for the other ranks; default CKPT_DIST_TIMEOUT or an hour.
+    """
+    import torch.distributed as dist
+
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("CKPT_DIST_TIMEOUT") or DEFAULT_TIMEOUT_S)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method="env://",  # under torchrun this joins its agent's store instead of opening a port
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except Exception as e:  # the rendezvous failed: one line, not a traceback
+        raise CkptError(
+            f"rank {launch.rank} cannot join the group at {launch.master_addr}:{launch.master_port} "
+            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); check MASTER_ADDR/MASTER_PORT and that every "
+            "rank was started"
+        ) from e
+    return ProcessGroup(launch, dist)

@@ -1,0 +1,233 @@
+"""`ckpt consolidate` on many processes: the byte-balanced planner, then real multi-process runs on this machine.
+
+Each run starts every rank as its own `ckpt` process with the variables a launcher sets (WORLD_SIZE, RANK,
+MASTER_ADDR, MASTER_PORT), so every rank's exit code and output can be checked; one run goes through torchrun
+itself (`--no-python ckpt ...`). Outputs are compared file by file (sha256) with a one-process run.
+"""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ckpttools.consolidate import DTYPES, _plan_output, _records_to_verify
+from ckpttools.distributed import Launch, RankFailedError, describe_failure, launch_from_env, plan_by_bytes
+from ckpttools.errors import CorruptCheckpointError, UsageError
+from ckpttools.sources import open_checkpoint
+
+from .conftest import FIXTURES
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+import ds_launch  # noqa: E402
+
+CKPT = Path(sys.executable).with_name("ckpt")
+Z3 = FIXTURES / "z3_dp2_bf16" / "checkpoint"
+TRAINER = FIXTURES / "trainer_z3_gather_bf16" / "out" / "checkpoint-2"
+
+
+# --------------------------------------------------------------------------------------------------
+# The pure parts
+# --------------------------------------------------------------------------------------------------
+
+
+def test_plan_by_bytes_gives_the_largest_first_to_the_least_loaded_rank():
+    assert plan_by_bytes([10, 3, 7, 4], 2) == [0, 0, 1, 1]  # 10 -> 0, 7 -> 1, 4 -> 1, 3 -> 0: loads 13 and 11
+    assert plan_by_bytes([5, 5, 5, 5, 5, 5], 3) == [0, 1, 2, 0, 1, 2]
+    assert plan_by_bytes([1, 100, 1, 1], 2) == [1, 0, 1, 1]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("sizes", [[7], [3, 9, 1, 12, 5, 5, 8, 2, 11], [1 << 30] * 5 + [1 << 20] * 7, list(range(40))])
+def test_plan_by_bytes_is_balanced_complete_and_deterministic(sizes, world):
+    owners = plan_by_bytes(sizes, world)
+    assert len(owners) == len(sizes)
+    assert all(0 <= r < world for r in owners)
+    loads = [sum(s for s, r in zip(sizes, owners, strict=True) if r == rank) for rank in range(world)]
+    # LPT: no rank carries more than an even share plus the largest item, and idle ranks only when items run out
+    assert max(loads) <= sum(sizes) / world + max(sizes)
+    assert sum(1 for load in loads if load) == min(world, sum(1 for s in sizes if s))
+    assert plan_by_bytes(list(sizes), world) == owners
+
+
+def test_plan_by_bytes_with_more_ranks_than_items_and_no_items():
+    assert plan_by_bytes([4, 9], 4) == [1, 0]
+    assert plan_by_bytes([], 3) == []
+    with pytest.raises(ValueError, match="at least 1"):
+        plan_by_bytes([1], 0)
+
+
+def test_launch_from_env_reads_the_launchers_variables():
+    assert launch_from_env({}) is None
+    assert launch_from_env({"WORLD_SIZE": "1", "RANK": "0"}) is None
+    env = {"WORLD_SIZE": "4", "RANK": "3", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    assert launch_from_env(env) == Launch(rank=3, world_size=4, master_addr="node0", master_port=29500)
+
+
+@pytest.mark.parametrize(
+    ("env", "match"),
+    [
+        ({"WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK is not set"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, r"RANK=2 is outside 0\.\.1"),
+        ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "1"}, "MASTER_ADDR is not set"),
+        ({"WORLD_SIZE": "two", "RANK": "0"}, "WORLD_SIZE='two' is not an integer"),
+    ],
+)
+def test_launch_from_env_refuses_incomplete_settings(env, match):
+    with pytest.raises(UsageError, match=match):
+        launch_from_env(env)
+
+
+def test_a_failure_is_described_as_the_cli_would_print_it():
+    assert describe_failure(CorruptCheckpointError("bad\nrecord")) == (1, "bad record")
+    assert describe_failure(UsageError("no")) == (2, "no")
+    assert describe_failure(KeyboardInterrupt()) == (130, "interrupted")
+    assert describe_failure(FileNotFoundError(2, "No such file or directory", "/x")) == (
+        1,
+        "No such file or directory: /x",
+    )
+    assert describe_failure(RankFailedError(1, 2, "bad record", 3)) == (3, "rank 1 of 2 failed: bad record")
+    assert describe_failure(RankFailedError(None, 2, "bad record", 1)) == (1, "bad record")
+    assert describe_failure(KeyError("k")) == (1, "internal error (KeyError: 'k')")
+
+
+@pytest.mark.parametrize("world", [None, "1"])
+def test_a_one_process_run_never_imports_torch_distributed(tmp_path, world):
+    code = (
+        "import sys\n"
+        "from ckpttools.cli import main\n"
+        f"main(['consolidate', {str(Z3)!r}, '--out', {str(tmp_path / 'o')!r}, '--json'], standalone_mode=False)\n"
+        "assert 'torch.distributed' not in sys.modules, 'imported'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ds_launch.RENDEZVOUS_VARS}
+    env.update({"WORLD_SIZE": world} if world else {})
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "world_size" not in json.loads(proc.stdout)
+
+
+# --------------------------------------------------------------------------------------------------
+# Real runs on several processes
+# --------------------------------------------------------------------------------------------------
+
+
+def _env():
+    return ds_launch.worker_env(base={**os.environ, "PATH": f"{CKPT.parent}{os.pathsep}{os.environ['PATH']}"},
+                                CKPT_DIST_TIMEOUT="120")  # fmt: skip
+
+
+def _on_ranks(n, *args):
+    """Run `ckpt ARGS` as ranks 0..n-1 of one group; each rank's (exit code, stdout, stderr)."""
+    port = ds_launch.free_port()
+    procs = []
+    for rank in range(n):
+        env = {**_env(), "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+        procs.append(subprocess.Popen([str(CKPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env))  # fmt: skip
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        results.append((p.returncode, out, err))
+    return results
+
+
+def _one_process(*args):
+    proc = subprocess.run(
+        [str(CKPT), *map(str, args)], capture_output=True, text=True, env=_env(), timeout=300, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout) if "--json" in args else proc.stdout
+
+
+def _digest(folder):
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+def test_three_ranks_write_the_shards_byte_identical_to_one_process(tmp_path):
+    args = ["consolidate", Z3, "--max-shard-size", "1KB", "--json"]
+    single = _one_process(*args, "--out", tmp_path / "one")
+    runs = _on_ranks(3, *args, "--out", tmp_path / "three")
+    assert [rc for rc, _, _ in runs] == [0, 0, 0], runs
+    assert all(out == err == "" for _, out, err in runs[1:]), runs  # only rank 0 prints
+    assert runs[0][2] == ""
+    data = json.loads(runs[0][1])
+    shards = [f for f in single["files"] if f.endswith(".safetensors")]
+    assert len(shards) == 3
+    assert data["world_size"] == 3
+    assert _digest(tmp_path / "three") == _digest(tmp_path / "one")
+    assert data["files"] == single["files"]
+    assert set(data["ranks"]) == set(data["files"])
+    assert sorted(data["ranks"][f] for f in shards) == [0, 1, 2]  # three shards of similar size: one per rank
+    assert data["ranks"]["model.safetensors.index.json"] == 0
+    without = {k: v for k, v in data.items() if k not in ("world_size", "ranks", "output_dir")}
+    assert without == {k: v for k, v in single.items() if k != "output_dir"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "three"]  # no staging folder left
+
+
+def test_torchrun_no_python_ckpt_writes_a_trainer_folder_byte_identical_to_one_process(tmp_path):
+    """.bin shards of the 16-bit weights, the index, config and tokenizer files, through torchrun itself."""
+    args = ["consolidate", TRAINER, "--to", "pt", "--dtype", "bf16", "--max-shard-size", "8KB", "--json"]
+    single = _one_process(*args, "--out", tmp_path / "one")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1", "--master_addr",
+           "127.0.0.1", "--master_port", str(ds_launch.free_port()), "--no-python", "ckpt", *map(str, args),
+           "--out", str(tmp_path / "two")]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)  # one JSON object: rank 1 printed nothing
+    assert {"config.json", "tokenizer.json", "pytorch_model.bin.index.json"} <= set(single["files"])
+    assert sum(f.endswith(".bin") for f in single["files"]) == 3
+    assert _digest(tmp_path / "two") == _digest(tmp_path / "one")
+    assert data["world_size"] == 2
+    assert sorted(set(data["ranks"].values())) == [0, 1]
+    assert all(data["ranks"][f] == 0 for f in data["files"] if not f.endswith(".bin"))
+    assert data["notes"] == single["notes"]
+    assert "match the shards exactly" in data["notes"][0]
+
+
+def _damage_a_record_checked_by(rank, world, ckpt_dir, max_shard_size):
+    """Flip one byte of a tensor record whose CRC-32 check the planner gives to `rank`."""
+    ckpt = open_checkpoint(ckpt_dir)
+    plan = _plan_output(ckpt, DTYPES["fp32"], "safetensors", max_shard_size, None)
+    group = Launch(rank, world, "", 0)
+    record = max(_records_to_verify(plan.tensors, group), key=lambda r: r.nbytes)
+    with open(record.path, "r+b") as fh:
+        fh.seek(record.offset + record.nbytes // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    return record
+
+
+def test_one_rank_failing_fails_every_rank_and_leaves_nothing_behind(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(Z3, ckpt)
+    record = _damage_a_record_checked_by(1, 3, ckpt, "1KB")
+    runs = _on_ranks(3, "consolidate", ckpt, "--out", tmp_path / "out", "--max-shard-size", "1KB")
+    assert [rc for rc, _, _ in runs] == [1, 1, 1], runs
+    assert all(out == err == "" for _, out, err in runs[1:]), runs
+    lines = runs[0][2].splitlines()
+    assert runs[0][1] == "", runs[0]
+    assert len(lines) == 1, runs[0]
+    assert lines[0].startswith("Error: rank 1 of 3 failed: ")
+    assert "fails its CRC-32 check" in lines[0]
+    assert f"record {record.name}" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no output, no staging folder
+
+
+def test_a_refusal_every_rank_meets_is_the_one_process_line_from_rank_0(tmp_path):
+    (tmp_path / "out").mkdir()
+    runs = _on_ranks(2, "consolidate", Z3, "--out", tmp_path / "out")
+    assert [rc for rc, _, _ in runs] == [1, 1], runs
+    assert runs[1][1:] == ("", "")
+    message = (
+        f"output folder {tmp_path / 'out'} already exists; pass --overwrite to replace it, or choose another --out"
+    )
+    assert runs[0][2].splitlines() == [f"Error: {message}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert not any((tmp_path / "out").iterdir())
