@@ -40,30 +40,30 @@ from .reader import (
     OPTIM_KEYS,
     ZERO12_PER_RANK,
     Param,
+    RankFile,
     Segment,
     TensorSource,
+    Zero12Reader,
     ZeroCheckpoint,
-    _check_agree,
-    _check_module_keys,
-    _check_ties,
-    _check_unsharded_agree,
-    _dict_at,
-    _dp_size,
-    _File,
-    _flat_state_keys,
-    _frozen_excluded,
-    _is_int,
-    _load_rank_files,
-    _module,
-    _param_shapes,
-    _require_keys,
-    _same_keys_everywhere,
-    _train_dtype,
-    _unique_names,
-    _Zero12Reader,
-    _zero_stage,
+    check_agree,
+    check_module_keys,
+    check_ties,
+    check_unique_names,
+    check_unsharded_agree,
+    dict_at,
+    dp_size_of,
+    flat_state_keys,
+    is_int,
+    load_rank_files,
+    param_shapes_of,
+    read_module,
+    require_keys,
+    same_keys_everywhere,
+    saved_without_frozen,
     strip_prefixes,
+    train_dtype_of,
     zero12_bit16,
+    zero_stage_of,
 )
 from .torchfile import RecordReader, load_pickle
 from .universal import MASTER
@@ -112,7 +112,7 @@ def local_expert_name(name: str, num_local: int) -> tuple[str, int]:
 
 
 def _data_before_expert(model_state: Mapping[str, Any]) -> bool:
-    return bool(_dict_at(model_state, "ds_config").get("use_data_before_expert_parallelism"))
+    return bool(dict_at(model_state, "ds_config").get("use_data_before_expert_parallelism"))
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class MoELayer:
     prefix: str
     num_experts: int
     ep: int
-    files: dict[int, _File]
+    files: dict[int, RankFile]
 
     @property
     def num_local(self) -> int:
@@ -140,16 +140,16 @@ def read_moe(loc: CheckpointLocation) -> ZeroCheckpoint:
     """
     names = list(loc.files.names) or sorted(p.name for p in loc.tag_dir.iterdir())
     model_name, expert_names = _classify(loc, names)
-    model0 = _File(loc.tag_dir / model_name, load_pickle(loc.tag_dir / model_name), "model-states")
+    model0 = RankFile(loc.tag_dir / model_name, load_pickle(loc.tag_dir / model_name), "model-states")
     num_experts = _check_model_file(model0)
-    _require_keys(model0, model0.obj, MODEL_KEYS, "DeepSpeed model-states file")
-    dp = _dp_size(model0)
-    optims = _load_rank_files(loc, loc.files.optim_files, "*_optim_states.pt", dp)
+    require_keys(model0, model0.obj, MODEL_KEYS, "DeepSpeed model-states file")
+    dp = dp_size_of(model0)
+    optims = load_rank_files(loc, loc.files.optim_files, "*_optim_states.pt", dp)
     stage = _zero12_stage(loc, optims)
     experts = _load_expert_files(loc, expert_names, num_experts)
     with RecordReader() as reader:
         for key in ("ds_config", "ds_version"):  # saved together: a model-states file from another run differs
-            _check_agree([model0, optims[0]], [model0.obj.get(key), optims[0].obj.get(key)], key, reader)
+            check_agree([model0, optims[0]], [model0.obj.get(key), optims[0].obj.get(key)], key, reader)
         ckpt = _MoEReader(loc, model0, optims, dp, stage, reader, experts).read()
         reader.finish()
     return ckpt
@@ -184,7 +184,7 @@ def _classify(loc: CheckpointLocation, names: Sequence[str]) -> tuple[str, dict[
     return plain[0], experts
 
 
-def _check_model_file(f: _File) -> list[int]:
+def _check_model_file(f: RankFile) -> list[int]:
     """The MoE facts of mp_rank_00_model_states.pt: experts per layer; AutoEP and model parallelism refused."""
     obj = f.obj
     if obj.get("ds_autoep_layers"):
@@ -192,26 +192,26 @@ def _check_model_file(f: _File) -> list[int]:
     if obj.get("module") is None:
         raise UnsupportedCheckpointError(f"{f.path} has no module weights: a pipeline-parallel MoE checkpoint")
     mp = obj.get("mp_world_size")
-    if not _is_int(mp) or mp != 1:
+    if not is_int(mp) or mp != 1:
         raise UnsupportedCheckpointError(f"{f.path}: model parallel size {short(mp, 20)} with MoE is not supported")
     dims = f.opt(obj, "checkpoint_parallel_dimensions", dict) or {}
     if dims.get("pp_degree", 1) != 1 or dims.get("tp_degree", 1) != 1:
         raise UnsupportedCheckpointError(f"{f.path}: pipeline/tensor parallel degrees {dims} are not supported")
-    if _dict_at(obj, "ds_config", "zero_optimization", "offload_optimizer").get("device") == "nvme":
+    if dict_at(obj, "ds_config", "zero_optimization", "offload_optimizer").get("device") == "nvme":
         raise UnsupportedCheckpointError(f"{f.path}: the optimizer state was offloaded to NVMe")
     counts = f.get(obj, "num_experts", list)
-    if not counts or not all(_is_int(n) and n > 0 for n in counts):
+    if not counts or not all(is_int(n) and n > 0 for n in counts):
         raise f.fail(f"num_experts {short(counts, 40)} is not a list of positive expert counts, one per MoE layer")
     return [int(n) for n in counts]
 
 
-def _zero12_stage(loc: CheckpointLocation, optims: Sequence[_File]) -> int:
+def _zero12_stage(loc: CheckpointLocation, optims: Sequence[RankFile]) -> int:
     osds = [f.get(f.obj, "optimizer_state_dict", dict) for f in optims]
-    stages = {_zero_stage(f, o) for f, o in zip(optims, osds, strict=True)}
+    stages = {zero_stage_of(f, o) for f, o in zip(optims, osds, strict=True)}
     for f, osd in zip(optims, osds, strict=True):
         if "zero_stage" not in osd:
             raise UnsupportedCheckpointError(f"{f.path}: MoE with DeepSpeed's BF16_Optimizer is not supported")
-        _require_keys(f, osd, OPTIM_KEYS["zero"], "ZeRO optimizer file of its kind")
+        require_keys(f, osd, OPTIM_KEYS["zero"], "ZeRO optimizer file of its kind")
         if isinstance(osd.get("base_optimizer_state"), list):
             raise UnsupportedCheckpointError(f"{f.path}: elastic MoE checkpoints are not supported")
     if len(stages) != 1:
@@ -224,7 +224,7 @@ def _zero12_stage(loc: CheckpointLocation, optims: Sequence[_File]) -> int:
 
 def _load_expert_files(
     loc: CheckpointLocation, names: Mapping[tuple[int, int], str], num_experts: Sequence[int]
-) -> dict[tuple[int, int], _File]:
+) -> dict[tuple[int, int], RankFile]:
     """Every (layer, global expert) num_experts promises, no more; each file a dict of that expert's tensors."""
     want = {(layer, e) for layer, n in enumerate(num_experts) for e in range(n)}
     missing = sorted(want - set(names))
@@ -242,34 +242,34 @@ def _load_expert_files(
             f"{loc.tag_dir}: {names[extra[0]]} is no expert of this run (num_experts={list(num_experts)}); "
             "remove the stray file (left over from another run?)"
         )
-    return {k: _File(loc.tag_dir / n, load_pickle(loc.tag_dir / n), "MoE expert") for k, n in sorted(names.items())}
+    return {k: RankFile(loc.tag_dir / n, load_pickle(loc.tag_dir / n), "MoE expert") for k, n in sorted(names.items())}
 
 
-class _MoEReader(_Zero12Reader):
+class _MoEReader(Zero12Reader):
     """A ZeRO-1/2 reader whose `moe` param groups are read per expert-parallel rank over its expert-DP group."""
 
     def __init__(
         self,
         loc: CheckpointLocation,
-        model0: _File,
-        optims: list[_File],
+        model0: RankFile,
+        optims: list[RankFile],
         dp: int,
         stage: int,
         reader: RecordReader,
-        experts: dict[tuple[int, int], _File],
+        experts: dict[tuple[int, int], RankFile],
     ) -> None:
         super().__init__(loc, model0, optims, dp, stage, reader)
         self.experts = experts
 
     def read(self) -> ZeroCheckpoint:
         f0 = self.model0
-        mod = _module(f0)
-        groups = _param_shapes(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
-        _unique_names(f0, groups)
+        mod = read_module(f0)
+        groups = param_shapes_of(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
+        check_unique_names(f0, groups)
         group_ep = self._group_ep_sizes(groups)
         self._check_counts(group_ep)
         states = [self._rank_states(f, o, len(groups), False) for f, o in zip(self.optims, self.osds, strict=True)]
-        _same_keys_everywhere(self.optims[0], [_flat_state_keys(s) for s in states[0]], "param group")
+        same_keys_everywhere(self.optims[0], [flat_state_keys(s) for s in states[0]], "param group")
         layers = self._layers(groups, group_ep)
         dense: list[Param] = []
         expert_params: list[Param] = []
@@ -281,8 +281,8 @@ class _MoEReader(_Zero12Reader):
         by_name = {p.name: p for p in dense}
         bit16 = zero12_bit16(f0, mod, by_name)
         frozen = {n: s for n, s in bit16.items() if n not in by_name}
-        _check_ties(f0, mod, by_name, frozen)
-        _check_module_keys(f0, mod, by_name, frozen)
+        check_ties(f0, mod, by_name, frozen)
+        check_module_keys(f0, mod, by_name, frozen)
         for name, src in bit16.items():
             if name in by_name and src.shape != by_name[name].shape:
                 raise f0.fail(f"{name} has shape {list(src.shape)} in the module, {list(by_name[name].shape)} in "
@@ -294,7 +294,7 @@ class _MoEReader(_Zero12Reader):
             location=self.loc,
             zero_stage=self.stage,
             dp_world_size=self.dp,
-            train_dtype=_train_dtype(mod.tensors, by_name),
+            train_dtype=train_dtype_of(mod.tensors, by_name),
             optimizer_kind="zero",
             ds_version=str(f0.obj.get("ds_version", "")),
             global_steps=f0.obj.get("global_steps") if isinstance(f0.obj.get("global_steps"), int) else None,
@@ -304,8 +304,8 @@ class _MoEReader(_Zero12Reader):
             bit16={**bit16, **copies},
             buffers=mod.buffers,
             shared_params=mod.shared,
-            frozen_excluded=_frozen_excluded(self.loc, by_name, bit16),
-            ds_config=_dict_at(f0.obj, "ds_config"),
+            frozen_excluded=saved_without_frozen(self.loc, by_name, bit16),
+            ds_config=dict_at(f0.obj, "ds_config"),
             model_files=[f0.obj],
             layout_files=[f.path.name for layer in layers for _, f in sorted(layer.files.items())],  # DP-independent
             layout=ParallelLayout("moe", dp=self.dp, ep=max(eps), details=_details(self, layers)),
@@ -351,7 +351,7 @@ class _MoEReader(_Zero12Reader):
             for key in ("single_partition_of_fp32_groups", "group_paddings"):
                 if len(f.get(osd, key, list)) != len(group_ep):
                     raise f.fail(f"'{key}' has {len(osd[key])} entries for {len(group_ep)} param groups")
-        _check_unsharded_agree(self.optims, self.osds, ZERO12_PER_RANK, self.reader)
+        check_unsharded_agree(self.optims, self.osds, ZERO12_PER_RANK, self.reader)
 
     def _expert_dp_ranks(self, ep_rank: int, ep: int) -> list[int]:
         return expert_dp_ranks(ep_rank, ep, self.dp, _data_before_expert(self.model0.obj))
@@ -369,7 +369,7 @@ class _MoEReader(_Zero12Reader):
         out = []
         for e in range(ep):
             ranks = self._expert_dp_ranks(e, ep)
-            view = _Zero12Reader(self.loc, self.model0, [self.optims[r] for r in ranks], len(ranks), self.stage,
+            view = Zero12Reader(self.loc, self.model0, [self.optims[r] for r in ranks], len(ranks), self.stage,
                                  self.reader)  # fmt: skip
             for p in view._group_params(g, shapes, [states[r] for r in ranks]):
                 key = expert_key(p.name)
@@ -460,7 +460,9 @@ def _renamed(p: Param, name: str) -> Param:
     return dataclasses.replace(p, name=name, file_name=name, fp32=dataclasses.replace(p.fp32, name=name), states=states)
 
 
-def _full_keys(f0: _File, keys: list[str], layers: Sequence[MoELayer], copies: Mapping[str, TensorSource]) -> list[str]:
+def _full_keys(
+    f0: RankFile, keys: list[str], layers: Sequence[MoELayer], copies: Mapping[str, TensorSource]
+) -> list[str]:
     """The full model's state-dict order: each layer's experts (0..N-1, in file order) right after its gate."""
     out = list(keys)
     for layer in layers:

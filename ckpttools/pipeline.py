@@ -29,18 +29,18 @@ from .parallel import ParallelLayout
 from .reader import (
     OPTIM_KEYS,
     Param,
+    RankFile,
     TensorSource,
+    Zero12Reader,
     ZeroCheckpoint,
-    _check_agree,
-    _dict_at,
-    _dp_size,
-    _File,
-    _load_rank_files,
-    _param_shapes,
-    _require_keys,
-    _unique_names,
-    _Zero12Reader,
-    _zero_stage,
+    check_agree,
+    check_unique_names,
+    dict_at,
+    dp_size_of,
+    load_rank_files,
+    param_shapes_of,
+    require_keys,
+    zero_stage_of,
 )
 from .torchfile import LazyTensor, RecordReader, load_pickle
 
@@ -121,7 +121,7 @@ def read_pipeline(loc: CheckpointLocation) -> ZeroCheckpoint:
     files = pipeline_files(list(names), str(loc.tag_dir))
     with RecordReader() as reader:
         stages = _load_stages(loc, files, reader)
-        dp = _dp_size(stages[0])
+        dp = dp_size_of(stages[0])
         optims = [_load_stage_optims(loc, files, s, stages[s], dp, reader) for s in range(len(stages))]
         shapes = [_stage_names(f, o) for f, o in zip(stages, optims, strict=True)]
         layers = _load_layers(loc, files, shapes)
@@ -129,8 +129,8 @@ def read_pipeline(loc: CheckpointLocation) -> ZeroCheckpoint:
         parts = []
         for s, f in enumerate(stages):
             obj = {**f.obj, "module": modules[s], "param_shapes": shapes[s].param_shapes(modules[s])}
-            module_file = _File(f.path, obj, "model-states")
-            part = _Zero12Reader(loc, module_file, optims[s], dp, 1, reader).read()
+            module_file = RankFile(f.path, obj, "model-states")
+            part = Zero12Reader(loc, module_file, optims[s], dp, 1, reader).read()
             part.model_files = [f.obj]  # as stored (module None): what a reshard of the stage writes back
             parts.append(part)
         ckpt = _merge(loc, stages, parts, optims, layers, reader)
@@ -147,7 +147,7 @@ def read_pipeline_stages(loc: CheckpointLocation) -> list[ZeroCheckpoint]:
 # --- Stage files ---------------------------------------------------------------------------------------------
 
 
-def _load_stages(loc: CheckpointLocation, files: PipelineFiles, reader: RecordReader) -> list[_File]:
+def _load_stages(loc: CheckpointLocation, files: PipelineFiles, reader: RecordReader) -> list[RankFile]:
     first = min(files.stages)
     f0 = _stage_file(loc, files.stages[first])
     pp = _pp_degree(f0)
@@ -166,19 +166,19 @@ def _load_stages(loc: CheckpointLocation, files: PipelineFiles, reader: RecordRe
         )
     stages = [f0 if s == first else _stage_file(loc, files.stages[s]) for s in range(pp)]
     for key in STAGES_AGREE:
-        _check_agree(stages, [f.obj.get(key) for f in stages], key, reader)
+        check_agree(stages, [f.obj.get(key) for f in stages], key, reader)
     return stages
 
 
-def _stage_file(loc: CheckpointLocation, name: str) -> _File:
-    f = _File(loc.tag_dir / name, load_pickle(loc.tag_dir / name), "pipeline stage model-states")
-    _require_keys(f, f.obj, STAGE_KEYS, "DeepSpeed pipeline stage file")
+def _stage_file(loc: CheckpointLocation, name: str) -> RankFile:
+    f = RankFile(loc.tag_dir / name, load_pickle(loc.tag_dir / name), "pipeline stage model-states")
+    require_keys(f, f.obj, STAGE_KEYS, "DeepSpeed pipeline stage file")
     if f.obj["module"] is not None:
         raise f.fail("holds module weights, which a pipeline stage file never does (its layers have their own files)")
     return f
 
 
-def _pp_degree(f: _File) -> int:
+def _pp_degree(f: RankFile) -> int:
     dims = f.get(f.obj, "checkpoint_parallel_dimensions", dict)
     pp, tp = dims.get("pp_degree"), dims.get("tp_degree", 1)
     if not isinstance(pp, int) or isinstance(pp, bool) or not 1 <= pp <= 1 << 16:
@@ -193,8 +193,8 @@ def _pp_degree(f: _File) -> int:
 
 
 def _load_stage_optims(
-    loc: CheckpointLocation, files: PipelineFiles, s: int, stage: _File, dp: int, reader: RecordReader
-) -> list[_File]:
+    loc: CheckpointLocation, files: PipelineFiles, s: int, stage: RankFile, dp: int, reader: RecordReader
+) -> list[RankFile]:
     names = files.optims.get(s, {})
     missing = [r for r in range(dp) if r not in names]
     if missing:
@@ -209,20 +209,20 @@ def _load_stage_optims(
             f"{loc.tag_dir}: optimizer files for stage {stray[0]} (mp_rank_{stray[0]:02d}), which has no stage file "
             "in this save; remove the stray files"
         )
-    optims = _load_rank_files(loc, names, f"stage {s} *_optim_states.pt", dp)
+    optims = load_rank_files(loc, names, f"stage {s} *_optim_states.pt", dp)
     if stage.obj.get("optimizer") is not None:  # ZeRO stage 0: DP rank 0's optimizer state, also kept here
         what = "the optimizer state (DP rank 0's, saved in both without ZeRO)"
-        _check_agree(
+        check_agree(
             [stage, optims[0]], [stage.obj["optimizer"], optims[0].obj.get("optimizer_state_dict")], what, reader
         )
     for f in optims:
         osd = f.get(f.obj, "optimizer_state_dict", dict)
-        if _zero_stage(f, osd) != 1:
+        if zero_stage_of(f, osd) != 1:
             stage_id = osd.get("zero_stage")
             raise f.fail(f"records ZeRO stage {stage_id}; DeepSpeed pipelines run without ZeRO or with ZeRO-1 only")
-        _require_keys(f, osd, OPTIM_KEYS["zero" if "zero_stage" in osd else "bf16_optimizer"], "ZeRO-1 optimizer file")
+        require_keys(f, osd, OPTIM_KEYS["zero" if "zero_stage" in osd else "bf16_optimizer"], "ZeRO-1 optimizer file")
         for key in ("ds_config", "ds_version"):
-            _check_agree([stage, f], [stage.obj.get(key), f.obj.get(key)], key, reader)
+            check_agree([stage, f], [stage.obj.get(key), f.obj.get(key)], key, reader)
     return optims
 
 
@@ -243,13 +243,13 @@ class _StageNames:
         return sorted({int(m["layer"]) for n in [*self.shapes, *self.buffers] if (m := LAYER_KEY_RE.match(n))})
 
 
-def _stage_names(f: _File, optims: Sequence[_File]) -> _StageNames:
+def _stage_names(f: RankFile, optims: Sequence[RankFile]) -> _StageNames:
     groups: list[list[tuple[str, tuple[int, ...] | None]]]
     if f.obj.get("param_shapes") is None and f.obj.get("optimizer") is not None:
         groups = _names_from_slices(optims)
     else:
-        shaped = _param_shapes(f, f.get(f.obj, "param_shapes", list), "param_shapes")
-        _unique_names(f, shaped)
+        shaped = param_shapes_of(f, f.get(f.obj, "param_shapes", list), "param_shapes")
+        check_unique_names(f, shaped)
         groups = [list(g) for g in shaped]
     buffers = f.get(f.obj, "buffer_names", (list, tuple))
     for name in [n for g in groups for n, _ in g] + list(buffers):
@@ -258,7 +258,7 @@ def _stage_names(f: _File, optims: Sequence[_File]) -> _StageNames:
     return _StageNames(groups, [str(b) for b in buffers])
 
 
-def _names_from_slices(optims: Sequence[_File]) -> list[list[tuple[str, tuple[int, ...] | None]]]:
+def _names_from_slices(optims: Sequence[RankFile]) -> list[list[tuple[str, tuple[int, ...] | None]]]:
     """Without ZeRO (stage 0, BF16_Optimizer) DeepSpeed saves no param_shapes. The stage's params in flat order
     are then the names the DP ranks' param_slice_mappings list, rank after rank; their shapes come from the layer
     files, checked against the partition sizes by the ZeRO-1/2 reader."""
@@ -279,7 +279,7 @@ def _names_from_slices(optims: Sequence[_File]) -> list[list[tuple[str, tuple[in
 
 @dataclass
 class _Layers:
-    files: dict[int, _File]
+    files: dict[int, RankFile]
     tied: dict[int, str]  # layer index -> tied module prefix (`tied_modules.embed.`)
     stage_of: dict[int, int | None]  # layer index -> stage (None: cannot tell)
 
@@ -302,7 +302,7 @@ def _load_layers(loc: CheckpointLocation, files: PipelineFiles, shapes: Sequence
                 )
     loaded = {}
     for i, name in sorted(files.layers.items()):
-        f = _File(loc.tag_dir / name, load_pickle(loc.tag_dir / name), "pipeline layer")
+        f = RankFile(loc.tag_dir / name, load_pickle(loc.tag_dir / name), "pipeline layer")
         for key, value in f.obj.items():
             if not isinstance(key, str):
                 raise f.fail("holds a key that is not a string")
@@ -325,7 +325,7 @@ def _load_layers(loc: CheckpointLocation, files: PipelineFiles, shapes: Sequence
     return _Layers(loaded, tied, stage_of)
 
 
-def _tied_prefix(f: _File, shapes: Sequence[_StageNames]) -> str | None:
+def _tied_prefix(f: RankFile, shapes: Sequence[_StageNames]) -> str | None:
     """Which tied module a layer file no stage names by index holds: the one whose trainable params it holds
     with their shapes. None: no tied module (a layer of frozen params only)."""
     candidates = set()
@@ -357,7 +357,7 @@ def _tied_stage(i: int, prefix: str, indices: Sequence[list[int]], shapes: Seque
 
 
 def _stage_modules(
-    loc: CheckpointLocation, stages: Sequence[_File], shapes: Sequence[_StageNames], layers: _Layers
+    loc: CheckpointLocation, stages: Sequence[RankFile], shapes: Sequence[_StageNames], layers: _Layers
 ) -> list[dict[str, Any]]:
     """Per stage, the module state dict the stage would save (whole-model keys), made of layer-file tensors:
     its tied modules first (as PipelineModule registers them), then its layers in order."""
@@ -411,19 +411,19 @@ def _prefixes(st: _StageNames) -> tuple[str, ...]:
 
 def _merge(
     loc: CheckpointLocation,
-    stages: Sequence[_File],
+    stages: Sequence[RankFile],
     parts: Sequence[ZeroCheckpoint],
-    optims: Sequence[Sequence[_File]],
+    optims: Sequence[Sequence[RankFile]],
     layers: _Layers,
     reader: RecordReader,
 ) -> ZeroCheckpoint:
     for s, part in enumerate(parts):
         _check_slice_names(optims[s], part)
     firsts = [o[0] for o in optims]
-    _check_agree(firsts, [p.optimizer.param_groups for p in parts], "the optimizer hyper-parameters", reader)
-    _check_agree(firsts, [p.optimizer.group_scalars for p in parts], "the optimizer step", reader)
-    _check_agree(firsts, [sorted(p.state_keys) for p in parts], "the optimizer state keys", reader)
-    _check_agree(firsts, [p.optimizer_kind for p in parts], "the optimizer wrapper", reader)
+    check_agree(firsts, [p.optimizer.param_groups for p in parts], "the optimizer hyper-parameters", reader)
+    check_agree(firsts, [p.optimizer.group_scalars for p in parts], "the optimizer step", reader)
+    check_agree(firsts, [sorted(p.state_keys) for p in parts], "the optimizer state keys", reader)
+    check_agree(firsts, [p.optimizer_kind for p in parts], "the optimizer wrapper", reader)
     params: dict[str, Param] = {}
     bit16: dict[str, TensorSource] = {}
     buffers: dict[str, TensorSource] = {}
@@ -455,7 +455,7 @@ def _merge(
         buffers=buffers,
         shared_params={},  # a tied module has one key in the whole model: nothing is aliased
         frozen_excluded=False,
-        ds_config=_dict_at(stages[0].obj, "ds_config"),
+        ds_config=dict_at(stages[0].obj, "ds_config"),
         model_files=[f.obj for f in stages],
         layout=pipeline_layout(len(stages), p0.dp_world_size, parts, layers),
         slices=list(parts),
@@ -463,7 +463,7 @@ def _merge(
     )
 
 
-def _check_slice_names(optims: Sequence[_File], part: ZeroCheckpoint) -> None:
+def _check_slice_names(optims: Sequence[RankFile], part: ZeroCheckpoint) -> None:
     """Each optimizer file names the params of its slice: they must be its stage's (a swapped file is not)."""
     by_group: dict[int, set[str]] = {}
     for p in part.params:

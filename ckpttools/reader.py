@@ -182,7 +182,7 @@ def _numel(shape: Iterable[int]) -> int:
 # --- Small typed accessors: every assumption about a pickled value is checked here -------------------------
 
 
-class _File:
+class RankFile:
     """One loaded rank file: its path (for messages) and its top-level dict."""
 
     def __init__(self, path: Path, obj: Any, what: str) -> None:
@@ -226,7 +226,7 @@ class _File:
         return t
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -235,7 +235,7 @@ def _kind_name(kind: type | tuple[type, ...]) -> str:
     return " or ".join("a tensor" if k is LazyTensor else f"a {k.__name__}" for k in kinds)
 
 
-def _shape(f: _File, value: Any, where: str) -> tuple[int, ...]:
+def shape_of(f: RankFile, value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, (tuple, list)) or not all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in value
     ):
@@ -243,7 +243,7 @@ def _shape(f: _File, value: Any, where: str) -> tuple[int, ...]:
     return tuple(int(s) for s in value)
 
 
-def _param_shapes(f: _File, value: Any, key: str) -> list[list[tuple[str, tuple[int, ...]]]]:
+def param_shapes_of(f: RankFile, value: Any, key: str) -> list[list[tuple[str, tuple[int, ...]]]]:
     if not isinstance(value, list) or not all(isinstance(g, dict) for g in value):
         raise f.fail(f"'{key}' is not a list of dicts")
     groups = []
@@ -252,12 +252,12 @@ def _param_shapes(f: _File, value: Any, key: str) -> list[list[tuple[str, tuple[
         for name, shape in group.items():
             if not isinstance(name, str):
                 raise f.fail(f"'{key}'[{g}] holds a parameter name that is not a string")
-            entries.append((name, _shape(f, shape, f"'{key}'[{g}][{short(name)}]")))
+            entries.append((name, shape_of(f, shape, f"'{key}'[{g}][{short(name)}]")))
         groups.append(entries)
     return groups
 
 
-def _check_param_groups(f: _File, groups: list[Any], expected: int | None) -> None:
+def _check_param_groups(f: RankFile, groups: list[Any], expected: int | None) -> None:
     """The optimizer's param groups: dicts with a `params` list (one flat param per group for ZeRO-1/2)."""
     if expected is not None and len(groups) != expected:
         raise f.fail(f"the optimizer has {len(groups)} param groups, param_shapes {expected}")
@@ -267,7 +267,7 @@ def _check_param_groups(f: _File, groups: list[Any], expected: int | None) -> No
             raise f.fail(f"param_groups[{g}] has a key that is not a string")
 
 
-def _state_entries(f: _File, state: Any, where: str) -> dict[str, Any]:
+def state_entries(f: RankFile, state: Any, where: str) -> dict[str, Any]:
     """One optimizer state: sharded tensors and scalars (a step as a number or a 0-dim tensor), nothing else."""
     if not isinstance(state, dict):
         raise f.fail(f"the optimizer state of {where} is a {type(state).__name__}, not a dict")
@@ -279,7 +279,7 @@ def _state_entries(f: _File, state: Any, where: str) -> dict[str, Any]:
     return state
 
 
-def _same_keys_everywhere(f: _File, keys: Sequence[Sequence[str]], what: str) -> None:
+def same_keys_everywhere(f: RankFile, keys: Sequence[Sequence[str]], what: str) -> None:
     """A torch optimizer keeps the same state entries for every group once it has stepped."""
     sets = [sorted(k) for k in keys]
     for i, k in enumerate(sets):
@@ -287,13 +287,13 @@ def _same_keys_everywhere(f: _File, keys: Sequence[Sequence[str]], what: str) ->
             raise f.fail(f"{what} {i} has optimizer states {k}, {what} 0 {sets[0]}: a state was lost or added")
 
 
-def _flat_state_keys(state: Mapping[str, Any]) -> list[str]:
+def flat_state_keys(state: Mapping[str, Any]) -> list[str]:
     """The sharded entries of an optimizer state (`step` may be a 0-dim tensor: not sharded)."""
     return [k for k, v in state.items() if isinstance(v, LazyTensor) and v.dim() > 0]
 
 
-def _scalars(state: Mapping[str, Any]) -> dict[str, Any]:
-    flat = set(_flat_state_keys(state))
+def scalar_entries(state: Mapping[str, Any]) -> dict[str, Any]:
+    flat = set(flat_state_keys(state))
     return {k: v for k, v in state.items() if k not in flat}
 
 
@@ -340,7 +340,7 @@ def _describe(value: Any) -> str:
     return short(value, 60)
 
 
-def _check_agree(files: Sequence[_File], values: Sequence[Any], what: str, reader: RecordReader) -> None:
+def check_agree(files: Sequence[RankFile], values: Sequence[Any], what: str, reader: RecordReader) -> None:
     """Every rank file must hold the same `what`; a file from another save or another run differs here."""
     first = fingerprint(values[0], reader)
     for f, value in zip(files[1:], values[1:], strict=True):
@@ -389,24 +389,24 @@ ZERO12_PER_RANK = frozenset({"single_partition_of_fp32_groups", "group_paddings"
 ZERO3_PER_RANK = frozenset({"fp32_flat_groups", "optimizer_state_dict"})
 
 
-def _check_unsharded_agree(files: Sequence[_File], osds: Sequence[dict[str, Any]], per_rank: frozenset[str],
+def check_unsharded_agree(files: Sequence[RankFile], osds: Sequence[dict[str, Any]], per_rank: frozenset[str],
                            reader: RecordReader) -> None:  # fmt: skip
     """Every rank's optimizer file holds the same values outside its own shard (loss scaler, stage, counts, ...)."""
     keys = [sorted(str(k) for k in o if k not in per_rank) for o in osds]
-    _check_agree(files, keys, "the optimizer file's entries", reader)
+    check_agree(files, keys, "the optimizer file's entries", reader)
     for key in keys[0]:
-        _check_agree(files, [o.get(key) for o in osds], key, reader)
-    _check_agree(files, [f.obj.get("ds_config") for f in files], "ds_config", reader)
-    _check_agree(files, [_file_meta(f) for f in files],
+        check_agree(files, [o.get(key) for o in osds], key, reader)
+    check_agree(files, [f.obj.get("ds_config") for f in files], "ds_config", reader)
+    check_agree(files, [_file_meta(f) for f in files],
                  "the file's metadata", reader)  # fmt: skip
 
 
-def _file_meta(f: _File) -> dict[str, Any]:
+def _file_meta(f: RankFile) -> dict[str, Any]:
     """What an optimizer rank file holds around its optimizer state (ds_config, ds_version, ...)."""
     return {k: v for k, v in f.obj.items() if k != "optimizer_state_dict"}
 
 
-def _load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: str, dp: int) -> list[_File]:
+def load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: str, dp: int) -> list[RankFile]:
     missing = sorted(set(range(dp)) - set(names))
     extra = sorted(set(names) - set(range(dp)))
     if missing:
@@ -420,10 +420,10 @@ def _load_rank_files(loc: CheckpointLocation, names: Mapping[int, str], what: st
             f"{loc.tag_dir}: {what} files for rank {', '.join(map(str, extra))} do not belong to a run with "
             f"dp_world_size={dp}; remove the stray files (left over from another run?)"
         )
-    return [_File(loc.tag_dir / names[r], load_pickle(loc.tag_dir / names[r]), what) for r in range(dp)]
+    return [RankFile(loc.tag_dir / names[r], load_pickle(loc.tag_dir / names[r]), what) for r in range(dp)]
 
 
-def _refuse_unsupported(f: _File) -> None:
+def refuse_unsupported(f: RankFile) -> None:
     model_state = f.obj
     if model_state.get("module") is None:
         raise UnsupportedCheckpointError(
@@ -441,19 +441,19 @@ def _refuse_unsupported(f: _File) -> None:
     if model_state.get("num_experts") or model_state.get("ds_autoep_layers"):
         raise UnsupportedCheckpointError(f"{f.path} is a MoE checkpoint; MoE experts are not supported yet")
     dims = f.opt(model_state, "checkpoint_parallel_dimensions", dict)
-    if dims is not None and not all(_is_int(dims.get(k)) for k in ("pp_degree", "tp_degree")):
+    if dims is not None and not all(is_int(dims.get(k)) for k in ("pp_degree", "tp_degree")):
         raise f.fail(f"checkpoint_parallel_dimensions {short(dims)} does not give pp_degree and tp_degree")
     dims = dims or {}
     if dims.get("pp_degree", 1) != 1 or dims.get("tp_degree", 1) != 1:
         raise UnsupportedCheckpointError(f"{f.path}: pipeline/tensor parallel degrees {dims} are not supported")
-    offload = _dict_at(model_state, "ds_config", "zero_optimization", "offload_optimizer")
+    offload = dict_at(model_state, "ds_config", "zero_optimization", "offload_optimizer")
     if offload.get("device") == "nvme":
         raise UnsupportedCheckpointError(
             f"{f.path}: the optimizer state was offloaded to NVMe; its fp32 weights are not in the checkpoint files"
         )
 
 
-def _dict_at(obj: Any, *keys: str) -> dict[str, Any]:
+def dict_at(obj: Any, *keys: str) -> dict[str, Any]:
     """obj[k1][k2]...: a nested dict of a pickled config, or {} wherever a level is missing or not a dict."""
     for key in keys:
         obj = obj.get(key) if isinstance(obj, dict) else None
@@ -471,21 +471,21 @@ OPTIM_KEYS = {
 }  # fmt: skip
 
 
-def _require_keys(f: _File, obj: dict[str, Any], keys: Iterable[str], what: str) -> None:
+def require_keys(f: RankFile, obj: dict[str, Any], keys: Iterable[str], what: str) -> None:
     """DeepSpeed reads these at load time; a file without them is damaged (and a converted one would be too)."""
     missing = [k for k in keys if k not in obj]
     if missing:
         raise f.fail(f"lacks {', '.join(repr(k) for k in missing)}, which every {what} holds")
 
 
-def _dp_size(f: _File) -> int:
+def dp_size_of(f: RankFile) -> int:
     dp = f.get(f.obj, "dp_world_size", int)
     if isinstance(dp, bool) or not 1 <= dp <= 1 << 20:
         raise f.fail(f"dp_world_size {short(dp)} is not a positive rank count")
     return int(dp)
 
 
-def _zero_stage(f: _File, osd: dict[str, Any]) -> int:
+def zero_stage_of(f: RankFile, osd: dict[str, Any]) -> int:
     stage = osd.get("zero_stage", 1)  # BF16_Optimizer files carry none (ZeRO-1)
     if isinstance(stage, bool) or not isinstance(stage, int) or int(stage) not in (1, 2, 3):
         raise f.fail(f"zero_stage {short(stage, 30)} is not 1, 2 or 3")
@@ -522,20 +522,20 @@ def read_checkpoint(
 def read_data_parallel(loc: CheckpointLocation) -> ZeroCheckpoint:
     """Read a located data-parallel ZeRO-1/2/3 tag folder (`read_checkpoint` without the locating)."""
     first = min(loc.files.model_files)
-    model0 = _File(
+    model0 = RankFile(
         loc.tag_dir / loc.files.model_files[first],
         load_pickle(loc.tag_dir / loc.files.model_files[first]),
         "model-states",
     )
-    _refuse_unsupported(model0)
-    _require_keys(model0, model0.obj, MODEL_KEYS, "DeepSpeed model-states file")
-    dp = _dp_size(model0)
-    optims = _load_rank_files(loc, loc.files.optim_files, "*_optim_states.pt", dp)
+    refuse_unsupported(model0)
+    require_keys(model0, model0.obj, MODEL_KEYS, "DeepSpeed model-states file")
+    dp = dp_size_of(model0)
+    optims = load_rank_files(loc, loc.files.optim_files, "*_optim_states.pt", dp)
     osds = [f.get(f.obj, "optimizer_state_dict", dict) for f in optims]
-    stages = [_zero_stage(f, o) for f, o in zip(optims, osds, strict=True)]
+    stages = [zero_stage_of(f, o) for f, o in zip(optims, osds, strict=True)]
     for f, osd, stage in zip(optims, osds, stages, strict=True):
         kind = "zero3" if stage == 3 else "zero" if "zero_stage" in osd else "bf16_optimizer"
-        _require_keys(f, osd, OPTIM_KEYS[kind], "ZeRO optimizer file of its kind")
+        require_keys(f, osd, OPTIM_KEYS[kind], "ZeRO optimizer file of its kind")
     if len(set(stages)) != 1:
         raise CorruptCheckpointError(
             f"{loc.tag_dir}: rank files disagree on the ZeRO stage ({sorted(set(stages))}); mixed runs?"
@@ -547,12 +547,12 @@ def read_data_parallel(loc: CheckpointLocation) -> ZeroCheckpoint:
         )
     with RecordReader() as reader:
         for key in ("ds_config", "ds_version"):  # saved together: a model-states file from another run differs
-            _check_agree([model0, optims[0]], [model0.obj.get(key), optims[0].obj.get(key)], key, reader)
+            check_agree([model0, optims[0]], [model0.obj.get(key), optims[0].obj.get(key)], key, reader)
         if stage == 3:
-            models = _load_rank_files(loc, loc.files.model_files, "*_model_states.pt", dp)
+            models = load_rank_files(loc, loc.files.model_files, "*_model_states.pt", dp)
             ckpt = _Zero3Reader(loc, models, optims, dp, reader).read()
         else:
-            ckpt = _Zero12Reader(loc, model0, optims, dp, stage, reader).read()
+            ckpt = Zero12Reader(loc, model0, optims, dp, stage, reader).read()
         reader.finish()  # the few tiny records read for comparisons (0-dim steps) pass their CRC
     return ckpt
 
@@ -561,14 +561,14 @@ def read_data_parallel(loc: CheckpointLocation) -> ZeroCheckpoint:
 
 
 @dataclass
-class _Module:
+class ModuleEntries:
     keys: list[str]
     tensors: dict[str, Any]  # stripped name -> stored value
     buffers: dict[str, TensorSource]
     shared: dict[str, str]
 
 
-def _module(f: _File) -> _Module:
+def read_module(f: RankFile) -> ModuleEntries:
     module = f.get(f.obj, "module", dict)
     keys = []
     for raw in module:
@@ -597,21 +597,21 @@ def _module(f: _File) -> _Module:
         if not isinstance(alias, str) or not isinstance(owner, str):
             raise f.fail("shared_params holds a name that is not a string")
         shared[strip_prefixes(alias)] = strip_prefixes(owner)
-    return _Module(keys, tensors, buffers, shared)
+    return ModuleEntries(keys, tensors, buffers, shared)
 
 
-def _whole(f: _File, name: str, value: Any, kind: str) -> TensorSource:
+def _whole(f: RankFile, name: str, value: Any, kind: str) -> TensorSource:
     t = f.tensor(value, f"module tensor {name}", floating=kind == "trainable")
     return TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), kind)
 
 
 def _drop_excluded_ties(
-    loc: CheckpointLocation, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]
+    loc: CheckpointLocation, mod: ModuleEntries, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]
 ) -> None:
     """exclude_frozen_parameters drops a frozen tie owner (a PEFT run's wte.weight) but keeps its alias
     (lm_head.weight is not in named_parameters, so DeepSpeed does not drop it) and the tie: the alias is one of
     the absent base weights too, so it goes with its owner."""
-    if not _frozen_excluded(loc, params, frozen):
+    if not saved_without_frozen(loc, params, frozen):
         return
     for alias, owner in list(mod.shared.items()):
         if owner not in params and owner not in frozen:
@@ -620,7 +620,9 @@ def _drop_excluded_ties(
             mod.keys.remove(alias)
 
 
-def _check_ties(f: _File, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]) -> None:
+def check_ties(
+    f: RankFile, mod: ModuleEntries, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]
+) -> None:
     """Each tie names a real owner and an alias that is not itself stored as a parameter."""
     for alias, owner in mod.shared.items():
         if alias in params or alias in frozen:
@@ -635,7 +637,9 @@ def _check_ties(f: _File, mod: _Module, params: Mapping[str, Param], frozen: Map
             raise f.fail(f"tied weight {alias} has shape {list(stored.shape)}, its owner {owner} {list(owner_shape)}")
 
 
-def _check_module_keys(f: _File, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]) -> None:
+def check_module_keys(
+    f: RankFile, mod: ModuleEntries, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]
+) -> None:
     """Every module entry is a trained, frozen or tied parameter or a buffer; every parameter is in the module."""
     for name in mod.keys:
         if name not in params and name not in frozen and name not in mod.buffers and name not in mod.shared:
@@ -652,13 +656,13 @@ def _check_module_keys(f: _File, mod: _Module, params: Mapping[str, Param], froz
 
 
 def check_ties_and_keys(
-    f: _File, mod: _Module, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]
+    f: RankFile, mod: ModuleEntries, params: Mapping[str, Param], frozen: Mapping[str, TensorSource]
 ) -> None:
-    _check_ties(f, mod, params, frozen)
-    _check_module_keys(f, mod, params, frozen)
+    check_ties(f, mod, params, frozen)
+    check_module_keys(f, mod, params, frozen)
 
 
-def _train_dtype(module: Mapping[str, Any], names: Iterable[str]) -> DType:
+def train_dtype_of(module: Mapping[str, Any], names: Iterable[str]) -> DType:
     for name in names:
         t = module.get(name)
         if isinstance(t, LazyTensor) and t.dtype.is_floating_point:
@@ -666,13 +670,13 @@ def _train_dtype(module: Mapping[str, Any], names: Iterable[str]) -> DType:
     return dtypes.FLOAT32
 
 
-def _frozen_excluded(loc: CheckpointLocation, params: Mapping[str, Any], bit16: Mapping[str, Any]) -> bool:
+def saved_without_frozen(loc: CheckpointLocation, params: Mapping[str, Any], bit16: Mapping[str, Any]) -> bool:
     """True when a PEFT/LoRA run saved without its frozen base weights (exclude_frozen_parameters=True)."""
     peft = (loc.root / "adapter_config.json").is_file() or any("lora_" in k for k in params)
     return peft and not any(name not in params for name in bit16)
 
 
-def _unique_names(f: _File, groups: list[list[tuple[str, tuple[int, ...]]]]) -> None:
+def check_unique_names(f: RankFile, groups: list[list[tuple[str, tuple[int, ...]]]]) -> None:
     seen: set[str] = set()
     for group in groups:
         for name, _ in group:
@@ -688,7 +692,7 @@ def _identity_by_storage(t: Any) -> tuple[Any, ...] | None:
     return (t.record.path, t.record.name, t.storage_offset, t.shape)
 
 
-def _undeclared_aliases(mod: _Module, params: Mapping[str, Param]) -> list[str]:
+def _undeclared_aliases(mod: ModuleEntries, params: Mapping[str, Param]) -> list[str]:
     """Module entries sharing storage with a trained parameter but not listed in shared_params (ZeRO-1/2)."""
     owners = {_identity_by_storage(mod.tensors.get(n)): n for n in params}
     return [
@@ -701,9 +705,15 @@ def _undeclared_aliases(mod: _Module, params: Mapping[str, Param]) -> list[str]:
 # --- ZeRO-1/2 ----------------------------------------------------------------------------------------------
 
 
-class _Zero12Reader:
+class Zero12Reader:
     def __init__(
-        self, loc: CheckpointLocation, model0: _File, optims: list[_File], dp: int, stage: int, reader: RecordReader
+        self,
+        loc: CheckpointLocation,
+        model0: RankFile,
+        optims: list[RankFile],
+        dp: int,
+        stage: int,
+        reader: RecordReader,
     ) -> None:
         self.loc, self.model0, self.optims, self.dp, self.stage, self.reader = loc, model0, optims, dp, stage, reader
         self.osds = [f.obj["optimizer_state_dict"] for f in optims]
@@ -711,22 +721,22 @@ class _Zero12Reader:
 
     def read(self) -> ZeroCheckpoint:
         f0 = self.model0
-        mod = _module(f0)
-        groups = _param_shapes(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
-        _unique_names(f0, groups)
+        mod = read_module(f0)
+        groups = param_shapes_of(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
+        check_unique_names(f0, groups)
         self._check_ranks_agree(len(groups))
         elastic = isinstance(self.osds[0].get("base_optimizer_state"), list)
         states = [self._rank_states(f, o, len(groups), elastic) for f, o in zip(self.optims, self.osds, strict=True)]
         params: list[Param] = []
         for g, shapes in enumerate(groups):
             params += self._group_params(g, shapes, states)
-        _same_keys_everywhere(self.optims[0], [_flat_state_keys(s) for s in states[0]], "param group")
+        same_keys_everywhere(self.optims[0], [flat_state_keys(s) for s in states[0]], "param group")
         by_name = {p.name: p for p in params}
         bit16 = zero12_bit16(f0, mod, by_name)
         frozen = {n: s for n, s in bit16.items() if n not in by_name}
         _drop_excluded_ties(self.loc, mod, by_name, frozen)
-        _check_ties(f0, mod, by_name, frozen)
-        _check_module_keys(f0, mod, by_name, frozen)
+        check_ties(f0, mod, by_name, frozen)
+        check_module_keys(f0, mod, by_name, frozen)
         for name, src in bit16.items():
             if name in by_name and src.shape != by_name[name].shape:
                 raise f0.fail(
@@ -736,7 +746,7 @@ class _Zero12Reader:
             location=self.loc,
             zero_stage=self.stage,
             dp_world_size=self.dp,
-            train_dtype=_train_dtype(mod.tensors, by_name),
+            train_dtype=train_dtype_of(mod.tensors, by_name),
             optimizer_kind="bf16_optimizer" if self.bf16_optimizer else "zero",
             ds_version=str(f0.obj.get("ds_version", "")),
             global_steps=f0.obj.get("global_steps") if isinstance(f0.obj.get("global_steps"), int) else None,
@@ -746,8 +756,8 @@ class _Zero12Reader:
             bit16=bit16,
             buffers=mod.buffers,
             shared_params=mod.shared,
-            frozen_excluded=_frozen_excluded(self.loc, by_name, bit16),
-            ds_config=_dict_at(f0.obj, "ds_config"),
+            frozen_excluded=saved_without_frozen(self.loc, by_name, bit16),
+            ds_config=dict_at(f0.obj, "ds_config"),
             model_files=[f0.obj],
             layout=ParallelLayout("dp", dp=self.dp),
         )
@@ -766,15 +776,15 @@ class _Zero12Reader:
                 value = f.get(osd, key, list)
                 if len(value) != num_groups:
                     raise f.fail(f"'{key}' has {len(value)} entries for {num_groups} param groups")
-        _check_unsharded_agree(self.optims, self.osds, ZERO12_PER_RANK, self.reader)
+        check_unsharded_agree(self.optims, self.osds, ZERO12_PER_RANK, self.reader)
 
-    def _rank_states(self, f: _File, osd: dict[str, Any], num_groups: int, elastic: bool) -> list[dict[str, Any]]:
+    def _rank_states(self, f: RankFile, osd: dict[str, Any], num_groups: int, elastic: bool) -> list[dict[str, Any]]:
         """Per param group, this rank's optimizer state entries (empty before the first optimizer step)."""
         base = f.get(osd, "base_optimizer_state", (dict, list))
         if elastic:
             if not isinstance(base, list) or len(base) != num_groups:
                 raise f.fail(f"elastic base_optimizer_state should hold {num_groups} dicts")
-            return [_state_entries(f, s, f"param group {g}") for g, s in enumerate(base)]
+            return [state_entries(f, s, f"param group {g}") for g, s in enumerate(base)]
         if not isinstance(base, dict):
             raise f.fail("base_optimizer_state mixes elastic and rigid layouts across ranks")
         state = f.get(base, "state", dict, "base_optimizer_state.")
@@ -784,7 +794,7 @@ class _Zero12Reader:
                 f"base_optimizer_state.state is keyed {sorted(map(repr, state))[:4]}, not by param group "
                 f"0-{num_groups - 1}"
             )
-        return [_state_entries(f, state.get(g, {}), f"param group {g}") for g in range(num_groups)]
+        return [state_entries(f, state.get(g, {}), f"param group {g}") for g in range(num_groups)]
 
     def _group_params(
         self, g: int, shapes: list[tuple[str, tuple[int, ...]]], states: list[list[dict[str, Any]]]
@@ -835,12 +845,10 @@ class _Zero12Reader:
         return list(pads[g])
 
     def _state_keys(self, g: int, states: list[list[dict[str, Any]]]) -> list[str]:
-        keys = [_flat_state_keys(s[g]) for s in states]
-        _check_agree(
-            self.optims, [sorted(k) for k in keys], f"the optimizer state keys of param group {g}", self.reader
-        )
-        _check_agree(
-            self.optims, [_scalars(s[g]) for s in states], f"the optimizer step of param group {g}", self.reader
+        keys = [flat_state_keys(s[g]) for s in states]
+        check_agree(self.optims, [sorted(k) for k in keys], f"the optimizer state keys of param group {g}", self.reader)
+        check_agree(
+            self.optims, [scalar_entries(s[g]) for s in states], f"the optimizer step of param group {g}", self.reader
         )
         return keys[0]
 
@@ -860,7 +868,7 @@ class _Zero12Reader:
         common = {k: v for k, v in osd.items() if k not in sharded}
         base = osd["base_optimizer_state"]
         if not elastic:
-            _check_agree(
+            check_agree(
                 self.optims,
                 [o["base_optimizer_state"]["param_groups"] for o in self.osds],
                 "the optimizer hyper-parameters",
@@ -868,10 +876,10 @@ class _Zero12Reader:
             )
         common["param_groups"] = None if elastic else base["param_groups"]
         meta = _file_meta(self.optims[0])
-        return OptimizerState([_scalars(s) for s in states[0]], common, meta, elastic)
+        return OptimizerState([scalar_entries(s) for s in states[0]], common, meta, elastic)
 
 
-def zero12_bit16(f0: _File, mod: _Module, params: Mapping[str, Param]) -> dict[str, TensorSource]:
+def zero12_bit16(f0: RankFile, mod: ModuleEntries, params: Mapping[str, Param]) -> dict[str, TensorSource]:
     """The ZeRO-0/1/2 module's 16-bit copies of trained params, and the frozen params.
 
     ZeRO-2 also lists its frozen params in frozen_param_shapes with full copies in frozen_param_fragments;
@@ -895,14 +903,18 @@ def zero12_bit16(f0: _File, mod: _Module, params: Mapping[str, Param]) -> dict[s
     return bit16
 
 
-def _zero2_frozen_shapes(f0: _File, mod: _Module, params: Mapping[str, Param]) -> dict[str, tuple[int, ...]] | None:
+def _zero2_frozen_shapes(
+    f0: RankFile, mod: ModuleEntries, params: Mapping[str, Param]
+) -> dict[str, tuple[int, ...]] | None:
     shapes_raw = f0.opt(f0.obj, "frozen_param_shapes", dict)
     fragments_raw = f0.opt(f0.obj, "frozen_param_fragments", dict)
     if shapes_raw is None:
         if fragments_raw:
             raise f0.fail("frozen_param_fragments is set but frozen_param_shapes is not")
         return None
-    shapes = {strip_prefixes(str(k)): _shape(f0, v, f"frozen_param_shapes[{short(k)}]") for k, v in shapes_raw.items()}
+    shapes = {
+        strip_prefixes(str(k)): shape_of(f0, v, f"frozen_param_shapes[{short(k)}]") for k, v in shapes_raw.items()
+    }
     fragments = {strip_prefixes(str(k)): v for k, v in (fragments_raw or {}).items()}
     for name in sorted(set(shapes) ^ set(fragments)):
         where = "frozen_param_shapes" if name in shapes else "frozen_param_fragments"
@@ -929,24 +941,24 @@ def _segments(tensors: Sequence[LazyTensor], pieces: Iterable[partition.Piece]) 
 
 class _Zero3Reader:
     def __init__(
-        self, loc: CheckpointLocation, models: list[_File], optims: list[_File], dp: int, reader: RecordReader
+        self, loc: CheckpointLocation, models: list[RankFile], optims: list[RankFile], dp: int, reader: RecordReader
     ) -> None:
         self.loc, self.models, self.optims, self.dp, self.reader = loc, models, optims, dp, reader
         self.osds = [f.obj["optimizer_state_dict"] for f in optims]
 
     def read(self) -> ZeroCheckpoint:
         f0 = self.models[0]
-        mod = _module(f0)
+        mod = read_module(f0)
         self._check_ranks_agree()
-        subgroups = _param_shapes(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
-        _unique_names(f0, subgroups)
+        subgroups = param_shapes_of(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
+        check_unique_names(f0, subgroups)
         group_of, scalars, common = zero3_optimizer_parts(self.optims[0], self.osds[0], len(subgroups))
         params: list[Param] = []
         for sg, shapes in enumerate(subgroups):
             params += self._subgroup_params(sg, shapes, group_of[sg])
         inner = self.osds[0]["optimizer_state_dict"]["state"]
-        keys = [_flat_state_keys(inner.get(sg, {})) for sg in range(len(subgroups))]
-        _same_keys_everywhere(self.optims[0], keys, "sub-group")
+        keys = [flat_state_keys(inner.get(sg, {})) for sg in range(len(subgroups))]
+        same_keys_everywhere(self.optims[0], keys, "sub-group")
         params.sort(key=lambda p: p.group)  # flat order within each param group, as DeepSpeed builds sub-groups
         by_name = {p.name: p for p in params}
         frozen = zero3_frozen(self.models, self.dp)
@@ -954,13 +966,13 @@ class _Zero3Reader:
         if overlap:
             raise f0.fail(f"{overlap[0]} is listed both as a trained and as a frozen parameter")
         _drop_excluded_ties(self.loc, mod, by_name, frozen)
-        _check_ties(f0, mod, by_name, frozen)
-        _check_module_keys(f0, mod, by_name, frozen)
+        check_ties(f0, mod, by_name, frozen)
+        check_module_keys(f0, mod, by_name, frozen)
         return ZeroCheckpoint(
             location=self.loc,
             zero_stage=3,
             dp_world_size=self.dp,
-            train_dtype=_train_dtype(mod.tensors, by_name),
+            train_dtype=train_dtype_of(mod.tensors, by_name),
             optimizer_kind="zero",
             ds_version=str(f0.obj.get("ds_version", "")),
             global_steps=f0.obj.get("global_steps") if isinstance(f0.obj.get("global_steps"), int) else None,
@@ -970,15 +982,15 @@ class _Zero3Reader:
             bit16=frozen,
             buffers=mod.buffers,
             shared_params=mod.shared,
-            frozen_excluded=_frozen_excluded(self.loc, by_name, frozen),
-            ds_config=_dict_at(f0.obj, "ds_config"),
+            frozen_excluded=saved_without_frozen(self.loc, by_name, frozen),
+            ds_config=dict_at(f0.obj, "ds_config"),
             model_files=[m.obj for m in self.models],
             layout=ParallelLayout("dp", dp=self.dp),
         )
 
     def _check_ranks_agree(self) -> None:
         for m, f, osd in zip(self.models, self.optims, self.osds, strict=True):
-            _require_keys(m, m.obj, MODEL_KEYS, "DeepSpeed model-states file")
+            require_keys(m, m.obj, MODEL_KEYS, "DeepSpeed model-states file")
             m.get(m.obj, "module", dict)
             count = osd.get("partition_count")
             if m.obj.get("dp_world_size") != self.dp or count != self.dp or isinstance(count, bool):
@@ -995,17 +1007,17 @@ class _Zero3Reader:
                       "checkpoint_parallel_dimensions", "data_sampler", "random_ltd",
                       "sparse_tensor_module_names")  # fmt: skip
         for key in model_keys:
-            _check_agree(self.models, [m.obj.get(key) for m in self.models], key, self.reader)
-        layouts = [{k: (v.dtype.name, v.shape) for k, v in _module(m).tensors.items()} for m in self.models]
-        _check_agree(self.models, layouts, "the module's entries", self.reader)
+            check_agree(self.models, [m.obj.get(key) for m in self.models], key, self.reader)
+        layouts = [{k: (v.dtype.name, v.shape) for k, v in read_module(m).tensors.items()} for m in self.models]
+        check_agree(self.models, layouts, "the module's entries", self.reader)
         for m in self.models[1:]:
             if m.obj.get("shared_params") and m.obj.get("shared_params") != self.models[0].obj.get("shared_params"):
                 raise m.fail("shared_params differs from rank 0's")
-        _check_unsharded_agree(self.optims, self.osds, ZERO3_PER_RANK, self.reader)
+        check_unsharded_agree(self.optims, self.osds, ZERO3_PER_RANK, self.reader)
         inner = [o["optimizer_state_dict"] for o in self.osds]
-        _check_agree(self.optims, [i["param_groups"] for i in inner], "the optimizer hyper-parameters", self.reader)
-        steps = [{k: _scalars(v) if isinstance(v, dict) else v for k, v in i["state"].items()} for i in inner]
-        _check_agree(self.optims, steps, "the optimizer step", self.reader)
+        check_agree(self.optims, [i["param_groups"] for i in inner], "the optimizer hyper-parameters", self.reader)
+        steps = [{k: scalar_entries(v) if isinstance(v, dict) else v for k, v in i["state"].items()} for i in inner]
+        check_agree(self.optims, steps, "the optimizer step", self.reader)
 
     def _subgroup_params(self, sg: int, shapes: list[tuple[str, tuple[int, ...]]], group: int) -> list[Param]:
         numels = [_numel(s) for _, s in shapes]
@@ -1039,9 +1051,9 @@ class _Zero3Reader:
     def _state_keys(self, sg: int) -> list[str]:
         keys = []
         for f, osd in zip(self.optims, self.osds, strict=True):
-            state = _state_entries(f, osd["optimizer_state_dict"]["state"].get(sg, {}), f"sub-group {sg}")
-            keys.append(_flat_state_keys(state))
-        _check_agree(self.optims, [sorted(k) for k in keys], f"the optimizer state keys of sub-group {sg}", self.reader)
+            state = state_entries(f, osd["optimizer_state_dict"]["state"].get(sg, {}), f"sub-group {sg}")
+            keys.append(flat_state_keys(state))
+        check_agree(self.optims, [sorted(k) for k in keys], f"the optimizer state keys of sub-group {sg}", self.reader)
         return keys[0]
 
     def _moment(self, r: int, sg: int, key: str, flat_len: int) -> LazyTensor:
@@ -1058,7 +1070,7 @@ class _Zero3Reader:
 
 
 def zero3_optimizer_parts(
-    f: _File, osd: dict[str, Any], num_subgroups: int
+    f: RankFile, osd: dict[str, Any], num_subgroups: int
 ) -> tuple[dict[int, int], list[dict[str, Any]], dict[str, Any]]:
     """A ZeRO-3 optimizer dict (a rank file's, or a universal optimizer_state.pt): the param group of every
     sub-group (which must cover param_shapes' sub-groups once, in order), each group's scalar state (step, ...),
@@ -1069,7 +1081,7 @@ def zero3_optimizer_parts(
     group_of: dict[int, int] = {}
     for g, pg in enumerate(param_groups):
         for sg in f.get(pg, "params", list, f"param_groups[{g}]."):
-            if not _is_int(sg) or sg in group_of or not 0 <= sg < num_subgroups:
+            if not is_int(sg) or sg in group_of or not 0 <= sg < num_subgroups:
                 raise f.fail(
                     f"param_groups[{g}] lists sub-group {short(sg, 20)}, not one of the {num_subgroups} sub-groups "
                     "of param_shapes"
@@ -1079,11 +1091,11 @@ def zero3_optimizer_parts(
         raise f.fail(f"the optimizer's param groups cover {len(group_of)} sub-groups, param_shapes has {num_subgroups}")
     if list(group_of.values()) != sorted(group_of.values()) or sorted(group_of) != list(group_of):
         raise f.fail("the optimizer's param groups do not list the sub-groups in order")
-    extra = [k for k in states if not _is_int(k) or not 0 <= k < num_subgroups]
+    extra = [k for k in states if not is_int(k) or not 0 <= k < num_subgroups]
     if extra:
         raise f.fail(f"optimizer state is keyed {short(extra[0], 20)}, no sub-group of param_shapes")
     scalars = [
-        _scalars(_state_entries(f, states.get(pg["params"][0], {}), f"sub-group {pg['params'][0]}"))
+        scalar_entries(state_entries(f, states.get(pg["params"][0], {}), f"sub-group {pg['params'][0]}"))
         if pg["params"] else {}
         for pg in param_groups
     ]  # fmt: skip
@@ -1092,7 +1104,7 @@ def zero3_optimizer_parts(
     return group_of, scalars, common
 
 
-def zero3_frozen(models: Sequence[_File], dp: int) -> dict[str, TensorSource]:
+def zero3_frozen(models: Sequence[RankFile], dp: int) -> dict[str, TensorSource]:
     """ZeRO-3 frozen params: each rank's ceil(n/dp) fragment, in rank order."""
     f0 = models[0]
     shapes = f0.opt(f0.obj, "frozen_param_shapes", dict) or {}
@@ -1103,7 +1115,7 @@ def zero3_frozen(models: Sequence[_File], dp: int) -> dict[str, TensorSource]:
     out = {}
     for raw, shape_value in shapes.items():
         name = strip_prefixes(str(raw))
-        shape = _shape(f0, shape_value, f"frozen_param_shapes[{short(name)}]")
+        shape = shape_of(f0, shape_value, f"frozen_param_shapes[{short(name)}]")
         numel = _numel(shape)
         p = partition.zero3_partition_numel(numel, dp)
         segs = []

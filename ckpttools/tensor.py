@@ -28,16 +28,16 @@ from .reader import (
     MODEL_KEYS,
     OPTIM_KEYS,
     Param,
+    RankFile,
     Segment,
     TensorSource,
+    Zero12Reader,
     ZeroCheckpoint,
-    _check_agree,
-    _dict_at,
-    _dp_size,
-    _File,
-    _require_keys,
-    _Zero12Reader,
-    _zero_stage,
+    check_agree,
+    dict_at,
+    dp_size_of,
+    require_keys,
+    zero_stage_of,
 )
 from .torchfile import RecordReader, load_pickle
 from .universal import MASTER, NAME_KEY, STEP, _new
@@ -85,14 +85,16 @@ def read_tensor_parallel(loc: CheckpointLocation) -> ZeroCheckpoint:
 def _read(loc: CheckpointLocation) -> tuple[ZeroCheckpoint, list[Replica]]:
     names = list(loc.files.names) or sorted(p.name for p in loc.tag_dir.iterdir())
     first, model_names, optim_names = _rank_file_names(loc.tag_dir, names)
-    models = [first] + [_File(loc.tag_dir / n, load_pickle(loc.tag_dir / n), "model-states") for n in model_names[1:]]
+    models = [first] + [
+        RankFile(loc.tag_dir / n, load_pickle(loc.tag_dir / n), "model-states") for n in model_names[1:]
+    ]
     tp = len(models)
-    dp = _dp_size(models[0])
+    dp = dp_size_of(models[0])
     optims = _load_optim_files(loc.tag_dir, optim_names, dp, tp)
     with RecordReader() as reader:
         _check_tp_ranks_agree(models, reader)
         stage = _stage(loc.tag_dir, optims)
-        ranks = [_Zero12Reader(loc, models[r], optims[r], dp, stage, reader).read() for r in range(tp)]
+        ranks = [Zero12Reader(loc, models[r], optims[r], dp, stage, reader).read() for r in range(tp)]
         _check_optimizers_agree(models, optims, ranks, reader)
         reader.finish()
     plans = _plans(models, ranks)
@@ -102,7 +104,7 @@ def _read(loc: CheckpointLocation) -> tuple[ZeroCheckpoint, list[Replica]]:
 # --- Files --------------------------------------------------------------------------------------------------
 
 
-def _rank_file_names(tag_dir: Path, names: Sequence[str]) -> tuple[_File, list[str], dict[tuple[int, int], str]]:
+def _rank_file_names(tag_dir: Path, names: Sequence[str]) -> tuple[RankFile, list[str], dict[tuple[int, int], str]]:
     """TP rank 0's model-states file (loaded: it gives the TP size), the model-states file name per TP rank and
     the optimizer file name per (DP, TP) rank."""
     if any(ZERO3_MODEL_RE.match(n) for n in names):
@@ -116,7 +118,7 @@ def _rank_file_names(tag_dir: Path, names: Sequence[str]) -> tuple[_File, list[s
         raise CheckpointNotFoundError(
             f"{tag_dir}: TP rank 0's model-states file mp_rank_00_model_states.pt is missing; re-copy the tag folder"
         )
-    first = _File(tag_dir / models[0], load_pickle(tag_dir / models[0]), "model-states")
+    first = RankFile(tag_dir / models[0], load_pickle(tag_dir / models[0]), "model-states")
     tp = _tp_size(first)
     for r in range(tp):
         if r not in models:
@@ -134,7 +136,7 @@ def _rank_file_names(tag_dir: Path, names: Sequence[str]) -> tuple[_File, list[s
     return first, [models[r] for r in range(tp)], optims
 
 
-def _tp_size(f: _File) -> int:
+def _tp_size(f: RankFile) -> int:
     """The TP degree, from mp_world_size and checkpoint_parallel_dimensions (which must agree)."""
     mp = f.get(f.obj, "mp_world_size", int)
     if isinstance(mp, bool) or not 1 <= mp <= 1 << 16:
@@ -151,7 +153,7 @@ def _tp_size(f: _File) -> int:
     return int(mp)
 
 
-def _load_optim_files(tag_dir: Path, names: Mapping[tuple[int, int], str], dp: int, tp: int) -> list[list[_File]]:
+def _load_optim_files(tag_dir: Path, names: Mapping[tuple[int, int], str], dp: int, tp: int) -> list[list[RankFile]]:
     """Per TP rank, its DP ranks' optimizer files (every one present, none from a bigger run)."""
     for t in range(tp):
         for d in range(dp):
@@ -168,19 +170,19 @@ def _load_optim_files(tag_dir: Path, names: Mapping[tuple[int, int], str], dp: i
             f"mp_world_size={tp}; remove the stray files (left over from another run?)"
         )
     return [
-        [_File(tag_dir / names[(d, t)], load_pickle(tag_dir / names[(d, t)]), "optimizer") for d in range(dp)]
+        [RankFile(tag_dir / names[(d, t)], load_pickle(tag_dir / names[(d, t)]), "optimizer") for d in range(dp)]
         for t in range(tp)
     ]
 
 
-def _stage(tag_dir: Path, optims: Sequence[Sequence[_File]]) -> int:
+def _stage(tag_dir: Path, optims: Sequence[Sequence[RankFile]]) -> int:
     stages = set()
     for f in (f for rank in optims for f in rank):
         osd = f.get(f.obj, "optimizer_state_dict", dict)
-        stage = _zero_stage(f, osd)
+        stage = zero_stage_of(f, osd)
         if stage == 3:
             raise UnsupportedCheckpointError(f"{f.path}: ZeRO-3 with tensor parallelism is not supported")
-        _require_keys(f, osd, OPTIM_KEYS["zero" if "zero_stage" in osd else "bf16_optimizer"], "ZeRO optimizer file")
+        require_keys(f, osd, OPTIM_KEYS["zero" if "zero_stage" in osd else "bf16_optimizer"], "ZeRO optimizer file")
         stages.add(stage)
     if len(stages) != 1:
         raise CorruptCheckpointError(
@@ -197,36 +199,39 @@ TP_SHARED_KEYS = ("ds_config", "ds_version", "global_steps", "global_samples", "
                   "shared_params")  # fmt: skip
 
 
-def _check_tp_ranks_agree(models: Sequence[_File], reader: RecordReader) -> None:
+def _check_tp_ranks_agree(models: Sequence[RankFile], reader: RecordReader) -> None:
     for f in models:
-        _require_keys(f, f.obj, MODEL_KEYS, "DeepSpeed model-states file")
-        offload = _dict_at(f.obj, "ds_config", "zero_optimization", "offload_optimizer")
+        require_keys(f, f.obj, MODEL_KEYS, "DeepSpeed model-states file")
+        offload = dict_at(f.obj, "ds_config", "zero_optimization", "offload_optimizer")
         if offload.get("device") == "nvme":
             raise UnsupportedCheckpointError(f"{f.path}: the optimizer state was offloaded to NVMe; its fp32 weights "
                                              "are not in the checkpoint files")  # fmt: skip
     for key in TP_SHARED_KEYS:
-        _check_agree(models, [f.obj.get(key) for f in models], key, reader)
-    _check_agree(models, [list(f.get(f.obj, "module", dict)) for f in models], "the module's keys", reader)
+        check_agree(models, [f.obj.get(key) for f in models], key, reader)
+    check_agree(models, [list(f.get(f.obj, "module", dict)) for f in models], "the module's keys", reader)
 
 
 def _check_optimizers_agree(
-    models: Sequence[_File], optims: Sequence[Sequence[_File]], ranks: Sequence[ZeroCheckpoint], reader: RecordReader
+    models: Sequence[RankFile],
+    optims: Sequence[Sequence[RankFile]],
+    ranks: Sequence[ZeroCheckpoint],
+    reader: RecordReader,
 ) -> None:
     """The TP ranks ran one optimizer: same groups, hyper-parameters, steps and state keys."""
     firsts = [rank[0] for rank in optims]
     for f in firsts:  # each optimizer file was saved with its rank's model-states file
-        _check_agree([models[0], f], [models[0].obj.get("ds_config"), f.obj.get("ds_config")], "ds_config", reader)
-    _check_agree(firsts, [[(p.name, p.group) for p in c.params] for c in ranks], "the parameters per group", reader)
-    _check_agree(firsts, [c.optimizer.param_groups for c in ranks], "the optimizer hyper-parameters", reader)
-    _check_agree(firsts, [c.optimizer.group_scalars for c in ranks], "the optimizer step", reader)
-    _check_agree(firsts, [c.state_keys for c in ranks], "the optimizer state keys", reader)
-    _check_agree(firsts, [c.optimizer_kind for c in ranks], "the optimizer wrapper", reader)
+        check_agree([models[0], f], [models[0].obj.get("ds_config"), f.obj.get("ds_config")], "ds_config", reader)
+    check_agree(firsts, [[(p.name, p.group) for p in c.params] for c in ranks], "the parameters per group", reader)
+    check_agree(firsts, [c.optimizer.param_groups for c in ranks], "the optimizer hyper-parameters", reader)
+    check_agree(firsts, [c.optimizer.group_scalars for c in ranks], "the optimizer step", reader)
+    check_agree(firsts, [c.state_keys for c in ranks], "the optimizer state keys", reader)
+    check_agree(firsts, [c.optimizer_kind for c in ranks], "the optimizer wrapper", reader)
 
 
 # --- The map: how TP shards make full tensors ---------------------------------------------------------------
 
 
-def _plans(models: Sequence[_File], ranks: Sequence[ZeroCheckpoint]) -> dict[str, TensorPlan]:
+def _plans(models: Sequence[RankFile], ranks: Sequence[ZeroCheckpoint]) -> dict[str, TensorPlan]:
     """A plan for every parameter (trained or frozen) of the module, from TP rank 0's map."""
     f0 = models[0]
     info = f0.get(f0.obj, "universal_checkpoint_info", dict)
@@ -255,7 +260,7 @@ def _plans(models: Sequence[_File], ranks: Sequence[ZeroCheckpoint]) -> dict[str
     return plans
 
 
-def _affine_maps(f0: _File, info: dict[str, Any]) -> dict[str, Any]:
+def _affine_maps(f0: RankFile, info: dict[str, Any]) -> dict[str, Any]:
     affine = info.get("affine_map")
     if affine is None:
         return {}
@@ -270,7 +275,7 @@ def _affine_maps(f0: _File, info: dict[str, Any]) -> dict[str, Any]:
     return dict(affine["params"])
 
 
-def _matching(f0: _File, name: str, patterns: Mapping[str, Any]) -> str | None:
+def _matching(f0: RankFile, name: str, patterns: Mapping[str, Any]) -> str | None:
     """The one pattern matching `name` (DeepSpeed's converter matches with re.match), or None."""
     hits = [str(pattern) for pattern in patterns if _compiled(f0, pattern).match(name)]
     if len(hits) > 1:
@@ -284,19 +289,19 @@ CATEGORY_KEYS = ("tp_replicated_parameter_patterns", "parameter_with_row_paralle
                  "vocabulary_parameter_patterns")  # fmt: skip
 
 
-def _categorized(f0: _File, info: dict[str, Any], name: str) -> bool:
+def _categorized(f0: RankFile, info: dict[str, Any], name: str) -> bool:
     """Whether a pattern list of universal_checkpoint_info names the parameter (column-parallel ones need none)."""
     return any(_matching(f0, name, dict.fromkeys(info.get(key) or [])) is not None for key in CATEGORY_KEYS)
 
 
-def _compiled(f0: _File, pattern: Any) -> re.Pattern[str]:
+def _compiled(f0: RankFile, pattern: Any) -> re.Pattern[str]:
     try:
         return re.compile(str(pattern))
     except re.error as e:
         raise f0.fail(f"universal_checkpoint_info holds an invalid pattern {short(pattern, 60)} ({e})") from e
 
 
-def _category_map(f0: _File, info: dict[str, Any], name: str, local: list[tuple[int, ...]]) -> dict[str, Any]:
+def _category_map(f0: RankFile, info: dict[str, Any], name: str, local: list[tuple[int, ...]]) -> dict[str, Any]:
     """A map for a parameter without an affine entry, from the pattern categories as ds_to_universal merges
     them: replicated ones from TP rank 0, row-parallel ones concatenated on dim 1, all others on dim 0."""
     fused = [p for entry in info.get("parameter_with_sub_params") or [] if isinstance(entry, dict)
@@ -335,7 +340,7 @@ def _replicated(local: list[tuple[int, ...]]) -> dict[str, Any]:
     }
 
 
-def _concatenated(f0: _File, name: str, local: list[tuple[int, ...]], dim: int) -> dict[str, Any]:
+def _concatenated(f0: RankFile, name: str, local: list[tuple[int, ...]], dim: int) -> dict[str, Any]:
     if any(len(s) <= dim or s[:dim] + s[dim + 1 :] != local[0][:dim] + local[0][dim + 1 :] for s in local):
         raise f0.fail(f"the TP shards of {name} ({[list(s) for s in local]}) do not concatenate along dim {dim}")
     full = list(local[0])
@@ -350,7 +355,7 @@ def _concatenated(f0: _File, name: str, local: list[tuple[int, ...]], dim: int) 
     return {"logical_shape": full, "ranks": ranks}
 
 
-def _plan(f0: _File, name: str, entry: Any, local: list[tuple[int, ...]], keep_rows: Any) -> TensorPlan:
+def _plan(f0: RankFile, name: str, entry: Any, local: list[tuple[int, ...]], keep_rows: Any) -> TensorPlan:
     """Check a map entry against the stored shards and turn it into the runs of the full tensor."""
     where = f"the affine map of {name}"
     if not isinstance(entry, dict):
@@ -390,7 +395,7 @@ def _plan(f0: _File, name: str, entry: Any, local: list[tuple[int, ...]], keep_r
     return TensorPlan(name, logical, shape, tuple(local), tiled, tuple(replicas))
 
 
-def _int_list(f0: _File, value: Any, where: str) -> tuple[int, ...]:
+def _int_list(f0: RankFile, value: Any, where: str) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
         raise f0.fail(f"{where} is not a list of ints ({short(value, 40)})")
     return tuple(int(v) for v in value)
@@ -403,7 +408,7 @@ def _count(shape: Sequence[int]) -> int:
     return n
 
 
-def _piece_runs(f0: _File, where: str, rank: int, piece: Any) -> tuple[bool, list[Run]]:
+def _piece_runs(f0: RankFile, where: str, rank: int, piece: Any) -> tuple[bool, list[Run]]:
     """A piece's elements as runs contiguous in both tensors, and whether this rank is the one to take them
     from: a replicated piece is listed by every rank holding it and taken from the lowest."""
     if not isinstance(piece, dict) or not all(isinstance(piece.get(k), list) for k in ("source", "dest")):
@@ -431,7 +436,7 @@ def _piece_runs(f0: _File, where: str, rank: int, piece: Any) -> tuple[bool, lis
     return rank == min(holders), runs
 
 
-def _offset_strides(f0: _File, value: Any, where: str) -> tuple[int, tuple[int, ...]]:
+def _offset_strides(f0: RankFile, value: Any, where: str) -> tuple[int, tuple[int, ...]]:
     if len(value) != 2 or not isinstance(value[0], int) or isinstance(value[0], bool) or value[0] < 0:
         raise f0.fail(f"{where} is not [offset, strides] ({short(value, 40)})")
     return int(value[0]), _int_list(f0, value[1], where)
@@ -456,7 +461,7 @@ def _indices(shape: Sequence[int]) -> Iterator[tuple[int, ...]]:
             yield (i, *rest)
 
 
-def _check_shard_tiled(f0: _File, name: str, rank: int, runs: list[Run], numel: int) -> None:
+def _check_shard_tiled(f0: RankFile, name: str, rank: int, runs: list[Run], numel: int) -> None:
     """A rank's pieces fill its shard exactly: every stored element used once, none outside."""
     spans = sorted((r.shard, r.count) for r in runs)
     cursor = 0
@@ -476,7 +481,7 @@ def _check_shard_tiled(f0: _File, name: str, rank: int, runs: list[Run], numel: 
 
 
 def _cut_vocabulary(
-    f0: _File, name: str, logical: tuple[int, ...], runs: list[Run], keep_rows: Any
+    f0: RankFile, name: str, logical: tuple[int, ...], runs: list[Run], keep_rows: Any
 ) -> tuple[tuple[int, ...], list[Run]]:
     """Vocabulary parameters lose the rows past original_vocab_size (AutoTP's padding), as ds_to_universal does."""
     if keep_rows is None or not logical or keep_rows >= logical[0]:
@@ -488,7 +493,7 @@ def _cut_vocabulary(
     return (keep_rows, *logical[1:]), cut
 
 
-def _tiled(f0: _File, name: str, logical: tuple[int, ...], shape: tuple[int, ...], runs: list[Run]) -> list[Run]:
+def _tiled(f0: RankFile, name: str, logical: tuple[int, ...], shape: tuple[int, ...], runs: list[Run]) -> list[Run]:
     """The runs sorted by their place in the full tensor, checked to cover it exactly once."""
     runs = sorted(runs, key=lambda r: r.full)
     cursor = 0
@@ -525,7 +530,7 @@ def _local_shape(ckpt: ZeroCheckpoint, name: str) -> tuple[int, ...]:
 
 
 def _merged(
-    loc: CheckpointLocation, ranks: list[ZeroCheckpoint], plans: dict[str, TensorPlan], models: list[_File], tp: int
+    loc: CheckpointLocation, ranks: list[ZeroCheckpoint], plans: dict[str, TensorPlan], models: list[RankFile], tp: int
 ) -> tuple[ZeroCheckpoint, list[Replica]]:
     first = ranks[0]
     params = []

@@ -21,22 +21,22 @@ from .parallel import KIND_NAMES, ParallelLayout
 from .reader import (
     OptimizerState,
     Param,
+    RankFile,
     Segment,
     TensorSource,
     ZeroCheckpoint,
-    _dict_at,
-    _File,
-    _module,
-    _param_shapes,
-    _shape,
-    _train_dtype,
-    _unique_names,
-    _zero_stage,
     check_ties_and_keys,
+    check_unique_names,
+    dict_at,
+    param_shapes_of,
+    read_module,
+    shape_of,
     strip_prefixes,
+    train_dtype_of,
     zero3_frozen,
     zero3_optimizer_parts,
     zero12_bit16,
+    zero_stage_of,
 )
 from .torchfile import LazyTensor, load_pickle
 from .torchwriter import NewTensor, Slice
@@ -77,15 +77,15 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     zero = tag_dir / "zero"
     if not (zero / "optimizer_state.pt").is_file():
         raise CheckpointNotFoundError(f"{zero / 'optimizer_state.pt'} is missing: not a universal checkpoint tag")
-    common_file = _File(
+    common_file = RankFile(
         zero / "optimizer_state.pt", load_pickle(zero / "optimizer_state.pt"), "universal optimizer-state"
     )
-    stage = _zero_stage(common_file, common_file.obj)
+    stage = zero_stage_of(common_file, common_file.obj)
     models = _model_files(tag_dir, stage)
     f0 = models[0]
-    mod = _module(f0)
-    shapes = _param_shapes(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
-    _unique_names(f0, shapes)
+    mod = read_module(f0)
+    shapes = param_shapes_of(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
+    check_unique_names(f0, shapes)
     groups, scalars_of, common = _groups(common_file, stage, len(shapes))
     params = [_param(zero, name, shape, groups[g]) for g, entries in enumerate(shapes) for name, shape in entries]
     params.sort(key=lambda p: p.group)
@@ -95,15 +95,15 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     dp = int(f0.get(f0.obj, "dp_world_size", int))
     bit16 = zero3_frozen(models, dp) if stage == 3 else zero12_bit16(f0, mod, by_name)
     check_ties_and_keys(f0, mod, by_name, {n: s for n, s in bit16.items() if n not in by_name})
-    ds_config = _dict_at(f0.obj, "ds_config")
-    prefix = "bf16_" if _dict_at(ds_config, "bf16").get("enabled") else ""
+    ds_config = dict_at(f0.obj, "ds_config")
+    prefix = "bf16_" if dict_at(ds_config, "bf16").get("enabled") else ""
     files = TagFiles({i: m.path.name for i, m in enumerate(models)}, {}, prefix, stage == 3)
     side = [name for name in ("config.json", *HF_SIDE_FILES) if (root / name).is_file()]
     return ZeroCheckpoint(
         location=CheckpointLocation(root, tag, tag_dir, files, None, side),
         zero_stage=stage,
         dp_world_size=dp,
-        train_dtype=_train_dtype(mod.tensors, by_name),
+        train_dtype=train_dtype_of(mod.tensors, by_name),
         optimizer_kind="zero" if "zero_stage" in common_file.obj else "bf16_optimizer",
         ds_version=str(f0.obj.get("ds_version", "")),
         global_steps=f0.obj.get("global_steps") if isinstance(f0.obj.get("global_steps"), int) else None,
@@ -121,7 +121,7 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     )
 
 
-def _model_files(tag_dir: Path, stage: int) -> list[_File]:
+def _model_files(tag_dir: Path, stage: int) -> list[RankFile]:
     pattern = ZERO3_MODEL_RE if stage == 3 else MODEL_RE
     found = {}
     for p in tag_dir.iterdir():
@@ -141,7 +141,7 @@ def _model_files(tag_dir: Path, stage: int) -> list[_File]:
         raise CorruptCheckpointError(
             f"{tag_dir}: model-state files for ranks {sorted(found)}; expected 0-{len(found) - 1}"
         )
-    models = [_File(found[i], load_pickle(found[i]), "model-states") for i in range(len(found))]
+    models = [RankFile(found[i], load_pickle(found[i]), "model-states") for i in range(len(found))]
     dp = models[0].obj.get("dp_world_size")
     if stage == 3 and dp != len(models):
         raise CheckpointNotFoundError(
@@ -151,7 +151,7 @@ def _model_files(tag_dir: Path, stage: int) -> list[_File]:
     return models
 
 
-def _groups(f: _File, stage: int, num_shape_groups: int) -> tuple[list[int], list[dict[str, Any]], dict[str, Any]]:
+def _groups(f: RankFile, stage: int, num_shape_groups: int) -> tuple[list[int], list[dict[str, Any]], dict[str, Any]]:
     """Param group of each param_shapes group, per-group scalar state (ZeRO-3), and the shared optimizer state."""
     common = dict(f.obj)
     if stage != 3:
@@ -186,7 +186,7 @@ def _param(zero: Path, name: str, shape: tuple[int, ...], group: int) -> Param:
 
 
 def _state_source(path: Path, name: str, shape: tuple[int, ...], kind: str) -> TensorSource:
-    f = _File(path, {"value": load_pickle(path)}, "universal state")
+    f = RankFile(path, {"value": load_pickle(path)}, "universal state")
     value = f.obj["value"]
     tensor = value.get("param") if isinstance(value, dict) else value
     t = f.tensor(tensor, "its tensor")
@@ -200,7 +200,7 @@ def _state_source(path: Path, name: str, shape: tuple[int, ...], kind: str) -> T
     if isinstance(value, dict) and "vocab_tensor" in value:
         raise f.fail("holds tensor-parallel merge information; only data-parallel universal checkpoints are supported")
     numel = 1
-    for s in _shape(f, shape, "the parameter's shape"):
+    for s in shape_of(f, shape, "the parameter's shape"):
         numel *= s
     if t.numel() != numel:
         raise CorruptCheckpointError(f"{path} holds {t.numel()} elements, parameter {name} has {numel}; re-copy it")

@@ -28,24 +28,24 @@ from .errors import UnsupportedCheckpointError, UsageError, short
 from .layout import CheckpointLocation
 from .parallel import ParallelLayout
 from .reader import (
+    ModuleEntries,
     OptimizerState,
     Param,
+    RankFile,
     Segment,
     TensorSource,
     ZeroCheckpoint,
-    _dict_at,
-    _File,
-    _frozen_excluded,
-    _is_int,
-    _Module,
-    _module,
-    _refuse_unsupported,
-    _require_keys,
-    _scalars,
-    _state_entries,
-    _train_dtype,
     check_ties_and_keys,
+    dict_at,
     fingerprint,
+    is_int,
+    read_module,
+    refuse_unsupported,
+    require_keys,
+    saved_without_frozen,
+    scalar_entries,
+    state_entries,
+    train_dtype_of,
 )
 from .torchfile import LazyTensor, RecordReader, load_pickle
 
@@ -65,19 +65,19 @@ def read_zero0(loc: CheckpointLocation) -> ZeroCheckpoint:
         UnsupportedCheckpointError: no optimizer state at all, an unknown optimizer wrapper, or param groups that
             cannot be matched to module params one way only.
     """
-    f = _File(loc.tag_dir / MODEL_FILE, load_pickle(loc.tag_dir / MODEL_FILE), "model-states")
-    _refuse_unsupported(f)
+    f = RankFile(loc.tag_dir / MODEL_FILE, load_pickle(loc.tag_dir / MODEL_FILE), "model-states")
+    refuse_unsupported(f)
     if f.obj.get("optimizer", "absent") is None:
         raise UnsupportedCheckpointError(
             f"{f.path} holds no optimizer state ('optimizer' is None: the engine had no optimizer, or the run saved "
             "without it): there are no fp32 masters; its 'module' entry is the model as trained"
         )
-    _require_keys(f, f.obj, ZERO0_MODEL_KEYS, "stage-0 DeepSpeed model-states file")
+    require_keys(f, f.obj, ZERO0_MODEL_KEYS, "stage-0 DeepSpeed model-states file")
     _check_stage0(f)
     dp = f.get(f.obj, "dp_world_size", int)
     if isinstance(dp, bool) or not 1 <= dp <= 1 << 20:
         raise f.fail(f"dp_world_size {short(dp)} is not a positive rank count")
-    mod = _module(f)
+    mod = read_module(f)
     mod.shared.update(_storage_aliases(mod))
     with RecordReader() as reader:
         wrapper = _Wrapper.of(f, f.get(f.obj, "optimizer", dict), reader)
@@ -87,13 +87,13 @@ def read_zero0(loc: CheckpointLocation) -> ZeroCheckpoint:
     return ckpt
 
 
-def _check_stage0(f: _File) -> None:
-    stage = _dict_at(f.obj, "ds_config", "zero_optimization").get("stage", 0)
+def _check_stage0(f: RankFile) -> None:
+    stage = dict_at(f.obj, "ds_config", "zero_optimization").get("stage", 0)
     if stage not in (0, False, None):
         raise f.fail(f"ds_config says ZeRO stage {short(stage, 20)}, but the file holds a stage-0 optimizer")
 
 
-def _storage_aliases(mod: _Module) -> dict[str, str]:
+def _storage_aliases(mod: ModuleEntries) -> dict[str, str]:
     """Tied weights: stage 0 records no shared_params; the module's entries share their storage instead."""
     owners: dict[tuple[Any, ...], str] = {}
     aliases = {}
@@ -117,7 +117,7 @@ class _Wrapper:
     """The optimizer entry, parsed: per param group its fp32 masters (flat or per param) and torch states."""
 
     kind: str  # "fp16_optimizer" | "fp16_unfused_optimizer" | "torch"
-    f: _File
+    f: RankFile
     entry: dict[str, Any]  # the wrapper's state_dict
     inner: dict[str, Any]  # the torch optimizer's state_dict
     ids: list[list[int]]  # per param group: the torch state ids of its params
@@ -125,7 +125,7 @@ class _Wrapper:
     reader: RecordReader  # for comparing 0-dim step tensors by value
 
     @classmethod
-    def of(cls, f: _File, entry: dict[str, Any], reader: RecordReader) -> _Wrapper:
+    def of(cls, f: RankFile, entry: dict[str, Any], reader: RecordReader) -> _Wrapper:
         if "fp32_groups_flat" in entry:
             kind, key = "fp16_optimizer", "fp32_groups_flat"
         elif "fp32_groups" in entry:
@@ -142,12 +142,12 @@ class _Wrapper:
         masters: list[Any] = [None] * len(ids)
         if key is not None:
             masters = _masters(f, f.get(entry, key, list, "optimizer."), key, ids, flat=kind == "fp16_optimizer")
-            _require_keys(f, entry, LOSS_SCALER_KEYS if kind == "fp16_unfused_optimizer" else (), "FP16 wrapper")
+            require_keys(f, entry, LOSS_SCALER_KEYS if kind == "fp16_unfused_optimizer" else (), "FP16 wrapper")
         return cls(kind, f, entry, inner, ids, masters, reader)
 
     def state(self, pid: int) -> dict[str, Any]:
         states = self.f.get(self.inner, "state", dict, "optimizer state_dict ")
-        return _state_entries(self.f, states.get(pid, {}), f"optimizer param {pid}")
+        return state_entries(self.f, states.get(pid, {}), f"optimizer param {pid}")
 
     def flat_states(self, pid: int) -> dict[str, LazyTensor]:
         where = f"optimizer param {pid}"
@@ -165,7 +165,7 @@ class _Wrapper:
         return tuple(next(iter(moments.values())).shape) if moments else None
 
 
-def _group_ids(f: _File, inner: dict[str, Any]) -> list[list[int]]:
+def _group_ids(f: RankFile, inner: dict[str, Any]) -> list[list[int]]:
     """The torch state ids per param group: torch's state_dict numbers params 0..N-1 over the groups in order."""
     groups = f.get(inner, "param_groups", list, "optimizer.")
     ids: list[list[int]] = []
@@ -173,20 +173,20 @@ def _group_ids(f: _File, inner: dict[str, Any]) -> list[list[int]]:
         got = f.get(pg, "params", list, f"optimizer param_groups[{g}].")
         if any(not isinstance(k, str) for k in pg):
             raise f.fail(f"optimizer param_groups[{g}] has a key that is not a string")
-        if not all(_is_int(i) for i in got):
+        if not all(is_int(i) for i in got):
             raise f.fail(f"optimizer param_groups[{g}].params holds {short(got)}, not param ids")
         ids.append(list(got))
     flat = [i for g in ids for i in g]
     if flat != list(range(len(flat))):
         raise f.fail(f"optimizer param_groups number their params {short(flat)}, not 0..{len(flat) - 1} in order")
     states = f.get(inner, "state", dict, "optimizer state_dict ")
-    stray = [k for k in states if not _is_int(k) or not 0 <= k < len(flat)]
+    stray = [k for k in states if not is_int(k) or not 0 <= k < len(flat)]
     if stray:
         raise f.fail(f"optimizer state is keyed {short(stray[0], 20)}, which no param group lists")
     return ids
 
 
-def _masters(f: _File, value: list[Any], key: str, ids: list[list[int]], *, flat: bool) -> list[Any]:
+def _masters(f: RankFile, value: list[Any], key: str, ids: list[list[int]], *, flat: bool) -> list[Any]:
     if len(value) != len(ids):
         raise f.fail(f"'optimizer.{key}' has {len(value)} entries for {len(ids)} param groups")
     out: list[Any] = []
@@ -214,7 +214,7 @@ Pos = tuple[int, ...]  # per param group: elements (flat masters) or params (per
 class _Fit:
     """Can module param `name` be the next entry of param group g, at position `pos` of that group?"""
 
-    def __init__(self, f: _File, mod: _Module, wrapper: _Wrapper) -> None:
+    def __init__(self, f: RankFile, mod: ModuleEntries, wrapper: _Wrapper) -> None:
         self.f, self.mod, self.w = f, mod, wrapper
         self.files = _Files()
         self.cache: dict[tuple[str, int, int], int | None] = {}
@@ -266,7 +266,7 @@ class _Fit:
         return True
 
 
-def _candidates(f: _File, mod: _Module, wrapper: _Wrapper) -> list[str]:
+def _candidates(f: RankFile, mod: ModuleEntries, wrapper: _Wrapper) -> list[str]:
     names = [n for n in mod.keys if n not in mod.buffers and n not in mod.shared]
     for n in names:
         f.tensor(mod.tensors[n], f"module tensor {n}", floating=False)
@@ -319,7 +319,7 @@ class _NoFit(Exception):
     pass
 
 
-def _match(f: _File, mod: _Module, wrapper: _Wrapper) -> tuple[list[Param], list[str]]:
+def _match(f: RankFile, mod: ModuleEntries, wrapper: _Wrapper) -> tuple[list[Param], list[str]]:
     names = _candidates(f, mod, wrapper)
     fit = _Fit(f, mod, wrapper)
     ends = [fit.end(g) for g in range(len(wrapper.ids))]
@@ -346,7 +346,7 @@ def _match(f: _File, mod: _Module, wrapper: _Wrapper) -> tuple[list[Param], list
     return params, frozen
 
 
-def _group_params(f: _File, mod: _Module, w: _Wrapper, g: int, members: list[str]) -> list[Param]:
+def _group_params(f: RankFile, mod: ModuleEntries, w: _Wrapper, g: int, members: list[str]) -> list[Param]:
     """The Params of group g: fp32 masters and every tensor state, as slices of the flat or per-param tensors."""
     per_param = w.kind != "fp16_optimizer"
     states = [w.flat_states(pid) for pid in w.ids[g]]
@@ -381,7 +381,7 @@ def group_scalars(w: _Wrapper, g: int) -> dict[str, Any]:
     created with, the group's 'step'. DeepSpeed loads and trains on such files as they are.
     """
     ids = w.ids[g]
-    steps = [_scalars(w.state(pid)) for pid in ids]
+    steps = [scalar_entries(w.state(pid)) for pid in ids]
     if not steps:
         return {}
     pg = w.inner["param_groups"][g]
@@ -397,7 +397,7 @@ def fp32_len(w: _Wrapper, g: int) -> int:
     return int(w.masters[g].numel())
 
 
-def _check_state_length(f: _File, state: LazyTensor, key: str, g: int, want: int) -> None:
+def _check_state_length(f: RankFile, state: LazyTensor, key: str, g: int, want: int) -> None:
     if state.numel() != want:
         raise f.fail(
             f"optimizer state {short(key)} of param group {g} holds {state.numel()} elements, the master {want}"
@@ -409,15 +409,15 @@ def _check_state_length(f: _File, state: LazyTensor, key: str, g: int, want: int
 
 def _checkpoint(
     loc: CheckpointLocation,
-    f: _File,
-    mod: _Module,
+    f: RankFile,
+    mod: ModuleEntries,
     w: _Wrapper,
     params: list[Param],
     frozen_names: list[str],
     dp: int,
 ) -> ZeroCheckpoint:
     by_name = {p.name: p for p in params}
-    train_dtype = _train_dtype(mod.tensors, by_name)
+    train_dtype = train_dtype_of(mod.tensors, by_name)
     if (w.kind == "torch") != (train_dtype == dtypes.FLOAT32):
         raise f.fail(
             f"the module is trained in {train_dtype.name} but the optimizer entry is a {w.kind} state_dict "
@@ -434,21 +434,21 @@ def _checkpoint(
         train_dtype=train_dtype,
         optimizer_kind=w.kind,
         ds_version=str(f.obj.get("ds_version", "")),
-        global_steps=f.obj.get("global_steps") if _is_int(f.obj.get("global_steps")) else None,
+        global_steps=f.obj.get("global_steps") if is_int(f.obj.get("global_steps")) else None,
         keys=mod.keys,
         params=params,
         optimizer=_optimizer_state(w),
         bit16=bit16,
         buffers=mod.buffers,
         shared_params=mod.shared,
-        frozen_excluded=_frozen_excluded(loc, by_name, bit16),
-        ds_config=_dict_at(f.obj, "ds_config"),
+        frozen_excluded=saved_without_frozen(loc, by_name, bit16),
+        ds_config=dict_at(f.obj, "ds_config"),
         model_files=[f.obj],
         layout=ParallelLayout(kind="zero0", dp=dp),
     )
 
 
-def _whole(f: _File, mod: _Module, name: str, kind: str) -> TensorSource:
+def _whole(f: RankFile, mod: ModuleEntries, name: str, kind: str) -> TensorSource:
     t = f.tensor(mod.tensors[name], f"module tensor {name}", floating=kind == "trainable")
     return TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), kind)
 
