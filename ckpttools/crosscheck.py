@@ -37,7 +37,7 @@ class _Chunk:
     count: int
 
 
-class _Files:
+class OpenFiles:
     """Read-only descriptors shared by the worker threads."""
 
     def __init__(self) -> None:
@@ -55,7 +55,7 @@ class _Files:
             os.close(fd)
 
 
-def _read(source: TensorSource, start: int, count: int, files: _Files) -> np.ndarray:
+def read_elements(source: TensorSource, start: int, count: int, files: OpenFiles) -> np.ndarray:
     """Elements [start, start + count) of a source, in its stored dtype, as raw little-endian numbers."""
     item = source.dtype.itemsize
     out = bytearray(count * item)
@@ -79,7 +79,7 @@ def _read(source: TensorSource, start: int, count: int, files: _Files) -> np.nda
     return np.frombuffer(out, dtype=source.dtype.numpy)
 
 
-def _casts_equal(master: np.ndarray, copy: np.ndarray, dtype: DType) -> bool:
+def casts_equal(master: np.ndarray, copy: np.ndarray, dtype: DType) -> bool:
     """cast(master) == copy bit for bit, round to nearest even as torch's copy_ does."""
     if dtype == dtypes.FLOAT32:
         return bool(np.array_equal(master.view(np.uint32), copy.view(np.uint32)))
@@ -130,14 +130,14 @@ def module_matches_masters(ckpt: ZeroCheckpoint, *, full: bool = False, workers:
     chunks = _chunks(ckpt, full)
     if not chunks:
         return None
-    files = _Files()
+    files = OpenFiles()
 
     def check(chunk: _Chunk) -> bool:
         if chunk.count < 0:
             return False
-        master = _read(chunk.master, chunk.start, chunk.count, files)
-        copy = _read(chunk.copy, chunk.start, chunk.count, files)
-        return _casts_equal(master, copy, chunk.copy.dtype)
+        master = read_elements(chunk.master, chunk.start, chunk.count, files)
+        copy = read_elements(chunk.copy, chunk.start, chunk.count, files)
+        return casts_equal(master, copy, chunk.copy.dtype)
 
     workers = workers or min(MAX_WORKERS, os.cpu_count() or 1)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-crosscheck")

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import dtypes
-from .crosscheck import _casts_equal, _Files, _read
+from .crosscheck import OpenFiles, casts_equal, read_elements
 from .errors import UnsupportedCheckpointError, UsageError, short
 from .layout import CheckpointLocation
 from .parallel import ParallelLayout
@@ -216,7 +216,7 @@ class _Fit:
 
     def __init__(self, f: RankFile, mod: ModuleEntries, wrapper: _Wrapper) -> None:
         self.f, self.mod, self.w = f, mod, wrapper
-        self.files = _Files()
+        self.files = OpenFiles()
         self.cache: dict[tuple[str, int, int], int | None] = {}
 
     def __call__(self, name: str, g: int, pos: int) -> int | None:
@@ -259,8 +259,8 @@ class _Fit:
             else [(0, COMPARE_END_ELEMS), (n - COMPARE_END_ELEMS, COMPARE_END_ELEMS)]
         )
         for start, count in windows:
-            if not _casts_equal(
-                _read(master, start, count, self.files), _read(copy, start, count, self.files), t.dtype
+            if not casts_equal(
+                read_elements(master, start, count, self.files), read_elements(copy, start, count, self.files), t.dtype
             ):
                 return False
         return True
