@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from .errors import CkptError, UsageError
+
+if TYPE_CHECKING:
+    from .torchfile import Record
 
 DEFAULT_TIMEOUT_S = 3600  # a rank waits this long at an agreement point for the slowest one
 EXIT_INTERRUPTED = 130
@@ -83,6 +86,14 @@ def plan_by_bytes(sizes: Sequence[int], world_size: int) -> list[int]:
         owner[i] = rank
         loads[rank] += sizes[i]
     return owner
+
+
+def records_to_verify(records: Iterable[Record], rank: int, world_size: int) -> list[Record]:
+    """This rank's share of the CRC-32 checks of `records` (duplicates dropped): each record is checked by one
+    rank, whole, balanced by bytes, so a flat partition every rank reads a piece of is not read by all."""
+    unique = list({(r.path, r.name): r for r in records}.values())
+    owners = plan_by_bytes([r.nbytes for r in unique], world_size)
+    return [r for r, owner in zip(unique, owners, strict=True) if owner == rank]
 
 
 class RankFailedError(CkptError):

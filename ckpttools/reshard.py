@@ -16,21 +16,25 @@ import itertools
 import json
 import shutil
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import dtypes, hf, moe, partition, stages, zero0
 from .crosscheck import check_module_copies
+from .distributed import plan_by_bytes, records_to_verify
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
 from .parallel import KIND_NAMES
 from .reader import Param, TensorSource, ZeroCheckpoint, strip_prefixes
 from .sources import open_checkpoint
-from .staging import check_output_dir, staged_folder
-from .torchfile import DEEPSPEED_STUBS, LazyTensor, RecordReader, TorchSize, load_pickle
+from .staging import check_output_dir, shared_staged_folder, staged_folder
+from .torchfile import DEEPSPEED_STUBS, LazyTensor, Record, RecordReader, TorchSize, load_pickle
 from .torchwriter import Fill, NewTensor, ProgressFn, Slice, write_torch_files
 from .universal import MASTER, universal_files
+
+if TYPE_CHECKING:
+    from .distributed import ProcessGroup
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 _ProgressFns = tuple[ProgressFn | None, ProgressFn | None]  # (on_start, on_progress)
@@ -48,9 +52,12 @@ class ReshardResult:
     files: list[str]
     notes: list[str] = field(default_factory=list)
     zero_stage_from: int | None = None  # the source's stage when --stage changed it
+    world_size: int | None = None  # set by a run on many ranks, with the rank that wrote each file
+    ranks: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        return d if self.world_size is not None else {k: v for k, v in d.items() if k not in ("world_size", "ranks")}
 
 
 # --- Piece arithmetic -------------------------------------------------------------------------------------
@@ -405,6 +412,7 @@ def reshard(
     config: Path | str | None = None,
     on_start: ProgressFn | None = None,
     on_progress: ProgressFn | None = None,
+    group: ProcessGroup | None = None,
 ) -> ReshardResult:
     """Write a native ZeRO checkpoint for `dp` ranks, or (`universal=True`) a universal checkpoint.
 
@@ -419,11 +427,49 @@ def reshard(
             for checkpoints saved without one (accelerate's save_state).
         on_start: called once with the number of tensor bytes to write.
         on_progress: called with the number of bytes written after each chunk.
+        group: the ranks of a launcher (`ckpttools.distributed.join_group`) sharing the work: each writes the
+            rank files (or universal parameter folders) planned for it, balanced by bytes, into one staged
+            folder that is committed only when every rank succeeded; rank 0 also writes `latest` and the files
+            beside the tag. Every rank returns the same result, with `world_size` and each file's rank.
 
     Example:
         >>> reshard("out/checkpoint-500", "out/dp8-checkpoint-500", dp=8).files[0]
         'global_step500/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt'
     """
+    if group is not None and group.world_size > 1:
+        job = group.run_agreed(lambda: _prepare(path, out_dir, dp, universal, stage, tag, step, best, config))
+        if isinstance(job, ReshardResult):
+            job.world_size, job.ranks = group.world_size, {}
+            return job
+        return _write_on_ranks(group, job, out_dir, overwrite, (on_start, on_progress))
+    job = _prepare(path, out_dir, dp, universal, stage, tag, step, best, config)
+    if isinstance(job, ReshardResult):
+        return job
+    return _write(job.ckpt, job.dp, job.stage, out_dir, overwrite, job.model_config, (on_start, on_progress))
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What `reshard` writes, once its arguments and the checkpoint are checked."""
+
+    ckpt: ZeroCheckpoint
+    dp: int | None  # None: universal output
+    stage: int
+    model_config: hf.ModelConfig | None
+
+
+def _prepare(
+    path: Path | str,
+    out_dir: Path | str | None,
+    dp: int | None,
+    universal: bool,
+    stage: int | None,
+    tag: str | None,
+    step: int | None,
+    best: bool,
+    config: Path | str | None,
+) -> _Job | ReshardResult:
+    """Check the arguments and open the checkpoint: the job, or the result when there is nothing to do."""
     if universal and (dp is not None or stage is not None):
         raise UsageError("--universal writes a checkpoint for any DP size and stage; pass it without --dp/--stage")
     if not universal and dp is None and stage is None:
@@ -454,7 +500,7 @@ def reshard(
             "universal format needs; reshard it natively with --dp M instead"
         )
     model_config = hf.find_config(ckpt.location.root, config) if config is not None else None
-    return _write(ckpt, dp, target, out_dir, overwrite, model_config, (on_start, on_progress))
+    return _Job(ckpt, dp, target, model_config)
 
 
 def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int, dp: int | None) -> None:
@@ -502,33 +548,131 @@ def _write(
     progress: _ProgressFns,
 ) -> ReshardResult:
     loc = ckpt.location
-    old_dp = ckpt.dp_world_size if ckpt.source_format == "native" else None
-    new_stage = stage if stage != ckpt.zero_stage else None
-    out = check_output_dir(Path(out_dir) if out_dir else _default_out(loc.root, dp, new_stage), loc.root, overwrite)
-    needed = sum(p.stat().st_size for p in loc.tag_dir.rglob("*") if p.is_file())
-    result = ReshardResult(None, loc.tag, stage, old_dp, dp, [], zero_stage_from=new_stage and ckpt.zero_stage)
+    out, needed, result = _plan_output(ckpt, dp, stage, out_dir, overwrite)
     with RecordReader() as reader:
         check_module_copies(ckpt)  # before anything is written
         with staged_folder(out, overwrite=overwrite, needed_bytes=needed) as tmp:
             (tmp / loc.tag).mkdir()
             result.files = _write_tag(ckpt, dp, stage, tmp / loc.tag, reader, progress)
-            if new_stage is not None:
-                result.notes.append(
-                    f"ZeRO-{ckpt.zero_stage} -> ZeRO-{stage}: resume with zero_optimization.stage {stage} in the "
-                    "DeepSpeed config"
-                )
-            elif dp is not None and dp == old_dp:
-                result.notes.append(f"the checkpoint is already at DP {dp}; rewritten as it is, every record checked")
-            skip = {loc.tag, "latest", "latest_universal"}
-            result.notes += _copy_root_files(loc.root, tmp, old_dp, dp, skip)
-            if model_config is not None:
-                (tmp / "config.json").write_text(json.dumps(model_config.config, indent=2) + "\n")
-                hf.copy_side_files(model_config.folder, model_config.side_files, tmp)
-            (tmp / ("latest" if dp else "latest_universal")).write_text(loc.tag)
-            if dp is None:
-                result.notes.append('load it with "checkpoint": {"load_universal": true} in the DeepSpeed config')
+            _finish_folder(ckpt, dp, stage, tmp, model_config, result)
     result.output_dir = str(out)
     return result
+
+
+def _plan_output(
+    ckpt: ZeroCheckpoint, dp: int | None, stage: int, out_dir: Any, overwrite: bool
+) -> tuple[Path, int, ReshardResult]:
+    """The checked output folder, the disk space it needs and the result to fill in."""
+    loc = ckpt.location
+    old_dp = ckpt.dp_world_size if ckpt.source_format == "native" else None
+    new_stage = stage if stage != ckpt.zero_stage else None
+    out = check_output_dir(Path(out_dir) if out_dir else _default_out(loc.root, dp, new_stage), loc.root, overwrite)
+    needed = sum(p.stat().st_size for p in loc.tag_dir.rglob("*") if p.is_file())
+    return (
+        out,
+        needed,
+        ReshardResult(None, loc.tag, stage, old_dp, dp, [], zero_stage_from=new_stage and ckpt.zero_stage),
+    )
+
+
+def _finish_folder(
+    ckpt: ZeroCheckpoint,
+    dp: int | None,
+    stage: int,
+    tmp: Path,
+    model_config: hf.ModelConfig | None,
+    result: ReshardResult,
+) -> None:
+    """Everything but the tag's rank files: notes, the files beside the tag, config.json and `latest`."""
+    loc = ckpt.location
+    if result.zero_stage_from is not None:
+        result.notes.append(
+            f"ZeRO-{ckpt.zero_stage} -> ZeRO-{stage}: resume with zero_optimization.stage {stage} in the "
+            "DeepSpeed config"
+        )
+    elif dp is not None and dp == result.dp_from:
+        result.notes.append(f"the checkpoint is already at DP {dp}; rewritten as it is, every record checked")
+    skip = {loc.tag, "latest", "latest_universal"}
+    result.notes += _copy_root_files(loc.root, tmp, result.dp_from, dp, skip)
+    if model_config is not None:
+        (tmp / "config.json").write_text(json.dumps(model_config.config, indent=2) + "\n")
+        hf.copy_side_files(model_config.folder, model_config.side_files, tmp)
+    (tmp / ("latest" if dp else "latest_universal")).write_text(loc.tag)
+    if dp is None:
+        result.notes.append('load it with "checkpoint": {"load_universal": true} in the DeepSpeed config')
+
+
+# --- On many ranks ------------------------------------------------------------------------------------------
+
+
+def _write_on_ranks(
+    group: ProcessGroup, job: _Job, out_dir: Any, overwrite: bool, progress: _ProgressFns
+) -> ReshardResult:
+    """`_write` shared by a launcher's ranks: each writes its own files of the tag, rank 0 the rest, one commit."""
+    ckpt, loc = job.ckpt, job.ckpt.location
+    out, needed, result = group.run_agreed(lambda: _plan_output(ckpt, job.dp, job.stage, out_dir, overwrite))
+    files = group.run_agreed(lambda: _tag_files(ckpt, job.dp, job.stage))
+    owners = _plan_file_ranks(files, ckpt, group.world_size)
+    group.run_agreed(lambda: check_module_copies(ckpt) if group.rank == 0 else None)  # one whole-model pass
+    mine = {name: obj for name, obj in files.items() if owners[name] == group.rank}
+    staging = shared_staged_folder(out, overwrite=overwrite, needed_bytes=needed, group=group)
+    with RecordReader() as reader, staging as tmp:
+        (tmp / loc.tag).mkdir(exist_ok=True)
+        _write_files(tmp / loc.tag, mine, reader, progress)
+        for record in _my_records(files, group):
+            reader.verify(record)  # CRC-32: each record any rank reads is checked by one, before they agree
+        if group.rank == 0:
+            _finish_folder(ckpt, job.dp, job.stage, tmp, job.model_config, result)
+    result.files = [f"{loc.tag}/{n}" for n in files]
+    result.output_dir, result.world_size = str(out), group.world_size
+    result.ranks = {f"{loc.tag}/{n}": owners[n] for n in files}
+    return result
+
+
+def _plan_file_ranks(files: dict[str, Any], ckpt: ZeroCheckpoint, world_size: int) -> dict[str, int]:
+    """The rank writing each file of the tag: a universal parameter folder goes whole to one rank, balanced by
+    tensor bytes; shared files (`zero/optimizer_state.pt`, a layout's own files) go to rank 0."""
+    shared = {"zero/optimizer_state.pt", *ckpt.layout_files}
+    units: dict[str, list[str]] = {}
+    for name in files:
+        if name not in shared:
+            parts = name.split("/")
+            units.setdefault("/".join(parts[:2]) if parts[0] == "zero" and len(parts) > 2 else name, []).append(name)
+    sizes = [sum(_tensor_bytes(files[n]) for n in names) for names in units.values()]
+    owners = dict.fromkeys(files, 0)
+    for names, rank in zip(units.values(), plan_by_bytes(sizes, world_size), strict=True):
+        owners.update(dict.fromkeys(names, rank))
+    return owners
+
+
+def _my_records(files: dict[str, Any], group: ProcessGroup) -> list[Record]:
+    """This rank's share of the CRC-32 checks over every record any rank's files read."""
+    records: list[Record] = []
+    for obj in files.values():
+        for t in _tensors_in(obj):
+            if isinstance(t, LazyTensor):
+                records.append(t.record)
+            else:
+                records += [p.tensor.record for p in t.pieces if isinstance(p, Slice)]
+    return records_to_verify(records, group.rank, group.world_size)
+
+
+def _tensors_in(obj: Any) -> Iterator[LazyTensor | NewTensor]:
+    """Every stored or new tensor a file object holds (in containers and DeepSpeed stand-ins)."""
+    if isinstance(obj, LazyTensor | NewTensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _tensors_in(value)
+    elif not isinstance(obj, type) and isinstance(getattr(obj, "__dict__", None), dict):
+        yield from _tensors_in(vars(obj))
+
+
+def _tensor_bytes(obj: Any) -> int:
+    return sum(t.numel() * t.dtype.itemsize for t in _tensors_in(obj))
 
 
 def _rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int, mp: int = 0) -> dict[str, Any]:
@@ -560,9 +704,8 @@ def _sliced_rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, A
     return files
 
 
-def _write_tag(
-    ckpt: ZeroCheckpoint, dp: int | None, stage: int, tag_dir: Path, reader: RecordReader, progress: _ProgressFns
-) -> list[str]:
+def _tag_files(ckpt: ZeroCheckpoint, dp: int | None, stage: int) -> dict[str, Any]:
+    """Relative path in the tag folder -> object: every file the output's tag holds."""
     if dp is None:
         files = universal_files(ckpt)
         if ckpt.layout.kind == "dp":  # other layouts' universal writers name their own model-states files
@@ -576,10 +719,21 @@ def _write_tag(
             files[name] = load_pickle(ckpt.location.tag_dir / name)
     else:
         files = _rank_files(ckpt, dp, stage)
+    return files
+
+
+def _write_files(tag_dir: Path, files: dict[str, Any], reader: RecordReader, progress: _ProgressFns) -> None:
     for name in files:
         (tag_dir / name).parent.mkdir(parents=True, exist_ok=True)
     on_start, on_progress = progress
     write_torch_files([(tag_dir / name, obj) for name, obj in files.items()], reader, on_start=on_start,
                       on_progress=on_progress)  # fmt: skip
+
+
+def _write_tag(
+    ckpt: ZeroCheckpoint, dp: int | None, stage: int, tag_dir: Path, reader: RecordReader, progress: _ProgressFns
+) -> list[str]:
+    files = _tag_files(ckpt, dp, stage)
+    _write_files(tag_dir, files, reader, progress)
     reader.finish()  # CRC-32 of every source record read
     return [f"{tag_dir.name}/{n}" for n in files]

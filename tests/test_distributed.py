@@ -1,4 +1,5 @@
-"""`ckpt consolidate` on many processes: the byte-balanced planner, then real multi-process runs on this machine.
+"""`ckpt consolidate` and `ckpt reshard` on many processes: the byte-balanced planner, then real multi-process
+runs on this machine.
 
 Each run starts every rank as its own `ckpt` process with the variables a launcher sets (WORLD_SIZE, RANK,
 MASTER_ADDR, MASTER_PORT), so every rank's exit code and output can be checked; one run goes through torchrun
@@ -11,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from ckpttools.errors import CorruptCheckpointError, UsageError
 from ckpttools.sources import open_checkpoint
 
 from .conftest import FIXTURES
+from .mutations import SERIALIZATION_ID
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -230,4 +233,98 @@ def test_a_refusal_every_rank_meets_is_the_one_process_line_from_rank_0(tmp_path
     )
     assert runs[0][2].splitlines() == [f"Error: {message}"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert not any((tmp_path / "out").iterdir())
+
+
+# --------------------------------------------------------------------------------------------------
+# ckpt reshard on several processes
+# --------------------------------------------------------------------------------------------------
+
+Z2 = FIXTURES / "z2_dp2_bf16" / "checkpoint"
+
+
+def _tree_sha256(folder):
+    """sha256 of every file under `folder`; for a torch.save zip, of each member but the random
+    serialization_id torch writes anew in every save (two one-process runs differ there too)."""
+    digests = {}
+    for p in sorted(folder.rglob("*")):
+        if not p.is_file():
+            continue
+        if zipfile.is_zipfile(p):
+            with zipfile.ZipFile(p) as zf:
+                members = [(i.filename, i.header_offset, zf.read(i)) for i in zf.infolist()]
+            kept = [(n, off, data) for n, off, data in members if not n.endswith(SERIALIZATION_ID)]
+            assert len(kept) == len(members) - 1, p
+            digests[str(p.relative_to(folder))] = (p.stat().st_size, hashlib.sha256(repr(kept).encode()).hexdigest())
+        else:
+            digests[str(p.relative_to(folder))] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+    return digests
+
+
+@pytest.mark.parametrize(
+    ("ckpt_dir", "world", "target"),
+    [(Z2, 3, ["--dp", "3"]), (Z3, 2, ["--universal"]), (TRAINER, 2, ["--dp", "3"]), (Z2, 2, ["--stage", "3"])],
+    ids=["z2_dp2_to_dp3_on_3_ranks", "z3_dp2_to_universal_on_2_ranks", "trainer_z3_to_dp3_on_2_ranks", "z2_to_z3"],
+)
+def test_reshard_on_ranks_is_byte_identical_to_one_process(tmp_path, ckpt_dir, world, target):
+    args = ["reshard", ckpt_dir, *target, "--json"]
+    single = _one_process(*args, "--out", tmp_path / "one")
+    runs = _on_ranks(world, *args, "--out", tmp_path / "many")
+    assert [rc for rc, _, _ in runs] == [0] * world, runs
+    assert all(out == err == "" for _, out, err in runs[1:]), runs  # only rank 0 prints
+    data = json.loads(runs[0][1])
+    assert runs[0][2].splitlines() == [f"Note: {note}" for note in data["notes"]]
+    assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")
+    assert data["world_size"] == world
+    assert set(data["ranks"]) == set(data["files"])
+    assert sorted(set(data["ranks"].values())) == list(range(world))  # every rank wrote some of the files
+    without = {k: v for k, v in data.items() if k not in ("world_size", "ranks", "output_dir")}
+    assert without == {k: v for k, v in single.items() if k != "output_dir"}
+    assert "world_size" not in single
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "one"]  # no staging folder left
+    if "--universal" in target:
+        assert data["ranks"][f"{data['tag']}/zero/optimizer_state.pt"] == 0
+        folders = {}
+        for name, rank in data["ranks"].items():
+            parts = name.split("/")
+            if parts[1] == "zero" and len(parts) > 3:
+                folders.setdefault(parts[2], set()).add(rank)
+        assert folders
+        assert all(len(ranks) == 1 for ranks in folders.values())  # a parameter folder: one rank
+
+
+def test_one_rank_failing_a_reshard_fails_every_rank_and_leaves_nothing_behind(tmp_path):
+    from ckpttools.reshard import _my_records, _tag_files
+
+    ckpt_dir = tmp_path / "ckpt"
+    shutil.copytree(Z2, ckpt_dir)
+    ckpt = open_checkpoint(ckpt_dir)
+    files = _tag_files(ckpt, 3, ckpt.zero_stage)
+    record = max(_my_records(files, Launch(1, 3, "", 0)), key=lambda r: r.nbytes)
+    with open(record.path, "r+b") as fh:
+        fh.seek(record.offset + record.nbytes // 2)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    runs = _on_ranks(3, "reshard", ckpt_dir, "--dp", "3", "--out", tmp_path / "out")
+    assert [rc for rc, _, _ in runs] == [1, 1, 1], runs
+    assert all(out == err == "" for _, out, err in runs[1:]), runs
+    lines = runs[0][2].splitlines()
+    assert runs[0][1] == "", runs[0]
+    assert len(lines) == 1, runs[0]
+    assert lines[0].startswith("Error: rank 1 of 3 failed: ")
+    assert "fails its CRC-32 check" in lines[0]
+    assert f"record {record.name}" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no output, no staging folder
+
+
+def test_a_reshard_refusal_every_rank_meets_is_the_one_process_line_from_rank_0(tmp_path):
+    (tmp_path / "out").mkdir()
+    runs = _on_ranks(2, "reshard", Z2, "--dp", "3", "--out", tmp_path / "out")
+    assert [rc for rc, _, _ in runs] == [1, 1], runs
+    assert runs[1][1:] == ("", "")
+    message = (
+        f"output folder {tmp_path / 'out'} already exists; pass --overwrite to replace it, or choose another --out"
+    )
+    assert runs[0][2].splitlines() == [f"Error: {message}"]
     assert not any((tmp_path / "out").iterdir())

@@ -158,27 +158,39 @@ def reshard_cmd(
     optionally --dp M) it holds what DeepSpeed saves at ZeRO stage S: resume with
     zero_optimization.stage S. With --universal it is DeepSpeed's universal format (load with
     "checkpoint": {"load_universal": true}); a universal checkpoint given as PATH with --dp M
-    becomes native shards again.
+    becomes native shards again. Under torchrun (WORLD_SIZE > 1) the ranks share the rank files (or
+    universal parameter folders), balanced by bytes, into one folder they all see; only rank 0 prints.
     """
+    from ..distributed import launch_from_env
     from ..reshard import reshard
 
-    with progress_callbacks("reshard", quiet) as progress:
-        result = reshard(path, out, dp=dp, universal=universal, stage=stage, tag=tag, step=step, best=best,
-                         overwrite=overwrite, config=config, **progress)  # fmt: skip
-    report(result.to_dict(), as_json, quiet, _human_reshard)
+    def run(group: ProcessGroup | None = None) -> None:
+        rank0 = group is None or group.rank == 0
+        with progress_callbacks("reshard", quiet or not rank0) as progress:
+            result = reshard(path, out, dp=dp, universal=universal, stage=stage, tag=tag, step=step, best=best,
+                             overwrite=overwrite, config=config, group=group, **progress)  # fmt: skip
+        if rank0:
+            report(result.to_dict(), as_json, quiet, _human_reshard)
+
+    launch = launch_from_env()  # torchrun's WORLD_SIZE > 1: the ranks share the work
+    if launch is None:
+        run()
+    else:
+        run_on_ranks(launch, run)
 
 
 def _human_reshard(d: dict[str, Any]) -> str:
     if not d["output_dir"]:
         return "Nothing written."
+    ranks = f" on {d['world_size']} ranks" if d.get("world_size") else ""
     if d.get("zero_stage_from"):
         return (
             f"Resharded tag {d['tag']} from ZeRO-{d['zero_stage_from']}, {_dp_name(d['dp_from'])} to "
-            f"ZeRO-{d['zero_stage']}, {_dp_name(d['dp_to'])}: {d['output_dir']}"
+            f"ZeRO-{d['zero_stage']}, {_dp_name(d['dp_to'])}{ranks}: {d['output_dir']}"
         )
     return (
-        f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from {_dp_name(d['dp_from'])} to {_dp_name(d['dp_to'])}: "
-        f"{d['output_dir']}"
+        f"Resharded ZeRO-{d['zero_stage']} tag {d['tag']} from {_dp_name(d['dp_from'])} to {_dp_name(d['dp_to'])}"
+        f"{ranks}: {d['output_dir']}"
     )
 
 
