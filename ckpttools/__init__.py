@@ -16,9 +16,9 @@ from .errors import (
 )
 from .hub import PushResult, push
 from .inspect import inspect_checkpoint
-from .reader import ZeroCheckpoint, read_checkpoint
+from .reader import ZeroCheckpoint
 from .reshard import ReshardResult, reshard
-from .sources import open_checkpoint
+from .sources import open_checkpoint, read_checkpoint
 from .universal import read_universal
 from .verify import VerifyReport, verify_folder
 

@@ -44,11 +44,12 @@ from .crosscheck import check_module_copies
 from .errors import CorruptCheckpointError, OutputError, UnsupportedCheckpointError, UsageError
 from .layout import check_tag_name
 from .reader import TensorSource, ZeroCheckpoint, strip_prefixes
+from .reshard import universal_tag_files
 from .sources import open_checkpoint
 from .staging import staged_folder
 from .torchfile import RecordReader
 from .torchwriter import ProgressFn, write_torch_files
-from .universal import LATEST, MASTER, STEP, universal_files
+from .universal import LATEST, MASTER, STEP
 from .writer import read_tensor
 from .zero_to_fp32 import _Parser, run_cli
 
@@ -123,7 +124,7 @@ def convert_to_universal(
             "universal format needs; reshard it natively with `ckpt reshard --dp M` instead"
         )
     out, replace = _output_folder(output_folder, ckpt.location.tag_dir)
-    files = universal_files(ckpt)
+    files = universal_tag_files(ckpt)
     if ckpt.zero_stage == 3:  # DeepSpeed keeps the ZeRO-3 step in optimizer_state.pt only
         for p in ckpt.params:
             files.pop(f"zero/{p.file_name}/{STEP}.pt", None)

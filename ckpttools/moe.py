@@ -35,6 +35,7 @@ from . import partition
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from .layout import EXPERT_OPTIM_RE, EXPERT_RE, MODEL_RE, CheckpointLocation
 from .parallel import ParallelLayout
+from .pieces import Flat, group_keys, master_partition, new_tensor, padded, pieces_of, slice_mappings, state_of
 from .reader import (
     MODEL_KEYS,
     OPTIM_KEYS,
@@ -580,21 +581,21 @@ def _append_partitions(g: int, group: list[Param], osds: Sequence[dict[str, Any]
                        group_scalars: Sequence[Mapping[str, Any]]) -> None:  # fmt: skip
     """Param group g cut over the ranks of `osds` (its expert-DP group, in expert-DP rank order) with the ZeRO-1/2
     arithmetic, each rank's partition appended to its optimizer dict."""
-    from .reshard import Flat, _group_keys, _master, _new, _slice_mappings, _state, padded, pieces_of  # cyclic
-
-    keys = _group_keys(group)
+    keys = group_keys(group)
     total = sum(p.numel + p.align_pad for p in group)
     size = partition.zero12_partition_size(total, len(osds))
-    flats = {k: Flat([x for p in group for x in padded(pieces_of(_state(p, k)), p.align_pad)]) for k in [MASTER, *keys]}
+    flats = {
+        k: Flat([x for p in group for x in padded(pieces_of(state_of(p, k)), p.align_pad)]) for k in [MASTER, *keys]
+    }
     for index, osd in enumerate(osds):
         lo = index * size
         n = max(0, min(size, total - lo))
-        osd["single_partition_of_fp32_groups"].append(_master(flats[MASTER].take(lo, n)))
+        osd["single_partition_of_fp32_groups"].append(master_partition(flats[MASTER].take(lo, n)))
         state = dict(group_scalars[g]) if g < len(group_scalars) else {}
         for key in keys:
-            state[key] = _new(group[0].states[key].dtype, padded(flats[key].take(lo, n), size - n))
+            state[key] = new_tensor(group[0].states[key].dtype, padded(flats[key].take(lo, n), size - n))
         if state:  # before the first optimizer step the torch optimizer has no state at all
             osd["base_optimizer_state"]["state"][g] = state
         osd["group_paddings"].append(size - n)
-        osd["param_slice_mappings"].append(_slice_mappings(group, lo, lo + n))
+        osd["param_slice_mappings"].append(slice_mappings(group, lo, lo + n))
         osd["partition_count"].append(len(osds))

@@ -22,7 +22,7 @@ from typing import Any
 from . import dtypes, partition
 from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
-from .layout import CheckpointLocation, locate
+from .layout import CheckpointLocation
 from .parallel import ParallelLayout
 from .torchfile import LazyTensor, PickledObject, RecordReader, load_pickle
 
@@ -492,35 +492,8 @@ def zero_stage_of(f: RankFile, osd: dict[str, Any]) -> int:
     return int(stage)
 
 
-def read_checkpoint(
-    path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
-) -> ZeroCheckpoint:
-    """Open a ZeRO checkpoint and check everything its files say about each other.
-
-    Args:
-        path: a save_dir (holding `latest`), a Trainer `checkpoint-N/` or output_dir, or a tag folder.
-        tag: tag folder to read; defaults to `latest`.
-        step, best: choose a `checkpoint-N` inside a Trainer output_dir.
-
-    Raises:
-        CkptError subclasses naming the problem and the file: missing/extra/swapped/stale rank files,
-        ranks that disagree, damaged files, unsupported layouts.
-
-    Example:
-        >>> ckpt = read_checkpoint("out/checkpoint-500")
-        >>> ckpt.zero_stage, ckpt.dp_world_size
-        (3, 8)
-    """
-    loc = locate(Path(path), tag=tag, step=step, best=best)
-    if loc.files.layout != "dp":
-        from .sources import read_located  # the other layouts' readers build on this module
-
-        return read_located(loc)
-    return read_data_parallel(loc)
-
-
 def read_data_parallel(loc: CheckpointLocation) -> ZeroCheckpoint:
-    """Read a located data-parallel ZeRO-1/2/3 tag folder (`read_checkpoint` without the locating)."""
+    """Read a located data-parallel ZeRO-1/2/3 tag folder (`sources.read_checkpoint` picks the reader)."""
     first = min(loc.files.model_files)
     model0 = RankFile(
         loc.tag_dir / loc.files.model_files[first],

@@ -2,7 +2,7 @@
 
 DeepSpeed refuses to load a checkpoint saved at another DP size. The fp32 master weights and every
 optimizer state are laid out by pure arithmetic (see `partition`), so they can be re-cut offline.
-The validated checkpoint model (`reader.read_checkpoint`, or `universal.read_universal`) already describes
+The validated checkpoint model (`sources.open_checkpoint`: native of any layout, or universal) already describes
 every state of every parameter as the flat stored slices it is made of; the new files are planned as
 slices of those plus zero padding, exactly as DeepSpeed lays them out for the new size, and streamed
 into place. Native results load with a plain `engine.load_checkpoint` at the new size
@@ -11,8 +11,6 @@ and the user's unchanged config; universal ones with `"checkpoint": {"load_unive
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import json
 import shutil
 from collections import OrderedDict
@@ -21,16 +19,30 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import dtypes, hf, moe, partition, stages, zero0
+from . import hf, moe, partition, stages, zero0
 from .crosscheck import check_module_copies
 from .distributed import plan_by_bytes, records_to_verify
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
 from .parallel import KIND_NAMES
+from .pieces import (
+    Flat,
+    Pieces,
+    group_count,
+    group_keys,
+    group_params,
+    master_partition,
+    new_tensor,
+    padded,
+    pieces_of,
+    slice_mappings,
+    state_of,
+)
 from .reader import Param, TensorSource, ZeroCheckpoint, strip_prefixes
 from .sources import open_checkpoint
 from .staging import check_output_dir, shared_staged_folder, staged_folder
-from .torchfile import DEEPSPEED_STUBS, LazyTensor, Record, RecordReader, TorchSize, load_pickle
-from .torchwriter import Fill, NewTensor, ProgressFn, Slice, write_torch_files
+from .tensor import tensor_universal_files
+from .torchfile import LazyTensor, Record, RecordReader, TorchSize, load_pickle
+from .torchwriter import NewTensor, ProgressFn, Slice, write_torch_files
 from .universal import MASTER, universal_files
 
 if TYPE_CHECKING:
@@ -38,8 +50,6 @@ if TYPE_CHECKING:
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 _ProgressFns = tuple[ProgressFn | None, ProgressFn | None]  # (on_start, on_progress)
-_FRAGMENT = DEEPSPEED_STUBS[("deepspeed.utils.tensor_fragment", "fragment_address")]
-Pieces = list[Slice | Fill]
 
 
 @dataclass
@@ -60,89 +70,13 @@ class ReshardResult:
         return d if self.world_size is not None else {k: v for k, v in d.items() if k not in ("world_size", "ranks")}
 
 
-# --- Piece arithmetic -------------------------------------------------------------------------------------
-
-
-class Flat:
-    """The concatenation of pieces, cut anywhere in O(log n): resharding N ranks to M cuts every state M times."""
-
-    def __init__(self, pieces: Pieces) -> None:
-        self.pieces = pieces
-        self.ends = list(itertools.accumulate(p.count for p in pieces))
-
-    def __len__(self) -> int:
-        return self.ends[-1] if self.ends else 0
-
-    def take(self, start: int, count: int) -> Pieces:
-        """Elements [start, start+count)."""
-        out: Pieces = []
-        end = start + count
-        i = bisect.bisect_right(self.ends, start)
-        while i < len(self.pieces) and count and self.ends[i] - self.pieces[i].count < end:
-            p, pos = self.pieces[i], self.ends[i] - self.pieces[i].count
-            lo, hi = max(start, pos), min(end, self.ends[i])
-            if lo < hi:
-                out.append(Fill(hi - lo) if isinstance(p, Fill) else Slice(p.tensor, p.start + lo - pos, hi - lo))
-            i += 1
-        if sum(p.count for p in out) != count:
-            raise CorruptCheckpointError(f"a flat state is shorter ({len(self)}) than its layout needs ({end})")
-        return out
-
-
-def padded(pieces: Pieces, pad: int) -> Pieces:
-    return [*pieces, Fill(pad)] if pad > 0 else pieces
-
-
-def _master(pieces: Pieces) -> NewTensor:
-    """A rank's fp32 master partition: DeepSpeed saves these with requires_grad set."""
-    return NewTensor(dtypes.FLOAT32, tuple(pieces), requires_grad=True)
-
-
-def _fragment(numel: int, start: int) -> Any:
-    frag = _FRAGMENT()
-    frag.__dict__.update(numel=numel, start=start)
-    return frag
-
-
-# --- The checkpoint model, as pieces of stored tensors -----------------------------------------------------
-
-
-def pieces_of(src: TensorSource) -> Pieces:
-    return [Slice(s.tensor, s.start, s.count) for s in src.segments]
-
-
-def _state(p: Param, key: str) -> TensorSource:
-    return p.fp32 if key == MASTER else p.states[key]
-
-
-def _group_params(ckpt: ZeroCheckpoint, g: int) -> list[Param]:
-    return [p for p in ckpt.params if p.group == g]
-
-
-def _num_groups(ckpt: ZeroCheckpoint) -> int:
-    return max(len(ckpt.optimizer.group_scalars), 1 + max((p.group for p in ckpt.params), default=-1))
-
-
-def _group_keys(group: list[Param]) -> list[str]:
-    """The optimizer's own state keys of a param group (none before the first optimizer step)."""
-    keys = list(group[0].states) if group else []
-    for p in group:
-        if sorted(p.states) != sorted(keys):
-            raise CorruptCheckpointError(f"{p.name} has optimizer states {sorted(p.states)}, its group {sorted(keys)}")
-    return keys
-
-
-def _new(dtype: dtypes.DType, pieces: Pieces, shape: tuple[int, ...] | None = None) -> NewTensor:
-    return NewTensor(dtype, tuple(pieces), shape)
-
-
 # --- Native ZeRO-1/2 rank files -----------------------------------------------------------------------------
 
 
 def _zero12_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     opt = ckpt.optimizer
     bf16_optimizer = ckpt.optimizer_kind == "bf16_optimizer"
-    num_groups = _num_groups(ckpt)
+    num_groups = group_count(ckpt)
     param_groups = opt.param_groups
     if ckpt.zero_stage == 3 and param_groups is not None:  # ZeRO-1/2: one flat fp32 partition per group
         param_groups = [{**pg, "params": [g]} for g, pg in enumerate(param_groups)]
@@ -150,28 +84,30 @@ def _zero12_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> tuple[list[dict[
         common = {k: v for k, v in opt.common.items() if k != "param_groups"}
     else:
         common = stages.optimizer_common(ckpt, stage)
-        common["param_alignment_paddings"] = [[0] * len(_group_params(ckpt, g)) for g in range(num_groups)]
+        common["param_alignment_paddings"] = [[0] * len(group_params(ckpt, g)) for g in range(num_groups)]
     osds = [{**common, "single_partition_of_fp32_groups": [], "group_paddings": [], "param_slice_mappings": [],
              "partition_count": [dp] * num_groups,
              "base_optimizer_state": [] if opt.elastic else {"state": {}, "param_groups": param_groups}}
             for _ in range(dp)]  # fmt: skip
     for g in range(num_groups):
-        group = _group_params(ckpt, g)
-        keys = _group_keys(group)
+        group = group_params(ckpt, g)
+        keys = group_keys(group)
         total = sum(p.numel + p.align_pad for p in group)
         size = partition.zero12_partition_size(total, dp)
         vectors = {
-            k: Flat([x for p in group for x in padded(pieces_of(_state(p, k)), p.align_pad)]) for k in [MASTER, *keys]
+            k: Flat([x for p in group for x in padded(pieces_of(state_of(p, k)), p.align_pad)]) for k in [MASTER, *keys]
         }
         for r, osd in enumerate(osds):
             lo = r * size
             n = max(0, min(size, total - lo))
             fp32 = vectors[MASTER].take(lo, n)
-            osd["single_partition_of_fp32_groups"].append(_master(padded(fp32, size - n) if bf16_optimizer else fp32))
+            osd["single_partition_of_fp32_groups"].append(
+                master_partition(padded(fp32, size - n) if bf16_optimizer else fp32)
+            )
             state = dict(opt.group_scalars[g]) if g < len(opt.group_scalars) else {}
             for key in keys:
                 part = vectors[key].take(lo, n)
-                state[key] = _new(group[0].states[key].dtype, part if opt.elastic else padded(part, size - n))
+                state[key] = new_tensor(group[0].states[key].dtype, part if opt.elastic else padded(part, size - n))
             if opt.elastic:
                 osd["base_optimizer_state"].append(state)
             elif state:  # before the first optimizer step the torch optimizer has no state at all
@@ -179,7 +115,7 @@ def _zero12_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> tuple[list[dict[
             # BF16_Optimizer records the whole group's padding on the last rank only
             pad = (size * dp - total if r == dp - 1 else 0) if bf16_optimizer else size - n
             osd["group_paddings"].append(pad)
-            osd["param_slice_mappings"].append(_slice_mappings(group, lo, lo + n))
+            osd["param_slice_mappings"].append(slice_mappings(group, lo, lo + n))
     if bf16_optimizer:
         for osd in osds:
             osd.pop("param_alignment_paddings", None)
@@ -188,18 +124,6 @@ def _zero12_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> tuple[list[dict[
     else:
         model, meta = stages.zero12_model_state(ckpt, stage, dp), stages.file_meta_at(ckpt, stage)
     return [model], [{**meta, "optimizer_state_dict": o} for o in osds]
-
-
-def _slice_mappings(group: list[Param], lo: int, hi: int) -> OrderedDict[str, Any]:
-    """DeepSpeed's param_slice_mappings: each param touching [lo, hi) with its (numel, start) in the partition."""
-    mapping: OrderedDict[str, Any] = OrderedDict()
-    off = 0
-    for p in group:
-        start, end = max(off, lo), min(off + p.numel, hi)
-        if start < end:
-            mapping[p.file_name] = _fragment(end - start, start - lo)
-        off += p.numel + p.align_pad
-    return mapping
 
 
 # --- Native ZeRO-3 rank files -------------------------------------------------------------------------------
@@ -247,7 +171,7 @@ def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], l
     subgroups: list[list[Param]] = []
     param_groups = []
     for g, pg in enumerate(groups):
-        group = _group_params(ckpt, g)
+        group = group_params(ckpt, g)
         ids = []
         for indices in split_subgroups([partition.zero3_partition_numel(p.numel, dp) for p in group], sub_group_size):
             ids.append(len(subgroups))
@@ -257,17 +181,17 @@ def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], l
         stages.optimizer_common(ckpt, 3) if changed else {k: v for k, v in opt.common.items() if k != "param_groups"}
     )
     meta = stages.file_meta_at(ckpt, 3) if changed else opt.file_meta
-    keys_of = {g: _group_keys(_group_params(ckpt, g)) for g in range(len(groups))}
+    keys_of = {g: group_keys(group_params(ckpt, g)) for g in range(len(groups))}
     flats = _Flats()
     optim_files = []
     for r in range(dp):
         flat, state = [], {}
         for sg, members in enumerate(subgroups):
             g = members[0].group
-            flat.append(_master(_rank_pieces(members, MASTER, dp, r, flats)))
+            flat.append(master_partition(_rank_pieces(members, MASTER, dp, r, flats)))
             entry = {k: _own_copy(v) for k, v in opt.group_scalars[g].items()}
             entry.update(
-                {k: _new(members[0].states[k].dtype, _rank_pieces(members, k, dp, r, flats)) for k in keys_of[g]}
+                {k: new_tensor(members[0].states[k].dtype, _rank_pieces(members, k, dp, r, flats)) for k in keys_of[g]}
             )
             if entry:  # before the first optimizer step the torch optimizer has no state at all
                 state[sg] = entry
@@ -279,7 +203,7 @@ def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], l
 
 def _rank_pieces(members: list[Param], key: str, dp: int, rank: int, flats: _Flats) -> Pieces:
     """One rank's flat partition of a state over a sub-group: each member's slice, in order."""
-    return [x for p in members for x in _zero3_slice(flats.of(_state(p, key)), p.numel, dp, rank)]
+    return [x for p in members for x in _zero3_slice(flats.of(state_of(p, key)), p.numel, dp, rank)]
 
 
 class _Flats:
@@ -524,7 +448,7 @@ def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int, dp: int | N
             "0.19.8 cannot resume such a checkpoint even at its own size (KeyError: 0 in _load_legacy_checkpoint), "
             "so resharding it is not supported (consolidate works)"
         )
-    if universal and kind != "tensor":  # AutoTP: universal.universal_files writes (or refuses) it
+    if universal and kind != "tensor":  # AutoTP: tensor.tensor_universal_files writes it
         raise UnsupportedCheckpointError(f"{what}; --universal is not supported for it yet, reshard with --dp M")
     if stage != ckpt.zero_stage:
         raise UnsupportedCheckpointError(f"{what}; --stage is supported for data-parallel checkpoints only")
@@ -675,6 +599,11 @@ def _tensor_bytes(obj: Any) -> int:
     return sum(t.numel() * t.dtype.itemsize for t in _tensors_in(obj))
 
 
+def universal_tag_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    """Relative path -> object: the universal tag folder of a checkpoint of any layout that has one."""
+    return tensor_universal_files(ckpt) if ckpt.layout.kind == "tensor" else universal_files(ckpt)
+
+
 def _rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int, mp: int = 0) -> dict[str, Any]:
     """The optimizer and model-states files of one model-parallel slice (`mp`: stage or TP rank) at `dp` ranks."""
     if ckpt.zero_stage == 0:
@@ -707,7 +636,7 @@ def _sliced_rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, A
 def _tag_files(ckpt: ZeroCheckpoint, dp: int | None, stage: int) -> dict[str, Any]:
     """Relative path in the tag folder -> object: every file the output's tag holds."""
     if dp is None:
-        files = universal_files(ckpt)
+        files = universal_tag_files(ckpt)
         if ckpt.layout.kind == "dp":  # other layouts' universal writers name their own model-states files
             for r, m in enumerate(ckpt.model_files):
                 files[_model_file_name(ckpt.zero_stage, r)] = m

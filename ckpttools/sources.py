@@ -34,7 +34,29 @@ def open_checkpoint(
     path = Path(path)
     if path.is_dir() and is_universal(path):
         return read_universal(path, tag=tag)
-    return read_located(locate(path, tag=tag, step=step, best=best))
+    return read_checkpoint(path, tag=tag, step=step, best=best)
+
+
+def read_checkpoint(
+    path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
+) -> ZeroCheckpoint:
+    """Open a native checkpoint of any layout and check everything its files say about each other.
+
+    Args:
+        path: a save_dir (holding `latest`), a Trainer `checkpoint-N/` or output_dir, or a tag folder.
+        tag: tag folder to read; defaults to `latest`.
+        step, best: choose a `checkpoint-N` inside a Trainer output_dir.
+
+    Raises:
+        CkptError subclasses naming the problem and the file: missing/extra/swapped/stale rank files,
+        ranks that disagree, damaged files, unsupported layouts.
+
+    Example:
+        >>> ckpt = read_checkpoint("out/checkpoint-500")
+        >>> ckpt.zero_stage, ckpt.dp_world_size
+        (3, 8)
+    """
+    return read_located(locate(Path(path), tag=tag, step=step, best=best))
 
 
 def read_located(loc: CheckpointLocation) -> ZeroCheckpoint:

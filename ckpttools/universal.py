@@ -260,11 +260,9 @@ def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     flat tensors and no step.pt for ZeRO-3; DeepSpeed reads both). A checkpoint saved before the first
     optimizer step has only fp32.pt files. The shared optimizer state is lean: no rank's shard in it.
     """
-    if ckpt.layout.kind == "tensor":  # full tensors plus what load_universal needs to re-split them
-        from .tensor import tensor_universal_files
-
-        return tensor_universal_files(ckpt)
-    if ckpt.layout.kind != "dp":  # DeepSpeed's universal loader would misplace what it cannot tell apart
+    # DeepSpeed's universal loader would misplace what it cannot tell apart; AutoTP has its own writer
+    # (tensor.tensor_universal_files)
+    if ckpt.layout.kind != "dp":
         raise UnsupportedCheckpointError(
             f"{ckpt.location.tag_dir} is a {KIND_NAMES[ckpt.layout.kind]} checkpoint ({ckpt.layout.describe()}); "
             "writing it in the universal format is not supported yet"

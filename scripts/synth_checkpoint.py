@@ -36,7 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ckpttools import dtypes, torchwriter  # noqa: E402
-from ckpttools.reader import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint, read_checkpoint  # noqa: E402
+from ckpttools.reader import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint  # noqa: E402
+from ckpttools.sources import read_checkpoint  # noqa: E402
 from ckpttools.reshard import _rank_files  # noqa: E402
 from ckpttools.torchfile import LazyTensor, Record, StorageRef, TorchSize, load_pickle  # noqa: E402
 

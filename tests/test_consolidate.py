@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from ckpttools import consolidate
 from ckpttools.errors import OutputError
-from ckpttools.reader import read_checkpoint
+from ckpttools.sources import read_checkpoint
 
 from .conftest import FIXTURES, fixture_meta, fixture_names, tree_digest
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from ckpttools import consolidate
 from ckpttools.errors import OutputError, UsageError
-from ckpttools.reader import read_checkpoint
+from ckpttools.sources import read_checkpoint
 from ckpttools.reshard import reshard, split_subgroups
 
 from .conftest import FIXTURES, fixture_names, tree_digest

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from ckpttools import dtypes
 from ckpttools.consolidate import consolidate
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
-from ckpttools.reader import read_checkpoint
+from ckpttools.sources import read_checkpoint
 from ckpttools.tensor import check_replicas, replica_mismatch
 from ckpttools.torchfile import RecordReader
 from ckpttools.writer import read_tensor

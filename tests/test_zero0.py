@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from ckpttools.consolidate import consolidate
 from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, UsageError
 from ckpttools.layout import CheckpointLocation, locate
-from ckpttools.reader import read_checkpoint
+from ckpttools.sources import read_checkpoint
 from ckpttools.torchfile import LazyTensor, RecordReader, load_pickle
 from ckpttools.torchwriter import write_torch_file, write_torch_files
 from ckpttools.zero0 import MODEL_FILE, _Ambiguous, _assign, _NoFit, check_zero0_reshard, read_zero0, zero0_rank_files
