@@ -31,11 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from . import partition
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from .layout import EXPERT_OPTIM_RE, EXPERT_RE, MODEL_RE, CheckpointLocation
 from .parallel import ParallelLayout
-from .pieces import Flat, group_keys, master_partition, new_tensor, padded, pieces_of, slice_mappings, state_of
+from .pieces import cut_group
 from .reader import (
     MODEL_KEYS,
     OPTIM_KEYS,
@@ -67,7 +66,6 @@ from .reader import (
     zero_stage_of,
 )
 from .torchfile import RecordReader, load_pickle
-from .universal import MASTER
 
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."
 EXPERT_KEY_RE = re.compile(r"^(?P<prefix>.+)\.deepspeed_moe\.experts\.deepspeed_experts\.(?P<id>\d+)\.(?P<rest>.+)$")
@@ -581,21 +579,11 @@ def _append_partitions(g: int, group: list[Param], osds: Sequence[dict[str, Any]
                        group_scalars: Sequence[Mapping[str, Any]]) -> None:  # fmt: skip
     """Param group g cut over the ranks of `osds` (its expert-DP group, in expert-DP rank order) with the ZeRO-1/2
     arithmetic, each rank's partition appended to its optimizer dict."""
-    keys = group_keys(group)
-    total = sum(p.numel + p.align_pad for p in group)
-    size = partition.zero12_partition_size(total, len(osds))
-    flats = {
-        k: Flat([x for p in group for x in padded(pieces_of(state_of(p, k)), p.align_pad)]) for k in [MASTER, *keys]
-    }
-    for index, osd in enumerate(osds):
-        lo = index * size
-        n = max(0, min(size, total - lo))
-        osd["single_partition_of_fp32_groups"].append(master_partition(flats[MASTER].take(lo, n)))
-        state = dict(group_scalars[g]) if g < len(group_scalars) else {}
-        for key in keys:
-            state[key] = new_tensor(group[0].states[key].dtype, padded(flats[key].take(lo, n), size - n))
-        if state:  # before the first optimizer step the torch optimizer has no state at all
-            osd["base_optimizer_state"]["state"][g] = state
-        osd["group_paddings"].append(size - n)
-        osd["param_slice_mappings"].append(slice_mappings(group, lo, lo + n))
+    scalars = group_scalars[g] if g < len(group_scalars) else {}
+    for osd, part in zip(osds, cut_group(group, dict(scalars), len(osds)), strict=True):
+        osd["single_partition_of_fp32_groups"].append(part.master)
+        if part.state:  # before the first optimizer step the torch optimizer has no state at all
+            osd["base_optimizer_state"]["state"][g] = part.state
+        osd["group_paddings"].append(part.padding)
+        osd["param_slice_mappings"].append(part.mapping)
         osd["partition_count"].append(len(osds))

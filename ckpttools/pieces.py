@@ -9,9 +9,10 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
-from . import dtypes
+from . import dtypes, partition
 from .errors import CorruptCheckpointError
 from .reader import Param, TensorSource, ZeroCheckpoint
 from .torchfile import DEEPSPEED_STUBS
@@ -108,3 +109,42 @@ def slice_mappings(group: list[Param], lo: int, hi: int) -> OrderedDict[str, Any
             mapping[p.file_name] = fragment_address(end - start, start - lo)
         off += p.numel + p.align_pad
     return mapping
+
+
+@dataclass(frozen=True)
+class GroupPartition:
+    """One rank's share of a ZeRO-1/2 param group, as its optimizer file records it."""
+
+    master: NewTensor  # single_partition_of_fp32_groups entry
+    state: dict[str, Any]  # the group's scalars (step) and its slice of every optimizer state; {} before a step
+    padding: int  # group_paddings entry
+    mapping: OrderedDict[str, Any]  # param_slice_mappings entry
+
+
+def cut_group(
+    group: list[Param], scalars: dict[str, Any], ranks: int, *, bf16_optimizer: bool = False, elastic: bool = False
+) -> list[GroupPartition]:
+    """A param group cut over `ranks` ranks with ZeRO-1/2's arithmetic, rank by rank.
+
+    Elastic checkpoints keep the optimizer states without their padding; BF16_Optimizer pads its fp32 partitions
+    and records the whole group's padding on the last rank only.
+    """
+    keys = group_keys(group)
+    total = sum(p.numel + p.align_pad for p in group)
+    size = partition.zero12_partition_size(total, ranks)
+    flats = {
+        k: Flat([x for p in group for x in padded(pieces_of(state_of(p, k)), p.align_pad)]) for k in [MASTER, *keys]
+    }
+    parts = []
+    for r in range(ranks):
+        lo = r * size
+        n = max(0, min(size, total - lo))
+        fp32 = flats[MASTER].take(lo, n)
+        state = dict(scalars)
+        for key in keys:
+            part = flats[key].take(lo, n)
+            state[key] = new_tensor(group[0].states[key].dtype, part if elastic else padded(part, size - n))
+        pad = (size * ranks - total if r == ranks - 1 else 0) if bf16_optimizer else size - n
+        master = master_partition(padded(fp32, size - n) if bf16_optimizer else fp32)
+        parts.append(GroupPartition(master, state, pad, slice_mappings(group, lo, lo + n)))
+    return parts

@@ -27,6 +27,7 @@ from .parallel import KIND_NAMES
 from .pieces import (
     Flat,
     Pieces,
+    cut_group,
     group_count,
     group_keys,
     group_params,
@@ -34,7 +35,6 @@ from .pieces import (
     new_tensor,
     padded,
     pieces_of,
-    slice_mappings,
     state_of,
 )
 from .reader import Param, TensorSource, ZeroCheckpoint, strip_prefixes
@@ -90,32 +90,16 @@ def _zero12_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> tuple[list[dict[
              "base_optimizer_state": [] if opt.elastic else {"state": {}, "param_groups": param_groups}}
             for _ in range(dp)]  # fmt: skip
     for g in range(num_groups):
-        group = group_params(ckpt, g)
-        keys = group_keys(group)
-        total = sum(p.numel + p.align_pad for p in group)
-        size = partition.zero12_partition_size(total, dp)
-        vectors = {
-            k: Flat([x for p in group for x in padded(pieces_of(state_of(p, k)), p.align_pad)]) for k in [MASTER, *keys]
-        }
-        for r, osd in enumerate(osds):
-            lo = r * size
-            n = max(0, min(size, total - lo))
-            fp32 = vectors[MASTER].take(lo, n)
-            osd["single_partition_of_fp32_groups"].append(
-                master_partition(padded(fp32, size - n) if bf16_optimizer else fp32)
-            )
-            state = dict(opt.group_scalars[g]) if g < len(opt.group_scalars) else {}
-            for key in keys:
-                part = vectors[key].take(lo, n)
-                state[key] = new_tensor(group[0].states[key].dtype, part if opt.elastic else padded(part, size - n))
+        scalars = opt.group_scalars[g] if g < len(opt.group_scalars) else {}
+        parts = cut_group(group_params(ckpt, g), scalars, dp, bf16_optimizer=bf16_optimizer, elastic=opt.elastic)
+        for osd, part in zip(osds, parts, strict=True):
+            osd["single_partition_of_fp32_groups"].append(part.master)
             if opt.elastic:
-                osd["base_optimizer_state"].append(state)
-            elif state:  # before the first optimizer step the torch optimizer has no state at all
-                osd["base_optimizer_state"]["state"][g] = state
-            # BF16_Optimizer records the whole group's padding on the last rank only
-            pad = (size * dp - total if r == dp - 1 else 0) if bf16_optimizer else size - n
-            osd["group_paddings"].append(pad)
-            osd["param_slice_mappings"].append(slice_mappings(group, lo, lo + n))
+                osd["base_optimizer_state"].append(part.state)
+            elif part.state:  # before the first optimizer step the torch optimizer has no state at all
+                osd["base_optimizer_state"]["state"][g] = part.state
+            osd["group_paddings"].append(part.padding)
+            osd["param_slice_mappings"].append(part.mapping)
     if bf16_optimizer:
         for osd in osds:
             osd.pop("param_alignment_paddings", None)
