@@ -573,7 +573,8 @@ def read_module(f: RankFile) -> ModuleEntries:
     return ModuleEntries(keys, tensors, buffers, shared)
 
 
-def _whole(f: RankFile, name: str, value: Any, kind: str) -> TensorSource:
+def module_tensor(f: RankFile, name: str, value: Any, kind: str) -> TensorSource:
+    """A module entry as one whole stored tensor (16-bit trainable copy or frozen param)."""
     t = f.tensor(value, f"module tensor {name}", floating=kind == "trainable")
     return TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), kind)
 
@@ -870,9 +871,9 @@ def zero12_bit16(f0: RankFile, mod: ModuleEntries, params: Mapping[str, Param]) 
         if name in mod.buffers or name in mod.shared:
             continue
         if name in params:
-            bit16[name] = _whole(f0, name, value, "trainable")
+            bit16[name] = module_tensor(f0, name, value, "trainable")
         elif frozen is None or name in frozen:
-            bit16[name] = _whole(f0, name, value, "frozen")
+            bit16[name] = module_tensor(f0, name, value, "frozen")
     return bit16
 
 

@@ -39,6 +39,7 @@ from .reader import (
     dict_at,
     fingerprint,
     is_int,
+    module_tensor,
     read_module,
     refuse_unsupported,
     require_keys,
@@ -423,9 +424,9 @@ def _checkpoint(
             f"the module is trained in {train_dtype.name} but the optimizer entry is a {w.kind} state_dict "
             "(fp32 masters belong with 16-bit weights only)"
         )
-    bit16 = {n: _whole(f, mod, n, "frozen") for n in frozen_names}
+    bit16 = {n: module_tensor(f, n, mod.tensors[n], "frozen") for n in frozen_names}
     if w.kind != "torch":
-        bit16.update({n: _whole(f, mod, n, "trainable") for n in by_name})
+        bit16.update({n: module_tensor(f, n, mod.tensors[n], "trainable") for n in by_name})
     check_ties_and_keys(f, mod, by_name, {n: bit16[n] for n in frozen_names})
     return ZeroCheckpoint(
         location=loc,
@@ -446,11 +447,6 @@ def _checkpoint(
         model_files=[f.obj],
         layout=ParallelLayout(kind="zero0", dp=dp),
     )
-
-
-def _whole(f: RankFile, mod: ModuleEntries, name: str, kind: str) -> TensorSource:
-    t = f.tensor(mod.tensors[name], f"module tensor {name}", floating=kind == "trainable")
-    return TensorSource(name, t.shape, t.dtype, (Segment(t, 0, t.numel()),), kind)
 
 
 def _optimizer_state(w: _Wrapper) -> OptimizerState:
