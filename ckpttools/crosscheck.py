@@ -157,7 +157,7 @@ def check_module_copies(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
     this even when every file is intact. By default both ends of every rank's piece of every parameter are
     compared; `full` compares every element.
     """
-    if ckpt.layout.kind == "tensor":  # replicated params must agree on every TP rank (ds_to_universal asserts it)
+    if ckpt.replicas:  # replicated params must agree on every TP rank (ds_to_universal asserts it)
         from .tensor import check_replicas
         from .torchfile import RecordReader
 

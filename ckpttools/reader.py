@@ -53,6 +53,16 @@ class TensorSource:
 
 
 @dataclass(frozen=True)
+class Replica:
+    """Elements the output takes from one rank, and another rank's copy of them, which must be equal (AutoTP keeps
+    replicated parameters on every TP rank; a copy that differs means a file from another save or run)."""
+
+    what: str  # "<name> (<fp32|state key|module>) on TP rank <r>"
+    merged: TensorSource
+    copy: TensorSource
+
+
+@dataclass(frozen=True)
 class Param:
     """A trainable parameter: its fp32 master and every optimizer state, in the optimizer's flat order."""
 
@@ -110,6 +120,7 @@ class ZeroCheckpoint:
     # ZeRO checkpoint its files hold (names as stored); resharding re-cuts each. Empty for plain DP.
     slices: list[ZeroCheckpoint] = field(default_factory=list)
     layout_files: list[str] = field(default_factory=list)  # DP-independent files of the layout, kept as they are
+    replicas: list[Replica] = field(default_factory=list)  # checked by crosscheck.check_module_copies
 
     @functools.cached_property
     def masters(self) -> dict[str, TensorSource]:

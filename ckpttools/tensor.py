@@ -29,6 +29,7 @@ from .reader import (
     OPTIM_KEYS,
     Param,
     RankFile,
+    Replica,
     Segment,
     TensorSource,
     Zero12Reader,
@@ -79,10 +80,6 @@ def read_tensor_parallel(loc: CheckpointLocation) -> ZeroCheckpoint:
             parameter is not covered by the map, or the map's pieces do not tile a tensor exactly.
         UnsupportedCheckpointError: ZeRO-3, pipeline stages, scaled or unmergeable parameters.
     """
-    return _read(loc)[0]
-
-
-def _read(loc: CheckpointLocation) -> tuple[ZeroCheckpoint, list[Replica]]:
     names = list(loc.files.names) or sorted(p.name for p in loc.tag_dir.iterdir())
     first, model_names, optim_names = _rank_file_names(loc.tag_dir, names)
     models = [first] + [
@@ -531,7 +528,7 @@ def _local_shape(ckpt: ZeroCheckpoint, name: str) -> tuple[int, ...]:
 
 def _merged(
     loc: CheckpointLocation, ranks: list[ZeroCheckpoint], plans: dict[str, TensorPlan], models: list[RankFile], tp: int
-) -> tuple[ZeroCheckpoint, list[Replica]]:
+) -> ZeroCheckpoint:
     first = ranks[0]
     params = []
     replicas: list[Replica] = []
@@ -577,17 +574,9 @@ def _merged(
         model_files=[f.obj for f in models],
         layout=ParallelLayout("tensor", dp=first.dp_world_size, tp=tp, details=details),
         slices=list(ranks),  # each TP rank is a ZeRO-1/2 DP group over its shards: resharded on its own
+        replicas=replicas,
     )
-    return ckpt, replicas
-
-
-@dataclass(frozen=True)
-class Replica:
-    """Another TP rank's copy of replicated elements of a tensor, and the same elements as merged."""
-
-    what: str  # "<name> (<fp32|state key|module>) on TP rank <r>"
-    merged: TensorSource
-    copy: TensorSource
+    return ckpt
 
 
 def _replicas(plan: TensorPlan, kind: str, merged: TensorSource, shards: Sequence[TensorSource]) -> list[Replica]:
@@ -611,15 +600,13 @@ REPLICA_SAMPLE = 4096  # elements compared at each end of every replica by defau
 def replica_mismatch(ckpt: ZeroCheckpoint, reader: RecordReader, *, full: bool = False) -> str | None:
     """The first replicated tensor whose copy on another TP rank differs from the one written (the lowest TP
     rank's), or None. AutoTP keeps replicated parameters (norms, embeddings) identical on every TP rank, as
-    ds_to_universal asserts; a copy that differs means a file from another save or run. Re-reads the pickles,
-    then both ends of every replica (a foreign file differs throughout), or every element with `full`."""
+    ds_to_universal asserts; a copy that differs means a file from another save or run. Reads both ends of every
+    replica (a foreign file differs throughout), or every element with `full`."""
     import torch
 
     from .writer import read_tensor
 
-    if ckpt.layout.kind != "tensor":
-        return None
-    for replica in _read(ckpt.location)[1]:
+    for replica in ckpt.replicas:
         for merged, copy in _samples(replica, None if full else REPLICA_SAMPLE):
             if not torch.equal(read_tensor(merged, reader), read_tensor(copy, reader)):
                 return replica.what
