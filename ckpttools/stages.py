@@ -18,9 +18,10 @@ from collections import OrderedDict
 from typing import Any
 
 from .errors import UnsupportedCheckpointError
-from .reader import TensorSource, ZeroCheckpoint, strip_prefixes
+from .reader import ZeroCheckpoint, strip_prefixes
 from .torchfile import TorchSize, ZeroStageEnum
-from .torchwriter import NewTensor, Slice
+from .torchwriter import NewTensor
+from .universal import whole_tensor
 
 ZERO12_ONLY = ("group_paddings", "param_alignment_paddings", "clip_grad", "ds_version", "param_slice_mappings")
 ZERO3_ONLY = ("fp32_flat_groups",)
@@ -75,12 +76,6 @@ def file_meta_at(ckpt: ZeroCheckpoint, stage: int) -> dict[str, Any]:
     return meta
 
 
-def _whole(src: TensorSource, dtype: Any = None) -> NewTensor:
-    """A tensor written whole from its source, cast to `dtype` when given."""
-    pieces = tuple(Slice(s.tensor, s.start, s.count) for s in src.segments)
-    return NewTensor(dtype or src.dtype, pieces, src.shape)
-
-
 def _raw_module(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     module = ckpt.model_state.get("module")
     return module if isinstance(module, dict) else {}
@@ -104,9 +99,11 @@ def zero12_model_state(ckpt: ZeroCheckpoint, stage: int, dp: int) -> dict[str, A
         if ckpt.zero_stage != 3:
             module[raw] = value
         elif owner in masters:
-            module[raw] = tensors.setdefault(owner, _whole(masters[owner], ckpt.train_dtype))
+            module[raw] = tensors.setdefault(
+                owner, whole_tensor(masters[owner], masters[owner].shape, ckpt.train_dtype)
+            )
         elif owner in ckpt.bit16:
-            module[raw] = tensors.setdefault(owner, _whole(ckpt.bit16[owner]))
+            module[raw] = tensors.setdefault(owner, whole_tensor(ckpt.bit16[owner], ckpt.bit16[owner].shape))
         else:
             module[raw] = value  # a buffer, whole at every stage
     groups: list[OrderedDict[str, TorchSize]] = []

@@ -41,7 +41,7 @@ from .reader import (
     zero_stage_of,
 )
 from .torchfile import RecordReader, load_pickle
-from .universal import MASTER, NAME_KEY, STEP, _new
+from .universal import MASTER, NAME_KEY, STEP, whole_tensor
 
 AFFINE_MAP_VERSION = 1
 
@@ -692,7 +692,7 @@ def tensor_universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         markers = _universal_markers(info, p.file_name)
         folder = f"zero/{p.file_name}"
         for key, src in {MASTER: p.fp32, **p.states}.items():
-            files[f"{folder}/{key}.pt"] = {**markers, "param": _new(src, p.shape), NAME_KEY: p.file_name}
+            files[f"{folder}/{key}.pt"] = {**markers, "param": whole_tensor(src, p.shape), NAME_KEY: p.file_name}
         if STEP in opt.group_scalars[p.group]:
             files[f"{folder}/{STEP}.pt"] = opt.group_scalars[p.group][STEP]
     files["zero/optimizer_state.pt"] = dict(opt.common)

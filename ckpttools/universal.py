@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dtypes
+from .dtypes import DType
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from .layout import HF_SIDE_FILES, MODEL_RE, ZERO3_MODEL_RE, CheckpointLocation, TagFiles, check_tag_name
 from .parallel import KIND_NAMES, ParallelLayout
@@ -247,9 +248,10 @@ def _same_state_keys(zero: Path, params: list[Param]) -> None:
 # --- Writing -----------------------------------------------------------------------------------------------
 
 
-def _new(src: TensorSource, shape: tuple[int, ...] | None = None) -> NewTensor:
+def whole_tensor(src: TensorSource, shape: tuple[int, ...] | None = None, dtype: DType | None = None) -> NewTensor:
+    """A tensor written whole from its source (1-D unless `shape`), cast to `dtype` when given."""
     pieces = tuple(Slice(s.tensor, s.start, s.count) for s in src.segments)
-    return NewTensor(src.dtype, pieces, shape)
+    return NewTensor(dtype or src.dtype, pieces, shape)
 
 
 def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
@@ -277,9 +279,9 @@ def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     for p in ckpt.params:
         folder = f"zero/{p.file_name}"
         # NAME_KEY lets a reader see a file moved to another parameter's folder (DeepSpeed ignores extra keys)
-        files[f"{folder}/{MASTER}.pt"] = {"param": _new(p.fp32, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
+        files[f"{folder}/{MASTER}.pt"] = {"param": whole_tensor(p.fp32, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
         for key, src in p.states.items():
-            files[f"{folder}/{key}.pt"] = {"param": _new(src, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
+            files[f"{folder}/{key}.pt"] = {"param": whole_tensor(src, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
         if STEP in opt.group_scalars[p.group]:
             files[f"{folder}/{STEP}.pt"] = opt.group_scalars[p.group][STEP]
     common = dict(opt.common)
