@@ -18,6 +18,7 @@ import numpy as np
 from . import dtypes
 from .dtypes import DType
 from .errors import CorruptCheckpointError
+from .threads import default_workers
 from .torchfile import open_readonly
 
 if TYPE_CHECKING:
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 
 CHUNK_ELEMS = 4 << 20
 SAMPLE_ELEMS = 4096
-MAX_WORKERS = 8
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def module_matches_masters(ckpt: ZeroCheckpoint, *, full: bool = False, workers:
         copy = read_elements(chunk.copy, chunk.start, chunk.count, files)
         return casts_equal(master, copy, chunk.copy.dtype)
 
-    workers = workers or min(MAX_WORKERS, os.cpu_count() or 1)
+    workers = workers or default_workers()
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-crosscheck")
     try:
         for chunk, same in zip(chunks, pool.map(check, chunks), strict=True):

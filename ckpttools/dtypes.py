@@ -7,10 +7,18 @@ copy) does.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .threads import Workers
+
+# Elements cast per pass: the source, the temporaries and the result of one block stay in the core's cache,
+# which makes the bf16 rounding 2-3x faster than one pass over a 16 MiB chunk.
+CAST_BLOCK = 1 << 17
 
 
 @dataclass(frozen=True)
@@ -94,14 +102,29 @@ def _to_f32(src: np.ndarray, src_dtype: DType) -> np.ndarray:
     return src.astype(np.float32)
 
 
-def cast(src_buf: Any, src_dtype: DType, dst_buf: Any, dst_dtype: DType, count: int) -> None:
-    """Cast `count` elements from one buffer into another."""
+def cast(src_buf: Any, src_dtype: DType, dst_buf: Any, dst_dtype: DType, count: int,
+         workers: Workers | None = None) -> None:  # fmt: skip
+    """Cast `count` elements from one buffer into another, split over `workers`' threads when given."""
     if src_dtype.numpy is None or dst_dtype.numpy is None:
         raise TypeError(f"cannot cast {src_dtype} to {dst_dtype}")
     src = np.frombuffer(src_buf, dtype=src_dtype.numpy, count=count)
     dst = np.frombuffer(dst_buf, dtype=dst_dtype.numpy, count=count)
-    with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values become inf, as in torch
-        _cast(src, src_dtype, dst, dst_dtype)
+    n = 1 if workers is None else max(1, min(workers.n, -(-count // CAST_BLOCK)))
+    bounds = [count * i // n for i in range(n + 1)]
+    parts = [_blocks_caster(src[a:b], src_dtype, dst[a:b], dst_dtype) for a, b in itertools.pairwise(bounds)]
+    if workers is None:
+        parts[0]()
+    else:
+        workers.run(parts)
+
+
+def _blocks_caster(src: np.ndarray, src_dtype: DType, dst: np.ndarray, dst_dtype: DType) -> Any:
+    def run() -> None:
+        with np.errstate(over="ignore", invalid="ignore"):  # out-of-range values become inf, as in torch
+            for a in range(0, len(src), CAST_BLOCK):
+                _cast(src[a : a + CAST_BLOCK], src_dtype, dst[a : a + CAST_BLOCK], dst_dtype)
+
+    return run
 
 
 def _cast(src: np.ndarray, src_dtype: DType, dst: np.ndarray, dst_dtype: DType) -> None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from . import dtypes
 from .dtypes import DType
+from .threads import Workers, resolve_workers
 from .torchfile import (
     DEEPSPEED_STUBS,
     LazyTensor,
@@ -335,8 +336,8 @@ class _ReadPump:
     share one read-only buffer.
     """
 
-    def __init__(self, ops: list[_Op], reader: RecordReader, chunk_bytes: int) -> None:
-        self.ops, self.reader = ops, reader
+    def __init__(self, ops: list[_Op], reader: RecordReader, chunk_bytes: int, workers: Workers | None = None) -> None:
+        self.ops, self.reader, self.workers = ops, reader, workers
         self.zeros = memoryview(bytes(chunk_bytes))
         self.free: queue.Queue[bytearray] = queue.Queue()
         for _ in range(BUFFERS_IN_FLIGHT):
@@ -366,7 +367,7 @@ class _ReadPump:
                     self.reader.readinto(record, start, memoryview(scratch)[:nbytes])
                     count = nbytes // cast[0].itemsize
                     view = memoryview(buf)[: count * cast[1].itemsize]
-                    dtypes.cast(scratch, cast[0], view, cast[1], count)
+                    dtypes.cast(scratch, cast[0], view, cast[1], count, self.workers)
                 self.ready.put((buf, view))
         except BaseException as e:  # noqa: BLE001 - handed to the writer, which re-raises it
             self.ready.put((None, e))
@@ -395,9 +396,12 @@ class _ReadPump:
 
 
 def write_torch_files(files: Sequence[tuple[Path, Any]], reader: RecordReader, *, chunk_bytes: int = CHUNK_BYTES,
-                      on_start: ProgressFn | None = None, on_progress: ProgressFn | None = None) -> int:  # fmt: skip
+                      on_start: ProgressFn | None = None, on_progress: ProgressFn | None = None,
+                      workers: int | None = None) -> int:  # fmt: skip
     """Write each `(path, obj)` (plain containers, LazyTensors, NewTensors, DeepSpeed stand-ins) as a
     `torch.save` file, in one pass whose reads run ahead of its writes. Returns the bytes written.
+
+    Casts (16-bit weights from fp32 masters) run on `workers` threads (default: this process's share of the cores).
 
     `on_start` gets the number of tensor bytes to write, `on_progress` the bytes of each chunk written.
     """
@@ -406,7 +410,7 @@ def write_torch_files(files: Sequence[tuple[Path, Any]], reader: RecordReader, *
     if on_start:
         on_start(sum(_op_out_bytes(op) for op in ops))
     written = 0
-    with _ReadPump(ops, reader, chunk_bytes) as pump:
+    with Workers(resolve_workers(workers)) as pool, _ReadPump(ops, reader, chunk_bytes, pool) as pump:
         chunks = pump.chunks()
         for plan in plans:
             _write_planned(plan, chunks, on_progress)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from . import dtypes
 from .dtypes import DType
 from .reader import Segment, TensorSource
+from .threads import Workers, resolve_workers
 from .torchfile import ReadAhead, Record, RecordReader
 
 CHUNK_BYTES = 16 << 20
@@ -119,10 +120,12 @@ def _source_span(seg: Segment, start: int, n: int) -> tuple[Record, int, int]:
 
 
 class _ChunkPump:
-    """Reads and casts chunks on a background thread into a small pool of reusable buffers."""
+    """Reads and casts chunks on a background thread into a small pool of reusable buffers; each cast is
+    split over `workers`' threads."""
 
-    def __init__(self, tensors: Sequence[OutputTensor], reader: RecordReader, chunk_bytes: int) -> None:
-        self.reader = reader
+    def __init__(self, tensors: Sequence[OutputTensor], reader: RecordReader, chunk_bytes: int,
+                 workers: Workers | None = None) -> None:  # fmt: skip
+        self.reader, self.workers = reader, workers
         self.free: queue.Queue[bytearray] = queue.Queue()
         for _ in range(BUFFERS_IN_FLIGHT):
             self.free.put(bytearray(chunk_bytes))
@@ -151,7 +154,8 @@ class _ChunkPump:
             self.reader.readinto(record, offset, memoryview(buf)[:src_bytes])
             return src_bytes
         self.reader.readinto(record, offset, memoryview(self.scratch)[:src_bytes])
-        dtypes.cast(self.scratch, seg.tensor.dtype, buf, t.dtype, n)  # round-to-nearest-even, as the engine's copy_
+        # round-to-nearest-even, as the engine's copy_
+        dtypes.cast(self.scratch, seg.tensor.dtype, buf, t.dtype, n, self.workers)
         return n * t.dtype.itemsize
 
     def __iter__(self) -> Iterator[memoryview]:
@@ -183,14 +187,18 @@ def write_safetensors(
     metadata: dict[str, str] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
     on_progress: ProgressFn | None = None,
+    workers: int | None = None,
 ) -> int:
-    """Write `tensors` into one safetensors file, streaming from the checkpoint. Returns bytes written."""
+    """Write `tensors` into one safetensors file, streaming from the checkpoint. Returns bytes written.
+
+    Casts run on `workers` threads (default: this process's share of the cores).
+    """
     header = safetensors_header(tensors, metadata or {"format": "pt"})
     written = 0
-    with open(path, "wb") as fh:
+    with open(path, "wb") as fh, Workers(resolve_workers(workers)) as pool:
         fh.write(header)
         written += len(header)
-        for chunk in _ChunkPump(tensors, reader, chunk_bytes):
+        for chunk in _ChunkPump(tensors, reader, chunk_bytes, pool):
             fh.write(chunk)
             written += len(chunk)
             if on_progress:

@@ -208,3 +208,15 @@ def test_a_person_at_a_terminal_sees_a_progress_bar_that_ends_at_100_percent(com
     last = res.stderr.split("\r")[-1]
     assert last.startswith(f"{command[0]}: ") and "(100%)" in last and last.endswith("MB/s\n")
     assert "(100%)" not in run(command[0], FIXTURES / Z2 / "checkpoint", *command[1:], "--out", tmp_path / "q", "-q").stderr
+
+
+def test_workers_change_nothing_in_the_output(tmp_path):
+    outs = []
+    for w in ("1", "3"):
+        res = run("consolidate", FIXTURES / Z3 / "checkpoint", "--out", tmp_path / w, "--dtype", "bf16", "--workers", w)
+        assert res.exit_code == 0, res.output
+        outs.append(tree_digest(tmp_path / w))
+    assert outs[0] == outs[1]
+    res = run("consolidate", FIXTURES / Z3 / "checkpoint", "--workers", "0")
+    assert res.exit_code == 2 and "--workers" in res.output and "Traceback" not in res.output
+    run("inspect", FIXTURES / Z3 / "checkpoint")

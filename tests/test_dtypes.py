@@ -32,3 +32,27 @@ def test_cast_is_bit_identical_to_torch(src, dst):
 def test_names_round_trip_with_torch():
     for name in ("float32", "bfloat16", "float16", "int64", "bool", "uint8"):
         assert dtypes.from_torch(getattr(torch, name)).to_torch() is getattr(torch, name)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.parametrize("dst", ["bfloat16", "float16"])
+def test_a_cast_split_over_threads_and_blocks_is_the_same(workers, dst):
+    from ckpttools.threads import Workers
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3 * dtypes.CAST_BLOCK + 7, generator=g) * 1e3  # parts end inside blocks
+    x[::1001] = float("nan")
+    out = bytearray(x.numel() * 2)
+    with Workers(workers) as pool:
+        dtypes.cast(x.numpy().tobytes(), dtypes.FLOAT32, out, dtypes.BY_NAME[dst], x.numel(), pool)
+    ours, expected = torch.frombuffer(out, dtype=getattr(torch, dst)), x.to(getattr(torch, dst))
+    nan = expected.isnan()
+    assert torch.equal(ours.isnan(), nan)
+    assert torch.equal(ours[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+def test_an_empty_cast_with_workers_does_nothing():
+    from ckpttools.threads import Workers
+
+    with Workers(2) as pool:
+        dtypes.cast(b"", dtypes.FLOAT32, bytearray(), dtypes.BFLOAT16, 0, pool)

@@ -151,6 +151,12 @@ step_option = click.option("--step", type=int, help="With a Trainer output_dir: 
 best_option = click.option("--best", is_flag=True, help="With a Trainer output_dir: use best_model_checkpoint.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+workers_option = click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Threads for 16-bit casts (default: this process's share of the cores, at most 8).",
+)
 config_option = click.option(
     "--config",
     "config",

@@ -22,6 +22,7 @@ from ._common import (
     quiet_option,
     report,
     run_on_ranks,
+    workers_option,
 )
 
 if TYPE_CHECKING:
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
     type=click.Path(path_type=Path),
     help="With --merge: the base model's folder (weights and config.json), for runs saved without frozen weights.",
 )
+@workers_option
 @checkpoint_selection
 @json_option
 @quiet_option
@@ -80,6 +82,7 @@ def consolidate_cmd(
     check_keys: bool,
     merge: bool,
     base: Path | None,
+    workers: int | None,
     tag: str | None,
     step: int | None,
     best: bool,
@@ -94,6 +97,9 @@ def consolidate_cmd(
     """
     from ..consolidate import consolidate
     from ..distributed import launch_from_env
+    from ..threads import set_workers
+
+    set_workers(workers)
 
     def run(group: ProcessGroup | None = None) -> None:
         rank0 = group is None or group.rank == 0
@@ -134,6 +140,7 @@ def _human_consolidate(d: dict[str, Any]) -> str:
 )
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 @config_option
+@workers_option
 @checkpoint_selection
 @json_option
 @quiet_option
@@ -145,6 +152,7 @@ def reshard_cmd(
     out: Path | None,
     overwrite: bool,
     config: Path | None,
+    workers: int | None,
     tag: str | None,
     step: int | None,
     best: bool,
@@ -163,6 +171,9 @@ def reshard_cmd(
     """
     from ..distributed import launch_from_env
     from ..reshard import reshard
+    from ..threads import set_workers
+
+    set_workers(workers)
 
     def run(group: ProcessGroup | None = None) -> None:
         rank0 = group is None or group.rank == 0

@@ -1,0 +1,89 @@
+"""Threads for the CPU-bound steps of a conversion (16-bit casts, cross-checks): how many, and how work splits.
+
+numpy's ufuncs release the GIL, so a cast split over threads runs on as many cores. The default is the cores
+this process may use, shared among the processes a launcher started on this node (LOCAL_WORLD_SIZE), and
+at most `MAX_DEFAULT`: beyond that the disk, not the CPU, is the limit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from .errors import UsageError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+MAX_DEFAULT = 8
+_chosen: dict[str, int] = {}  # set_workers: the process-wide choice, as torch.set_num_threads
+
+
+def usable_cores() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def set_workers(n: int | None) -> None:
+    """Threads every later conversion in this process uses (None: back to the default)."""
+    _chosen.pop("workers", None)
+    if n is not None:
+        _chosen["workers"] = resolve_workers(n)
+
+
+def default_workers(env: Mapping[str, str] | None = None) -> int:
+    """Threads per process when the call does not say: `set_workers`' choice, else this process's share of the
+    node's cores."""
+    if "workers" in _chosen:
+        return _chosen["workers"]
+    env = os.environ if env is None else env
+    try:
+        local = max(1, int(env.get("LOCAL_WORLD_SIZE") or 1))
+    except ValueError:
+        local = 1
+    return max(1, min(MAX_DEFAULT, usable_cores() // local))
+
+
+def resolve_workers(workers: int | None) -> int:
+    """`workers` as given (checked), or the default for None."""
+    if workers is None:
+        return default_workers()
+    if workers < 1:
+        raise UsageError(f"--workers {workers}: give at least 1")
+    return workers
+
+
+class Workers:
+    """`n` threads: the caller's own and `n - 1` pool threads, used by `run` to do parts of one job at once."""
+
+    def __init__(self, n: int) -> None:
+        self.n = max(1, n)
+        self._pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="ckpt-worker") if self.n > 1 else None
+
+    def run(self, parts: Sequence[Callable[[], None]]) -> None:
+        """Run every part, the first on the calling thread; returns when all are done, raising the first error."""
+        if self._pool is None or len(parts) < 2:
+            for part in parts:
+                part()
+            return
+        futures = [self._pool.submit(part) for part in parts[1:]]
+        try:
+            parts[0]()
+        finally:
+            errors = [f.exception() for f in futures]
+        for error in errors:
+            if error is not None:
+                raise error
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,39 @@
+import pytest
+
+from ckpttools import threads
+from ckpttools.errors import UsageError
+
+
+def test_default_is_this_processs_share_of_the_cores(monkeypatch):
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    assert threads.default_workers({}) == threads.MAX_DEFAULT
+    assert threads.default_workers({"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert threads.default_workers({"LOCAL_WORLD_SIZE": "32"}) == 1
+    assert threads.default_workers({"LOCAL_WORLD_SIZE": "x"}) == threads.MAX_DEFAULT
+
+
+def test_set_workers_is_the_process_wide_choice():
+    try:
+        threads.set_workers(3)
+        assert threads.default_workers({"LOCAL_WORLD_SIZE": "64"}) == 3 == threads.resolve_workers(None)
+        assert threads.resolve_workers(5) == 5
+        with pytest.raises(UsageError, match="at least 1"):
+            threads.set_workers(0)
+    finally:
+        threads.set_workers(None)
+    assert threads.resolve_workers(None) == threads.default_workers()
+
+
+def test_run_does_every_part_and_raises_the_first_error():
+    done = []
+    with threads.Workers(3) as pool:
+        pool.run([lambda i=i: done.append(i) for i in range(5)])
+        assert sorted(done) == [0, 1, 2, 3, 4]
+
+        def boom():
+            raise ValueError("part 2")
+
+        with pytest.raises(ValueError, match="part 2"):
+            pool.run([lambda: None, lambda: None, boom])
+        pool.run([lambda: done.append(9)])  # still usable after an error
+    assert done[-1] == 9
