@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from . import dtypes, hf, peft
+from . import dtypes, hf, nodelocal, peft
 from .crosscheck import check_module_copies
 from .dtypes import DType
 from .errors import CkptError, UsageError, short
@@ -201,8 +201,28 @@ def consolidate(
     if base is not None and not merge:
         raise UsageError("--base is the base model of a --merge; pass --merge too")
     if group is not None and group.world_size > 1:
-        return _RanksJob(group, path, out_dir, to, dtype, max_shard_size, tag, step, best, overwrite, check_existing,
-                         check_keys, config, merge, base, on_progress, on_start).run()  # fmt: skip
+        holdings = nodelocal.exchange_holdings(group, Path(path))
+        if nodelocal.is_shared(holdings):
+            return _RanksJob(group, path, out_dir, to, dtype, max_shard_size, tag, step, best, overwrite,
+                             check_existing, check_keys, config, merge, base, on_progress, on_start).run()  # fmt: skip
+
+        def on_copy(view: Path) -> dict[str, Any]:  # rank 0, on its gathered copy of a node-local checkpoint
+            root = nodelocal.map_path(open_view(view).location.root, view, Path(path))
+            out = check_output_dir(Path(out_dir) if out_dir else root.parent / f"hf-{root.name}", root, overwrite)
+            result = consolidate(view, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
+                                 best=best, overwrite=overwrite, check_existing=check_existing, check_keys=check_keys,
+                                 config=config, merge=merge, base=base, on_progress=on_progress,
+                                 on_start=on_start)  # fmt: skip
+            result.world_size, result.ranks = group.world_size, dict.fromkeys(result.files, 0)
+            return result.to_dict()
+
+        def open_view(view: Path) -> ZeroCheckpoint:
+            return open_checkpoint(view, tag=tag, step=step, best=best)
+
+        parent = Path(out_dir).parent if out_dir else Path(path).resolve().parent
+        done = nodelocal.convert_on_rank0(group, Path(path), holdings, parent, open_view, on_copy,
+                                          optimizer_states=False)  # fmt: skip
+        return ConsolidateResult(**done)
     ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
     out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt.location.root, overwrite)
     out_dtype = DTYPES[dtype]

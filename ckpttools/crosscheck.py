@@ -19,7 +19,7 @@ from . import dtypes
 from .dtypes import DType
 from .errors import CorruptCheckpointError
 from .threads import default_workers
-from .torchfile import open_readonly
+from .torchfile import check_present, open_readonly
 
 if TYPE_CHECKING:
     from .reader import TensorSource, ZeroCheckpoint
@@ -65,6 +65,7 @@ def read_elements(source: TensorSource, start: int, count: int, files: OpenFiles
         lo, hi = max(start, pos), min(start + count, pos + seg.count)
         if lo < hi:
             record = seg.tensor.record
+            check_present(record)
             path = str(record.path)
             base, _ = seg.tensor.byte_span()
             offset = record.offset + base + (seg.start + lo - pos) * item

@@ -9,6 +9,7 @@ a one-process run never loads it. Messages travel as UTF-8 bytes in tensors, nev
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 DEFAULT_TIMEOUT_S = 3600  # a rank waits this long at an agreement point for the slowest one
 EXIT_INTERRUPTED = 130
+MOVE_WINDOW = 4  # transfers in flight per rank in ProcessGroup.move (each a buffer of its size)
 _T = TypeVar("_T")
 
 
@@ -167,6 +169,50 @@ class ProcessGroup:
             raise  # unreachable: agree raises for a failed rank
         self.agree(None)
         return result
+
+    def move(self, plan: Sequence[tuple[int, int, int]], read: Callable[[int, memoryview], None],
+             write: Callable[[int, memoryview], None], window: int = MOVE_WINDOW) -> None:  # fmt: skip
+        """Collective: move chunk i of `plan` ((source rank, destination rank, bytes) each) point to point.
+
+        The source fills a buffer with `read(i, buf)`, the destination gets it in `write(i, buf)`. Every rank walks
+        the same plan in order with at most `window` transfers in flight, so the first unfinished transfer is
+        always posted at both ends and the walk cannot deadlock. A failing `read` or `write` does not stop the
+        walk (the peer would wait forever): the rest is sent as zeros or dropped, and the first error is raised
+        at the end, for `agree` to fail every rank.
+        """
+        import torch
+
+        inflight: collections.deque[tuple[Any, int, Any, bool]] = collections.deque()
+        errors: list[BaseException] = []
+
+        def settle() -> None:
+            work, i, tensor, is_recv = inflight.popleft()
+            work.wait()
+            if is_recv and not errors:
+                try:
+                    write(i, tensor.numpy().data)
+                except Exception as e:  # noqa: BLE001 - raised after the walk
+                    errors.append(e)
+
+        for i, (src, dst, nbytes) in enumerate(plan):
+            if self.rank not in (src, dst) or src == dst:
+                continue
+            tensor = torch.zeros(nbytes, dtype=torch.uint8)
+            if self.rank == src:
+                if not errors:
+                    try:
+                        read(i, tensor.numpy().data)
+                    except Exception as e:  # noqa: BLE001 - raised after the walk
+                        errors.append(e)
+                inflight.append((self._dist.isend(tensor, dst), i, tensor, False))
+            else:
+                inflight.append((self._dist.irecv(tensor, src), i, tensor, True))
+            if len(inflight) >= window:
+                settle()
+        while inflight:
+            settle()
+        if errors:
+            raise errors[0]
 
     def barrier(self) -> None:
         self._dist.barrier()

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import hf, moe, partition, stages, zero0
+from . import hf, moe, nodelocal, partition, stages, zero0
 from .crosscheck import check_module_copies
 from .distributed import plan_by_bytes, records_to_verify
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
@@ -345,6 +345,10 @@ def reshard(
         'global_step500/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt'
     """
     if group is not None and group.world_size > 1:
+        holdings = nodelocal.exchange_holdings(group, Path(path))
+        if not nodelocal.is_shared(holdings):
+            args = (out_dir, dp, universal, stage, tag, step, best, overwrite, config, (on_start, on_progress))
+            return _gathered(group, Path(path), holdings, *args)
         job = group.run_agreed(lambda: _prepare(path, out_dir, dp, universal, stage, tag, step, best, config))
         if isinstance(job, ReshardResult):
             job.world_size, job.ranks = group.world_size, {}
@@ -354,6 +358,30 @@ def reshard(
     if isinstance(job, ReshardResult):
         return job
     return _write(job.ckpt, job.dp, job.stage, out_dir, overwrite, job.model_config, (on_start, on_progress))
+
+
+def _gathered(group: ProcessGroup, root: Path, holdings: list[nodelocal.Holdings], out_dir: Path | str | None,
+              dp: int | None, universal: bool, stage: int | None, tag: str | None, step: int | None, best: bool,
+              overwrite: bool, config: Path | str | None, progress: _ProgressFns) -> ReshardResult:  # fmt: skip
+    """A node-local checkpoint (each node holds its own ranks' files): rank 0 gathers it and writes the output."""
+
+    def on_copy(view: Path) -> dict[str, Any]:
+        job = _prepare(view, out_dir, dp, universal, stage, tag, step, best, config)
+        if isinstance(job, ReshardResult):
+            result = job
+        else:
+            user_root = nodelocal.map_path(job.ckpt.location.root, view, root)
+            new_stage = job.stage if job.stage != job.ckpt.zero_stage else None
+            out = Path(out_dir) if out_dir else _default_out(user_root, job.dp, new_stage)
+            check_output_dir(out, user_root, overwrite)
+            result = _write(job.ckpt, job.dp, job.stage, out, overwrite, job.model_config, progress)
+        result.world_size, result.ranks = group.world_size, dict.fromkeys(result.files, 0)
+        return result.to_dict()
+
+    parent = Path(out_dir).parent if out_dir else root.resolve().parent
+    done = nodelocal.convert_on_rank0(group, root, holdings, parent, lambda v: open_checkpoint(v, tag=tag, step=step,
+                                      best=best), on_copy, optimizer_states=True)  # fmt: skip
+    return ReshardResult(**done)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import threading
 import zipfile
 import zlib
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +106,43 @@ class Record:
     offset: int
     nbytes: int
     crc32: int
+
+
+# Records whose bytes are not on this machine: holes in a node-local checkpoint's gathered copy (see nodelocal).
+# Reading one is a bug, and fails instead of returning zeros.
+_ABSENT: dict[str, set[str]] = {}
+
+
+def mark_absent(path: Path, names: Iterable[str]) -> None:
+    _ABSENT.setdefault(os.path.abspath(path), set()).update(names)
+
+
+def mark_present(path: Path, names: Iterable[str]) -> None:
+    _ABSENT.get(os.path.abspath(path), set()).difference_update(names)
+
+
+def forget_absent(folder: Path) -> None:
+    """Drop the marks of every file under `folder` (the gathered copy is gone)."""
+    prefix = os.path.abspath(folder) + os.sep
+    for key in [k for k in _ABSENT if k.startswith(prefix)]:
+        del _ABSENT[key]
+
+
+def absent_records() -> set[tuple[str, str]]:
+    return {(path, name) for path, names in _ABSENT.items() for name in names}
+
+
+def check_present(record: Record) -> None:
+    if _ABSENT and record.name in _ABSENT.get(os.path.abspath(record.path), ()):
+        raise RuntimeError(
+            f"{record.path}: record {record.name} was read but never fetched from the rank that holds it"
+        )
+
+
+def storage_records(path: Path) -> list[Record]:
+    """The storage records of a torch.save zip (no unpickling)."""
+    with open(path, "rb") as fh:
+        return list(_read_zip(Path(path), fh)[1].values())
 
 
 @dataclass(frozen=True)
@@ -489,6 +527,7 @@ class RecordReader:
             return cur
 
     def _pread(self, record: Record, start: int, buf: memoryview) -> None:
+        check_present(record)
         fd = self._fd(record.path)
         done = 0
         while done < len(buf):

@@ -1,0 +1,201 @@
+"""Node-local checkpoint folders: each rank sees only its own node's files, and rank 0 gathers what it reads.
+
+Each process gets its own folder holding what a node would: its DP ranks' files, the files DeepSpeed writes on
+every node (`latest`, ZeRO-1/2's module file), and on node 0 alone what the Trainer's main process saves (config,
+tokenizer, trainer state). The output must be byte-identical to one process's on the whole folder.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from ckpttools import nodelocal, torchfile
+from ckpttools.errors import CorruptCheckpointError
+from ckpttools.sources import open_checkpoint
+from ckpttools.torchfile import RecordReader
+
+from .conftest import FIXTURES
+from .test_distributed import CKPT, TRAINER, Z2, Z3, _env, _tree_sha256, ds_launch
+
+RANK_FILE = re.compile(r"_pp_rank_(\d+)_")
+
+
+def split_by_node(ckpt: Path, dst: Path, nodes: int) -> list[Path]:
+    """`nodes` folders as node-local storage leaves them: rank r's files on node r % nodes."""
+    folders = [dst / f"node{n}" / ckpt.name for n in range(nodes)]
+    for path in sorted(ckpt.rglob("*")):
+        if not path.is_file():
+            continue
+        rel = path.relative_to(ckpt)
+        m = RANK_FILE.search(path.name)
+        if m:
+            owners = [int(m.group(1)) % nodes]
+        elif path.name in ("latest", "mp_rank_00_model_states.pt"):
+            owners = list(range(nodes))  # each node's first process writes these
+        else:
+            owners = [0]  # the Trainer's main process: config, tokenizer, trainer_state, rng states
+        for n in owners:
+            (folders[n] / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, folders[n] / rel)
+    return folders
+
+
+def on_ranks(per_rank_args, extra_env=None):
+    """`ckpt ARGS[r]` as rank r of one group; each rank's (exit code, stdout, stderr)."""
+    port = ds_launch.free_port()
+    n = len(per_rank_args)
+    procs = []
+    for rank, args in enumerate(per_rank_args):
+        env = {**_env(), "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+               "MASTER_PORT": str(port), "CKPT_SKELETON_RECORD_MAX": "256", **(extra_env or {})}  # fmt: skip
+        procs.append(subprocess.Popen([str(CKPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=env))  # fmt: skip
+    return [_finish(p) for p in procs]
+
+
+def _finish(p):
+    out, err = p.communicate(timeout=300)
+    return p.returncode, out, err
+
+
+def one_process(*args):
+    proc = subprocess.run([str(CKPT), *map(str, args)], capture_output=True, text=True, env=_env(), timeout=300,
+                          check=False)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.parametrize(
+    ("ckpt_dir", "nodes", "command"),
+    [(Z3, 2, ["consolidate", "--max-shard-size", "1KB"]), (TRAINER, 2, ["consolidate", "--dtype", "bf16"]),
+     (Z2, 2, ["reshard", "--dp", "3"]), (TRAINER, 2, ["reshard", "--universal"]), (Z2, 3, ["consolidate"])],
+    ids=["z3_consolidate_sharded", "trainer_bf16", "z2_reshard_dp3", "trainer_universal", "z2_three_nodes"],
+)  # fmt: skip
+def test_node_local_folders_give_the_one_process_output(tmp_path, ckpt_dir, nodes, command):
+    single = one_process(*command, ckpt_dir, "--out", tmp_path / "one", "--json")
+    folders = split_by_node(ckpt_dir, tmp_path / "nodes", nodes)
+    before = [_tree_sha256(f) for f in folders]
+    runs = on_ranks([[*command, f, "--out", tmp_path / "many", "--json"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [0] * nodes, runs
+    assert all(out == err == "" for _, out, err in runs[1:]), runs
+    data = json.loads(runs[0][1])
+    assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")
+    assert data["world_size"] == nodes and set(data["ranks"].values()) == {0}
+    without = {k: v for k, v in data.items() if k not in ("world_size", "ranks", "output_dir")}
+    expected = {k: v for k, v in single.items() if k != "output_dir"}
+    if "source" in expected:  # names the checkpoint each run was given
+        assert without["source"].pop("path") == str(folders[0].resolve())
+        expected["source"].pop("path")
+    assert without == expected
+    assert [_tree_sha256(f) for f in folders] == before  # inputs untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "nodes", "one"]  # no gathered copy left
+    assert not list((tmp_path / "nodes" / "node0").glob(".ckpt-gather-*"))
+
+
+def test_the_default_output_lands_beside_rank_0s_checkpoint(tmp_path):
+    folders = split_by_node(Z3, tmp_path / "nodes", 2)
+    runs = on_ranks([["consolidate", f, "--json"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    assert json.loads(runs[0][1])["output_dir"] == str(folders[0].parent / f"hf-{Z3.name}")
+    assert sorted(p.name for p in folders[0].parent.iterdir()) == [Z3.name, f"hf-{Z3.name}"]
+
+
+def test_a_node_with_another_copy_of_a_shared_file_fails_every_rank(tmp_path):
+    folders = split_by_node(Z2, tmp_path / "nodes", 2)
+    tag = (Z2 / "latest").read_text().strip()
+    other = FIXTURES / "z2_dp2_fp32" / "checkpoint"
+    shutil.copy2(other / (other / "latest").read_text().strip() / "mp_rank_00_model_states.pt",
+                 folders[1] / tag / "mp_rank_00_model_states.pt")  # fmt: skip
+    runs = on_ranks([["consolidate", f, "--out", tmp_path / "out"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [1, 1], runs
+    lines = runs[0][2].splitlines()
+    assert len(lines) == 1 and f"{tag}/mp_rank_00_model_states.pt differs between rank 0" in lines[0], lines
+    assert "rank 1" in lines[0] and "Traceback" not in runs[0][2]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_rank_file_no_node_holds_is_named_with_the_users_path(tmp_path):
+    folders = split_by_node(Z3, tmp_path / "nodes", 2)
+    tag = (Z3 / "latest").read_text().strip()
+    (folders[1] / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    runs = on_ranks([["consolidate", f, "--out", tmp_path / "out"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [1, 1], runs
+    line = runs[0][2].strip()
+    assert line.startswith("Error: ") and "\n" not in line, runs[0]
+    assert "rank 1" in line and ".ckpt-gather" not in line and str(folders[0].resolve()) in line, line
+    assert not (tmp_path / "out").exists() and not list(folders[0].parent.glob(".ckpt-gather-*"))
+
+
+def test_damage_on_another_node_is_caught_by_its_crc(tmp_path):
+    folders = split_by_node(Z3, tmp_path / "nodes", 2)
+    tag = (Z3 / "latest").read_text().strip()
+    name = "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path = folders[1] / tag / name
+    masters = {seg.tensor.record.name for p in open_checkpoint(Z3).params for seg in p.fp32.segments
+               if seg.tensor.record.path.name == name}  # fmt: skip
+    record = next(r for r in torchfile.storage_records(path) if r.name in masters)
+    data = bytearray(path.read_bytes())
+    data[record.offset + record.nbytes // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    runs = on_ranks([["consolidate", f, "--out", tmp_path / "out"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [1, 1], runs
+    assert "fails its CRC-32 check" in runs[0][2] and ".ckpt-gather" not in runs[0][2], runs[0]
+    assert not (tmp_path / "out").exists()
+
+
+# --- the pure parts ---------------------------------------------------------------------------------
+
+
+def test_holdings_compare_zip_directories_and_contents(tmp_path):
+    folders = split_by_node(Z2, tmp_path, 2)
+    held = [nodelocal.list_held(f) for f in folders]
+    tag = (Z2 / "latest").read_text().strip()
+    assert held[0]["latest"] == held[1]["latest"]
+    assert held[0][f"{tag}/mp_rank_00_model_states.pt"].fingerprint.startswith("zip:")
+    assert not nodelocal.is_shared(held)
+    nodelocal.check_copies_agree(held)
+    assert nodelocal.holders(held)[f"{tag}/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"] == 1
+    (folders[1] / "latest").write_text("global_step9")
+    with pytest.raises(CorruptCheckpointError, match="latest differs between rank 0"):
+        nodelocal.check_copies_agree([nodelocal.list_held(f) for f in folders])
+    assert nodelocal.list_held(tmp_path / "absent") == {}
+
+
+def test_chunks_take_the_holders_in_turn():
+    spans = [nodelocal.Span("a", 0, 10, 1), nodelocal.Span("b", 5, 4, 2), nodelocal.Span("c", 0, 3, 1)]
+    chunks = nodelocal.chunked(spans, chunk_bytes=4)
+    assert [(c.rel, c.offset, c.length, c.holder) for c in chunks] == [
+        ("a", 0, 4, 1), ("b", 5, 4, 2), ("a", 4, 4, 1), ("a", 8, 2, 1), ("c", 0, 3, 1)]  # fmt: skip
+
+
+def test_a_skeleton_leaves_only_the_large_records_out(tmp_path):
+    path = next((Z3 / (Z3 / "latest").read_text().strip()).glob("*optim_states.pt"))
+    records = torchfile.storage_records(path)
+    spans, holes = nodelocal.skeleton_spans(path, "f", 3)
+    large = {r.name for r in records if r.nbytes > nodelocal.SKELETON_RECORD_MAX}
+    assert set(holes) == large
+    covered = sum(s.length for s in spans)
+    assert covered + sum(r.nbytes for r in records if r.name in large) == path.stat().st_size
+    size = (Z3 / "latest").stat().st_size
+    assert nodelocal.skeleton_spans(Z3 / "latest", "latest", 0) == ([nodelocal.Span("latest", 0, size, 0)], [])
+
+
+def test_a_record_never_fetched_cannot_be_read(tmp_path):
+    path = next((Z3 / (Z3 / "latest").read_text().strip()).glob("*optim_states.pt"))
+    record = max(torchfile.storage_records(path), key=lambda r: r.nbytes)
+    torchfile.mark_absent(path, [record.name])
+    try:
+        with RecordReader() as reader, pytest.raises(RuntimeError, match="never fetched"):
+            reader.readinto(record, 0, memoryview(bytearray(8)))
+        torchfile.mark_present(path, [record.name])
+        with RecordReader() as reader:
+            reader.readinto(record, 0, memoryview(bytearray(8)))
+    finally:
+        torchfile.forget_absent(path.parent)
+    assert torchfile.absent_records() == set()
+    assert os.path.abspath(path) not in torchfile._ABSENT
