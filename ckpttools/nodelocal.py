@@ -193,10 +193,13 @@ def chunked(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES) -> list[Span]
 def records_to_fetch(
     ckpt: ZeroCheckpoint, absent: set[tuple[str, str]], *, optimizer_states: bool
 ) -> set[tuple[str, str]]:
-    """The (file, record) holes a conversion of `ckpt` may read: all of them for a reshard; for a consolidation
-    all but those only the optimizer moments use (most of the bytes)."""
+    """The (file, record) holes a conversion of `ckpt` may read: those under its folder (a Trainer output_dir's
+    other checkpoints are never read), for a reshard all of them, for a consolidation all but those only the
+    optimizer moments use (most of the bytes)."""
+    inside = os.path.abspath(ckpt.location.root) + os.sep
+    absent = {r for r in absent if r[0].startswith(inside)}
     if optimizer_states:
-        return set(absent)
+        return absent
 
     def records(sources: Iterable[TensorSource]) -> set[tuple[str, str]]:
         return {

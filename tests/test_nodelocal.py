@@ -73,8 +73,10 @@ def one_process(*args):
 @pytest.mark.parametrize(
     ("ckpt_dir", "nodes", "command"),
     [(Z3, 2, ["consolidate", "--max-shard-size", "1KB"]), (TRAINER, 2, ["consolidate", "--dtype", "bf16"]),
-     (Z2, 2, ["reshard", "--dp", "3"]), (TRAINER, 2, ["reshard", "--universal"]), (Z2, 3, ["consolidate"])],
-    ids=["z3_consolidate_sharded", "trainer_bf16", "z2_reshard_dp3", "trainer_universal", "z2_three_nodes"],
+     (Z2, 2, ["reshard", "--dp", "3"]), (TRAINER, 2, ["reshard", "--universal"]), (Z2, 3, ["consolidate"]),
+     (TRAINER.parent, 2, ["reshard", "--step", "2", "--dp", "3"])],
+    ids=["z3_consolidate_sharded", "trainer_bf16", "z2_reshard_dp3", "trainer_universal", "z2_three_nodes",
+         "trainer_output_dir_step"],
 )  # fmt: skip
 def test_node_local_folders_give_the_one_process_output(tmp_path, ckpt_dir, nodes, command):
     single = one_process(*command, ckpt_dir, "--out", tmp_path / "one", "--json")
