@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
 
@@ -33,8 +33,12 @@ except ImportError:  # not on Windows
     resource = None  # type: ignore[assignment]
 
 from . import dtypes
+from .crc import crc32
 from .dtypes import DType
 from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, short
+
+if TYPE_CHECKING:
+    from .threads import Workers
 
 _LOCAL_HEADER = struct.Struct("<4s5H3L2H")  # zip local file header, 30 bytes
 
@@ -550,8 +554,8 @@ class RecordReader:
             except OSError:
                 pass
 
-    def readinto(self, record: Record, start: int, buf: memoryview) -> None:
-        """Fill `buf` with the record's bytes from `start`."""
+    def readinto(self, record: Record, start: int, buf: memoryview, workers: Workers | None = None) -> None:
+        """Fill `buf` with the record's bytes from `start`; its CRC-32 is split over `workers`' threads."""
         end = start + len(buf)
         if end > record.nbytes:
             raise CorruptCheckpointError(f"{record.path}: read past the end of record {record.name}")
@@ -560,7 +564,7 @@ class RecordReader:
             self._advance_gap(cur, start)
             self._pread(record, start, buf)
             if start <= cur.pos < end:
-                cur.crc = zlib.crc32(buf[cur.pos - start :], cur.crc)
+                cur.crc = crc32(buf[cur.pos - start :], cur.crc, workers)
                 cur.pos = end
 
     def _advance_gap(self, cur: _CrcCursor, upto: int) -> None:

@@ -361,10 +361,10 @@ class _ReadPump:
                     return
                 if cast is None:
                     view = memoryview(buf)[:nbytes]
-                    self.reader.readinto(record, start, view)
+                    self.reader.readinto(record, start, view, self.workers)
                 else:
                     scratch = scratch if scratch is not None else bytearray(len(buf))
-                    self.reader.readinto(record, start, memoryview(scratch)[:nbytes])
+                    self.reader.readinto(record, start, memoryview(scratch)[:nbytes], self.workers)
                     count = nbytes // cast[0].itemsize
                     view = memoryview(buf)[: count * cast[1].itemsize]
                     dtypes.cast(scratch, cast[0], view, cast[1], count, self.workers)

@@ -151,9 +151,9 @@ class _ChunkPump:
     def _fill(self, buf: bytearray, t: OutputTensor, seg: Segment, start: int, n: int) -> int:
         record, offset, src_bytes = _source_span(seg, start, n)
         if seg.tensor.dtype == t.dtype:
-            self.reader.readinto(record, offset, memoryview(buf)[:src_bytes])
+            self.reader.readinto(record, offset, memoryview(buf)[:src_bytes], self.workers)
             return src_bytes
-        self.reader.readinto(record, offset, memoryview(self.scratch)[:src_bytes])
+        self.reader.readinto(record, offset, memoryview(self.scratch)[:src_bytes], self.workers)
         # round-to-nearest-even, as the engine's copy_
         dtypes.cast(self.scratch, seg.tensor.dtype, buf, t.dtype, n, self.workers)
         return n * t.dtype.itemsize

@@ -36,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from ckpttools import dtypes, torchwriter  # noqa: E402
+from ckpttools.crc import crc32_zeros  # noqa: E402
 from ckpttools.reader import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint  # noqa: E402
 from ckpttools.sources import read_checkpoint  # noqa: E402
 from ckpttools.reshard import _rank_files  # noqa: E402
@@ -104,38 +105,6 @@ def llama_config(m: LlamaShape) -> dict[str, Any]:
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
     }
-
-
-# --- CRC-32 of n zero bytes, without the bytes ---------------------------------------------------------------
-
-_POLY = 0xEDB88320  # CRC-32 (zlib), reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    """a(x) * b(x) modulo the CRC polynomial, both reflected (bit 31 is x^0)."""
-    m, p = 1 << 31, 0
-    while m:
-        if a & m:
-            p ^= b
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-        m >>= 1
-    return p
-
-
-def _x_pow_8n(n: int) -> int:
-    """x^(8n) modulo the polynomial, by repeated squaring of x^8."""
-    result, square = 1 << 31, 1 << (31 - 8)  # x^0, x^8
-    while n:
-        if n & 1:
-            result = _multmodp(square, result)
-        square = _multmodp(square, square)
-        n >>= 1
-    return result
-
-
-def crc32_zeros(n: int) -> int:
-    """zlib.crc32(bytes(n)): the register starts at ~0, n zero bytes multiply it by x^(8n), the result is ~reg."""
-    return _multmodp(_x_pow_8n(n), 0xFFFFFFFF) ^ 0xFFFFFFFF
 
 
 # --- A torch.save zip whose storage records are holes ---------------------------------------------------------
