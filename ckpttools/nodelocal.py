@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import torchfile
-from .errors import CkptError, CorruptCheckpointError
+from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 
 if TYPE_CHECKING:
     from .distributed import ProcessGroup
@@ -111,8 +111,17 @@ def exchange_holdings(group: ProcessGroup, root: Path) -> list[Holdings]:
 
 def _gather_holdings(group: ProcessGroup, mine: Holdings) -> list[Holdings]:
     text = json.dumps({rel: [h.size, h.fingerprint] for rel, h in mine.items()}, sort_keys=True)
-    return [{rel: Held(int(n), str(f)) for rel, (n, f) in json.loads(r).items()}
-            for r in group.gather_bytes(text.encode())]  # fmt: skip
+    reports = [json.loads(r) for r in group.gather_bytes(text.encode())]
+    for rank, report in enumerate(reports):
+        for rel in report:
+            _check_relative(rel, rank)
+    return [{rel: Held(int(n), str(f)) for rel, (n, f) in report.items()} for report in reports]
+
+
+def _check_relative(rel: str, rank: int) -> None:
+    """A path another rank reports must stay inside the folder (rank 0 creates files under these names)."""
+    if any(part in ("..", ".", "") for part in rel.split("/")) or "\\" in rel:
+        raise UnsafeCheckpointError(f"rank {rank} reports a file {rel!r} outside its checkpoint folder")
 
 
 def is_shared(holdings: Sequence[Holdings]) -> bool:

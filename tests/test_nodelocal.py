@@ -201,3 +201,12 @@ def test_a_record_never_fetched_cannot_be_read(tmp_path):
         torchfile.forget_absent(path.parent)
     assert torchfile.absent_records() == set()
     assert os.path.abspath(path) not in torchfile._ABSENT
+
+
+@pytest.mark.parametrize("rel", ["../escape", "/etc/passwd", "a/../../b", "a//b", "./a", ""])
+def test_a_path_outside_the_folder_from_another_rank_is_refused(rel):
+    from ckpttools.errors import UnsafeCheckpointError
+
+    with pytest.raises(UnsafeCheckpointError, match="outside its checkpoint folder"):
+        nodelocal._check_relative(rel, 2)
+    nodelocal._check_relative("global_step2/mp_rank_00_model_states.pt", 2)
