@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -18,7 +18,7 @@ from .crosscheck import check_module_copies
 from .dtypes import DType
 from .errors import CkptError, UsageError, short
 from .reader import TensorSource, ZeroCheckpoint
-from .sources import open_checkpoint
+from .sources import checkpoint_root, open_checkpoint
 from .staging import check_output_dir, shared_staged_folder, staged_folder
 from .torchfile import Record, RecordReader
 from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, write_pt, write_safetensors
@@ -202,27 +202,14 @@ def consolidate(
         raise UsageError("--base is the base model of a --merge; pass --merge too")
     if group is not None and group.world_size > 1:
         holdings = nodelocal.exchange_holdings(group, Path(path))
-        if nodelocal.is_shared(holdings):
-            return _RanksJob(group, path, out_dir, to, dtype, max_shard_size, tag, step, best, overwrite,
-                             check_existing, check_keys, config, merge, base, on_progress, on_start).run()  # fmt: skip
-
-        def on_copy(view: Path) -> dict[str, Any]:  # rank 0, on its gathered copy of a node-local checkpoint
-            root = nodelocal.map_path(open_view(view).location.root, view, Path(path))
-            out = check_output_dir(Path(out_dir) if out_dir else root.parent / f"hf-{root.name}", root, overwrite)
-            result = consolidate(view, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
-                                 best=best, overwrite=overwrite, check_existing=check_existing, check_keys=check_keys,
-                                 config=config, merge=merge, base=base, on_progress=on_progress,
-                                 on_start=on_start)  # fmt: skip
-            result.world_size, result.ranks = group.world_size, dict.fromkeys(result.files, 0)
-            return result.to_dict()
-
-        def open_view(view: Path) -> ZeroCheckpoint:
-            return open_checkpoint(view, tag=tag, step=step, best=best)
-
-        parent = Path(out_dir).parent if out_dir else Path(path).resolve().parent
-        done = nodelocal.convert_on_rank0(group, Path(path), holdings, parent, open_view, on_copy,
-                                          optimizer_states=False)  # fmt: skip
-        return ConsolidateResult(**done)
+        if not nodelocal.is_shared(holdings):
+            options = {"to": to, "dtype": dtype, "max_shard_size": max_shard_size, "tag": tag, "step": step,
+                       "best": best, "overwrite": overwrite, "check_existing": check_existing,
+                       "check_keys": check_keys, "config": config, "merge": merge, "base": base,
+                       "on_progress": on_progress, "on_start": on_start}  # fmt: skip
+            return _gathered(group, Path(path), holdings, out_dir, options)
+        return _RanksJob(group, path, out_dir, to, dtype, max_shard_size, tag, step, best, overwrite,
+                         check_existing, check_keys, config, merge, base, on_progress, on_start).run()  # fmt: skip
     ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
     out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt.location.root, overwrite)
     out_dtype = DTYPES[dtype]
@@ -245,6 +232,28 @@ def consolidate(
         keycheck.cancel()
         raise
     return plan.result(out, files, dtype)
+
+
+def _gathered(group: ProcessGroup, path: Path, holdings: list[nodelocal.Holdings], out_dir: Path | str | None,
+              options: dict[str, Any]) -> ConsolidateResult:  # fmt: skip
+    """A node-local checkpoint (each node holds its own ranks' files): rank 0 gathers it and writes the output."""
+    select = {k: options[k] for k in ("tag", "step", "best")}
+
+    def out_for(root: Path) -> Path:
+        return check_output_dir(Path(out_dir) if out_dir else root.parent / f"hf-{root.name}", root,
+                                options["overwrite"])  # fmt: skip
+
+    def on_copy(view: Path, user_path: Callable[[Path], Path]) -> dict[str, Any]:
+        out = out_for(user_path(open_checkpoint(view, **select).location.root))
+        result = consolidate(view, out, **options)
+        result.world_size, result.ranks = group.world_size, dict.fromkeys(result.files, 0)
+        return result.to_dict()
+
+    steps = nodelocal.GatherSteps(lambda v: checkpoint_root(v, **select), out_for,
+                                  lambda v: open_checkpoint(v, **select), on_copy)  # fmt: skip
+    done = nodelocal.convert_on_rank0(group, path, holdings, nodelocal.gather_parent(path, out_dir), steps,
+                                      optimizer_states=False)  # fmt: skip
+    return ConsolidateResult(**done)
 
 
 @dataclass

@@ -142,11 +142,20 @@ class ProcessGroup:
             payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         payloads = [torch.zeros_like(payload) for _ in range(self.world_size)]
         self._dist.all_gather(payloads, payload)
-        return [bytes(p[: int(n.item())].tolist()) for p, n in zip(payloads, lengths, strict=True)]
+        return [p[: int(n.item())].numpy().tobytes() for p, n in zip(payloads, lengths, strict=True)]
 
     def share(self, text: str) -> str:
-        """Rank 0's text, on every rank (what the others pass is ignored)."""
-        return self.gather_bytes(text.encode() if self.rank == 0 else b"")[0].decode()
+        """Rank 0's text, on every rank (what the others pass is ignored): one broadcast, not a gather."""
+        import torch
+
+        data = text.encode() if self.rank == 0 else b""
+        length = torch.tensor([len(data)], dtype=torch.int64)
+        self._dist.broadcast(length, 0)
+        payload = torch.zeros(max(int(length.item()), 1), dtype=torch.uint8)
+        if data:
+            payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._dist.broadcast(payload, 0)
+        return payload[: int(length.item())].numpy().tobytes().decode()
 
     def agree(self, error: BaseException | None) -> None:
         """Meet every rank; if any failed, raise RankFailedError for the first one that did, on every rank."""

@@ -22,11 +22,12 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -42,34 +43,70 @@ if TYPE_CHECKING:
 SKELETON_RECORD_MAX = int(os.environ.get("CKPT_SKELETON_RECORD_MAX") or 1 << 20)
 HASHED_FILE_MAX = 64 << 20  # files up to this size are compared by their whole content
 CHUNK_BYTES = 16 << 20
+MAX_WINDOW = 32  # chunks in flight per rank while gathering (rank 0 holds this many buffers)
 
 
 @dataclass(frozen=True)
 class Held:
-    """One file a rank holds: its size and what identifies its content."""
+    """One file a rank holds: its size and metadata (equal on every client of a shared filesystem), and, when
+    copies on several ranks differ in metadata, what identifies its content."""
 
     size: int
-    fingerprint: str
+    mtime_ns: int
+    inode: int
+    fingerprint: str = ""
+
+    @property
+    def content(self) -> tuple[int, str]:
+        return self.size, self.fingerprint
 
 
-Holdings = dict[str, Held]  # path relative to PATH -> the file
+Holdings = dict[str, Held]  # path relative to the listed folder -> the file
 
 
-def list_held(root: Path, fingerprints: bool = True) -> Holdings:
-    """Every file under `root` (followed links included), keyed by its path relative to `root`; with
-    `fingerprints`, what identifies each one's content too."""
+def listing_root(path: Path) -> tuple[Path, str]:
+    """The folder to list for PATH, and PATH inside it: a tag folder's parent (the checkpoint root, where `latest`,
+    config and tokenizer files lie), else PATH itself."""
+    if path.is_dir() and any(path.glob("*_states.pt")):
+        return path.parent, path.name
+    return path, ""
+
+
+def gather_parent(path: Path, out_dir: Path | str | None) -> Path:
+    """Where rank 0 keeps its copy: beside the output (the same filesystem), else beside the checkpoint (never
+    inside it)."""
+    if out_dir is not None and Path(out_dir).absolute().parent.is_dir():
+        return Path(out_dir).absolute().parent
+    return listing_root(path)[0].resolve().parent
+
+
+def list_held(root: Path) -> Holdings:
+    """Every file under `root` (linked folders followed, each real folder once), keyed by its path relative to it."""
     if not root.is_dir():
         return {}
-    held = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            size = path.stat().st_size
-            held[path.relative_to(root).as_posix()] = Held(size, fingerprint(path, size) if fingerprints else "")
+    held: Holdings = {}
+    seen: set[str] = set()
+    for folder, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(folder) / name
+            try:
+                st = path.stat()
+            except OSError:
+                continue  # a dangling link: not a file this rank holds
+            if stat.S_ISREG(st.st_mode):
+                held[path.relative_to(root).as_posix()] = Held(st.st_size, st.st_mtime_ns, st.st_ino)
     return held
 
 
 def fingerprint(path: Path, size: int) -> str:
-    """A zip's directory (every entry's name, size and CRC-32), else the content (its ends for large files)."""
+    """A zip's directory (every entry's name, size and CRC-32), else the content (for files over HASHED_FILE_MAX:
+    the size and the first and last MiB)."""
     try:
         with zipfile.ZipFile(path) as zf:
             entries = sorted((i.filename, i.file_size, i.CRC) for i in zf.infolist())
@@ -88,34 +125,42 @@ def fingerprint(path: Path, size: int) -> str:
     return "bytes:" + digest.hexdigest()
 
 
-def exchange_holdings(group: ProcessGroup, root: Path) -> list[Holdings]:
-    """Collective: every rank's holdings under its own `root`, in rank order, on every rank.
+def exchange_holdings(group: ProcessGroup, path: Path) -> list[Holdings]:
+    """Collective: every rank's holdings under its own `listing_root(path)`, in rank order, on every rank.
 
-    Names and sizes first: when every rank lists the same (a shared folder) that is all. Otherwise the files
-    several ranks hold are fingerprinted, so that `check_copies_agree` can compare the copies.
+    A digest of each listing first: when all are equal (one shared folder) nothing more travels. Otherwise the
+    listings, then the fingerprints of the files whose copies on several ranks differ in metadata, so that
+    `check_copies_agree` compares their contents.
     """
-    listed = _gather_holdings(group, group.run_agreed(lambda: list_held(root, fingerprints=False)))
-    if is_shared(listed):
-        return listed
-    counts: dict[str, int] = {}
+    root = listing_root(path)[0]
+    mine = group.run_agreed(lambda: list_held(root))
+    digests = group.gather_bytes(hashlib.sha256(_encode(mine)).digest())
+    if all(d == digests[0] for d in digests):
+        return [mine] * group.world_size
+    listed = _gather_holdings(group, mine)
+    versions: dict[str, set[Held]] = {}
     for held in listed:
-        for rel in held:
-            counts[rel] = counts.get(rel, 0) + 1
+        for rel, h in held.items():
+            versions.setdefault(rel, set()).add(h)
+    differing = {rel for rel, v in versions.items() if len(v) > 1}
 
     def fingerprinted() -> Holdings:
-        return {rel: Held(h.size, fingerprint(root / rel, h.size) if counts[rel] > 1 else "")
-                for rel, h in listed[group.rank].items()}  # fmt: skip
+        return {rel: replace(h, fingerprint=fingerprint(root / rel, h.size)) if rel in differing else h
+                for rel, h in mine.items()}  # fmt: skip
 
     return _gather_holdings(group, group.run_agreed(fingerprinted))
 
 
+def _encode(held: Holdings) -> bytes:
+    return json.dumps({rel: [h.size, h.mtime_ns, h.inode, h.fingerprint] for rel, h in held.items()}).encode()
+
+
 def _gather_holdings(group: ProcessGroup, mine: Holdings) -> list[Holdings]:
-    text = json.dumps({rel: [h.size, h.fingerprint] for rel, h in mine.items()}, sort_keys=True)
-    reports = [json.loads(r) for r in group.gather_bytes(text.encode())]
+    reports = [json.loads(r) for r in group.gather_bytes(_encode(mine))]
     for rank, report in enumerate(reports):
         for rel in report:
             _check_relative(rel, rank)
-    return [{rel: Held(int(n), str(f)) for rel, (n, f) in report.items()} for report in reports]
+    return [{rel: Held(int(n), int(t), int(i), str(f)) for rel, (n, t, i, f) in report.items()} for report in reports]
 
 
 def _check_relative(rel: str, rank: int) -> None:
@@ -125,7 +170,8 @@ def _check_relative(rel: str, rank: int) -> None:
 
 
 def is_shared(holdings: Sequence[Holdings]) -> bool:
-    """Every rank sees the same files: one shared folder (or identical copies)."""
+    """Every rank lists the same files with the same metadata: one shared folder. (Copies on each node, equal or
+    not, are gathered on rank 0 instead: its output folder may not be one the others see.)"""
     return all(h == holdings[0] for h in holdings[1:])
 
 
@@ -135,7 +181,7 @@ def check_copies_agree(holdings: Sequence[Holdings]) -> None:
     for rank, held in enumerate(holdings):
         for rel, h in held.items():
             seen = first.setdefault(rel, (rank, h))
-            if seen[1] != h:
+            if seen[1].content != h.content:
                 raise CorruptCheckpointError(
                     f"{rel} differs between rank {seen[0]} ({seen[1].size} bytes) and rank {rank} ({h.size} bytes): "
                     "each node's copy of a shared file must be the same file; re-copy it from the node that saved it"
@@ -221,11 +267,23 @@ def records_to_fetch(
     return {r for r in absent if r in used or r not in moments}
 
 
-class Gather:
-    """Rank 0's copy of a node-local checkpoint: skeletons of the files it lacks, then the records it reads.
+SELECTOR_MAX = 64 << 20
 
-    Every method is collective; local work between the collectives runs under `run_agreed`, so a rank that
-    fails (a file gone, a full disk) fails every rank instead of leaving them waiting.
+
+def is_selector(rel: str, size: int) -> bool:
+    """Files that say which checkpoint and tag PATH means (`latest`, trainer_state.json, ...): fetched whole first."""
+    name = rel.rsplit("/", 1)[-1]
+    return size <= SELECTOR_MAX and (name in ("latest", "latest_universal") or name.endswith(".json"))
+
+
+class Gather:
+    """Rank 0's copy of a node-local checkpoint, built in steps that are each collective (local work between the
+    collectives runs under `run_agreed`, so a rank that fails, a file gone or a disk full, fails every rank):
+
+    1. `build_view`: links to rank 0's own files; the files that select the checkpoint (`is_selector`), whole;
+       every other file rank 0 lacks as an empty file;
+    2. `skeletons(rels)`: the selected checkpoint's files rank 0 lacks, full size with their large records as holes;
+    3. `records(wanted)`: the holes the conversion reads.
     """
 
     def __init__(self, group: ProcessGroup, root: Path, holdings: list[Holdings], view_parent: Path) -> None:
@@ -233,17 +291,26 @@ class Gather:
         self.serve = holders(holdings)
         self.missing = sorted(rel for rel in self.serve if rel not in holdings[0])
         self.view_parent = view_parent
+        self.top: Path | None = None  # the temporary folder, removed by cleanup
         self.view: Path | None = None
 
-    def skeletons(self) -> None:
-        """The holders describe the files rank 0 lacks; rank 0 writes them with their large records as holes."""
-        mine = self.group.run_agreed(lambda: {rel: self._describe(rel) for rel in self.missing
+    def build_view(self) -> None:
+        def make() -> Path | None:
+            return self._make_view() if self.group.rank == 0 else None
+
+        self.view = self.group.run_agreed(make)
+        selectors = [rel for rel in self.missing if is_selector(rel, self._size(rel))]
+        self._move([Span(rel, 0, self._size(rel), self.serve[rel]) for rel in selectors], resize=selectors)
+
+    def skeletons(self, rels: Sequence[str]) -> None:
+        """The holders describe the selected files rank 0 lacks; rank 0 writes them, large records left as holes."""
+        wanted = [rel for rel in rels if rel in self.serve and rel not in self.holdings[0]]
+        mine = self.group.run_agreed(lambda: {rel: self._describe(rel) for rel in wanted
                                               if self.serve[rel] == self.group.rank})  # fmt: skip
         reports = [json.loads(r) for r in self.group.gather_bytes(json.dumps(mine).encode())]
         described = {rel: d for report in reports for rel, d in report.items()}
-        self.view = self.group.run_agreed(lambda: self._make_view() if self.group.rank == 0 else None)
         spans = [Span(rel, o, n, self.serve[rel]) for rel, (ranges, _) in described.items() for o, n in ranges]
-        self.group.run_agreed(lambda: self._move(spans))
+        self._move(spans, resize=wanted)
         if self.view is not None:
             for rel, (_, holes) in described.items():
                 torchfile.mark_absent(self.view / rel, holes)
@@ -259,10 +326,13 @@ class Gather:
         spans = [Span(rel, o, n, self.serve[rel])
                  for report in self.group.gather_bytes(json.dumps(mine).encode())
                  for rel, ranges in json.loads(report).items() for o, n in ranges]  # fmt: skip
-        self.group.run_agreed(lambda: self._move(spans))
+        self._move(spans)
         if self.view is not None:
             for rel, names in by_file.items():
                 torchfile.mark_present(self.view / rel, names)
+
+    def _size(self, rel: str) -> int:
+        return self.holdings[self.serve[rel]][rel].size
 
     def _rel(self, path: str) -> str:
         assert self.view is not None
@@ -277,23 +347,33 @@ class Gather:
         return [(by_name[n].offset, by_name[n].nbytes) for n in names]
 
     def _make_view(self) -> Path:
-        """The folder rank 0 reads: links to its own files, sparse files of the right size for the others."""
+        """Links to rank 0's own files and an empty file for each of the others (names are all that locating the
+        checkpoint reads of them; an empty file read by mistake fails as damaged, it never reads as zeros)."""
         self.view_parent.mkdir(parents=True, exist_ok=True)
-        top = Path(tempfile.mkdtemp(prefix=".ckpt-gather-", dir=self.view_parent)).resolve()
-        view = top / (self.root.resolve().name or "checkpoint")
+        self.top = Path(tempfile.mkdtemp(prefix=".ckpt-gather-", dir=self.view_parent)).resolve()
+        view = self.top / (self.root.resolve().name or "checkpoint")
+        view.mkdir()
         for rel in self.holdings[0]:
-            dst = view / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.symlink((self.root / rel).resolve(), dst)
+            (view / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.symlink((self.root / rel).resolve(), view / rel)
         for rel in self.missing:
-            dst = view / rel
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            with open(dst, "wb") as fh:
-                fh.truncate(self.holdings[self.serve[rel]][rel].size)
-        view.mkdir(exist_ok=True)
+            (view / rel).parent.mkdir(parents=True, exist_ok=True)
+            (view / rel).touch()
         return view
 
-    def _move(self, spans: Sequence[Span]) -> None:
+    def _move(self, spans: Sequence[Span], resize: Sequence[str] = ()) -> None:
+        """Collective: the spans' bytes from their holders into rank 0's copy (files in `resize` first get their
+        full size)."""
+
+        def run() -> None:
+            if self.view is not None:
+                for rel in resize:
+                    os.truncate(self.view / rel, self._size(rel))
+            self._transfer(spans)
+
+        self.group.run_agreed(run)
+
+    def _transfer(self, spans: Sequence[Span]) -> None:
         chunks = chunked(spans)
         files: dict[str, Any] = {}
 
@@ -312,37 +392,63 @@ class Gather:
             s = chunks[i]
             os.pwrite(fd(self.view / s.rel, "r+b"), buf, s.offset)
 
+        window = min(MAX_WINDOW, max(4, len({c.holder for c in chunks})))  # every holder reading at once
         try:
-            self.group.move([(c.holder, 0, c.length) for c in chunks], read, write)
+            self.group.move([(c.holder, 0, c.length) for c in chunks], read, write, window=window)
         finally:
             for fh in files.values():
                 fh.close()
 
     def cleanup(self) -> None:
-        if self.view is not None:
-            torchfile.forget_absent(self.view.parent)
-            shutil.rmtree(self.view.parent, ignore_errors=True)
+        if self.top is not None:
+            torchfile.forget_absent(self.top)
+            shutil.rmtree(self.top, ignore_errors=True)
+
+
+def selected_files(holdings: Sequence[Holdings], root_rel: str, tag: str) -> list[str]:
+    """The files a conversion of the checkpoint at `root_rel` (relative to the listed folder), tag `tag`, reads: the
+    tag folder's and those beside it (config, tokenizer, rng states), not other tags' or checkpoints'."""
+    prefix = f"{root_rel}/" if root_rel else ""
+    out = set()
+    for held in holdings:
+        for rel in held:
+            inner = rel[len(prefix) :] if rel.startswith(prefix) else None
+            if inner is not None and ("/" not in inner or inner.startswith(f"{tag}/")):
+                out.add(rel)
+    return sorted(out)
 
 
 @contextmanager
-def gathered(group: ProcessGroup, root: Path, holdings: list[Holdings], view_parent: Path,
-             open_view: Callable[[Path], ZeroCheckpoint], *,
+def gathered(group: ProcessGroup, root: Path, holdings: list[Holdings], view_parent: Path, steps: GatherSteps, *,
              optimizer_states: bool) -> Iterator[Path | None]:  # fmt: skip
-    """Collective: rank 0's gathered copy of the checkpoint (None on the others), removed on leaving the block.
+    """Collective: rank 0's gathered copy of the listed folder `root` (None on the others), removed on leaving.
 
-    `open_view` reads the copy (skeletons only) as the conversion will, to learn which records it reads.
+    Only the checkpoint `steps.locate` picks is gathered; `steps.check_output` refuses a bad output folder before
+    any of its bytes move; `steps.open` reads the copy to learn which records the conversion reads.
     """
     gather = Gather(group, root, holdings, view_parent)
     try:
         group.run_agreed(lambda: check_copies_agree(holdings))
-        gather.skeletons()
+        gather.build_view()
         view = gather.view
+
+        def select() -> str:
+            if view is None:
+                return ""
+            with user_paths_in_errors(view, root):
+                ckpt_root, tag = steps.locate(view)
+                steps.check_output(map_path(ckpt_root, view, root))
+            root_rel = ckpt_root.resolve().relative_to(view.resolve()).as_posix()
+            return json.dumps(selected_files(holdings, "" if root_rel == "." else root_rel, tag))
+
+        rels = json.loads(group.share(group.run_agreed(select)))
+        gather.skeletons(rels)
 
         def wanted() -> set[tuple[str, str]]:
             if view is None:
                 return set()
             with user_paths_in_errors(view, root):
-                ckpt = open_view(view)
+                ckpt = steps.open(view)
             return records_to_fetch(ckpt, torchfile.absent_records(), optimizer_states=optimizer_states)
 
         gather.records(group.run_agreed(wanted))
@@ -351,18 +457,29 @@ def gathered(group: ProcessGroup, root: Path, holdings: list[Holdings], view_par
         gather.cleanup()
 
 
-def convert_on_rank0(group: ProcessGroup, root: Path, holdings: list[Holdings], view_parent: Path,
-                     open_view: Callable[[Path], ZeroCheckpoint], convert: Callable[[Path], dict[str, Any]], *,
-                     optimizer_states: bool) -> dict[str, Any]:  # fmt: skip
-    """Collective: gather the checkpoint on rank 0, run `convert` (one process) on the copy there, and return its
-    result (a dict naming the user's paths) on every rank; a failure anywhere fails every rank."""
-    with gathered(group, root, holdings, view_parent, open_view, optimizer_states=optimizer_states) as view:
+@dataclass(frozen=True)
+class GatherSteps:
+    """What a command does on rank 0 with the gathered copy (each given the copy's listed folder)."""
+
+    locate: Callable[[Path], tuple[Path, str]]  # the checkpoint root and tag the command reads
+    check_output: Callable[[Path], object]  # refuse the output folder (given the user's checkpoint root)
+    open: Callable[[Path], ZeroCheckpoint]  # read the checkpoint, as the command will
+    # the one-process conversion of the copy of PATH, given a map from the copy's paths to the user's; its result
+    convert: Callable[[Path, Callable[[Path], Path]], dict[str, Any]]
+
+
+def convert_on_rank0(group: ProcessGroup, path: Path, holdings: list[Holdings], view_parent: Path,
+                     steps: GatherSteps, *, optimizer_states: bool) -> dict[str, Any]:  # fmt: skip
+    """Collective: gather the checkpoint at the user's `path` on rank 0, run `steps.convert` on the copy there, and
+    return its result (naming the user's paths) on every rank; a failure anywhere fails every rank."""
+    root, sub = listing_root(path)
+    with gathered(group, root, holdings, view_parent, steps, optimizer_states=optimizer_states) as view:
 
         def run() -> dict[str, Any] | None:
             if view is None:
                 return None
             with user_paths_in_errors(view, root):
-                return convert(view)
+                return steps.convert(view / sub if sub else view, lambda p: map_path(p, view, root))
 
         result = group.run_agreed(run)
         text = group.share(map_paths(json.dumps(result), view, root) if result is not None else "")
@@ -377,13 +494,17 @@ def user_paths_in_errors(view: Path, root: Path) -> Iterator[None]:
     except CkptError as e:
         e.args = (map_paths(str(e), view, root),)
         raise
+    except OSError as e:
+        if e.filename is not None:
+            e.filename = map_paths(str(e.filename), view, root)
+        raise
 
 
 def map_paths(text: str, view: Path | None, root: Path) -> str:
-    """`text` with the gathered copy's path replaced by the user's PATH (messages and results name the input)."""
+    """`text` with the gathered copy's path replaced by the user's folder (messages and results name the input)."""
     return text if view is None else text.replace(str(view), str(root.resolve()))
 
 
 def map_path(path: Path, view: Path, root: Path) -> Path:
-    """A path inside the gathered copy, as the same path under the user's PATH."""
+    """A path inside the gathered copy, as the same path under the user's folder."""
     return root.resolve() / path.resolve().relative_to(view.resolve())

@@ -23,6 +23,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from .crosscheck import CHUNK_ELEMS, OpenFiles, read_elements
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from .layout import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE, CheckpointLocation
 from .parallel import ParallelLayout
@@ -43,6 +46,7 @@ from .reader import (
     zero_stage_of,
 )
 from .torchfile import LazyTensor, RecordReader, load_pickle
+from .universal import MASTER, NAME_KEY, STEP, whole_tensor
 
 LAYER_RE = re.compile(r"^layer_(?P<layer>\d+)-model_states\.pt$")
 LAYER_TP_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
@@ -505,3 +509,78 @@ def pipeline_layout(pp: int, dp: int, parts: Sequence[ZeroCheckpoint], layers: _
         "tied": tied,
     }
     return ParallelLayout(kind="pipeline", dp=dp, pp=pp, details=details)
+
+
+# --- The universal format ------------------------------------------------------------------------------------
+
+
+def pipeline_universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    """Relative path -> object: DeepSpeed's universal layout of a ZeRO-1 pipeline checkpoint.
+
+    A universal load (`load_universal`) never reads the layer files (`_load_checkpoint` skips
+    `load_module_state_dict`): each stage's ZeRO optimizer looks every param up as `zero/<name>/` under its
+    `named_parameters()` name (`<layer index>.<name>`, `tied_modules.<key>.<name>`), which does not depend on
+    the stage layout, and `update_lp_params` then copies the masters into the 16-bit module. So the folder is:
+    every whole-model param once (a tied param, held by every stage that uses it, from the first, after its
+    copies are checked bit-identical), `zero/optimizer_state.pt` (stage 0's shared state; the stages' param
+    groups were checked equal) and every stage's model-states file unchanged (global_steps, lr_scheduler; the
+    loader asserts their count equals their `mp_world_size`), as ds_to_universal writes it for pipelines.
+
+    Raises:
+        UnsupportedCheckpointError: the copies of a tied param differ between stages (one copy per name is all
+            the universal format holds).
+    """
+    opt = ckpt.optimizer
+    if opt.param_groups is None:
+        raise CorruptCheckpointError(
+            f"{ckpt.location.tag_dir}: elastic ZeRO-1/2 checkpoints carry no param_groups for the universal format; "
+            "reshard natively instead"
+        )
+    _check_tied_copies_equal(ckpt)
+    files: dict[str, Any] = {}
+    for p in ckpt.params:
+        folder = f"zero/{p.file_name}"
+        for key, src in {MASTER: p.fp32, **p.states}.items():
+            files[f"{folder}/{key}.pt"] = {"param": whole_tensor(src, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
+        if STEP in opt.group_scalars[p.group]:
+            files[f"{folder}/{STEP}.pt"] = opt.group_scalars[p.group][STEP]
+    files["zero/optimizer_state.pt"] = dict(opt.common)
+    for s, model in enumerate(ckpt.model_files):
+        files[f"mp_rank_{s:02d}_model_states.pt"] = model
+    return files
+
+
+def _check_tied_copies_equal(ckpt: ZeroCheckpoint) -> None:
+    """Every stage's copy of a tied param (master and each state) must be bit-identical to the first stage's:
+    the universal folder holds one, which every stage then loads."""
+    first: dict[str, tuple[int, Param]] = {}
+    files = OpenFiles()
+    try:
+        for s, part in enumerate(ckpt.slices):
+            for p in part.params:
+                if p.name not in first:
+                    first[p.name] = (s, p)
+                    continue
+                s0, p0 = first[p.name]
+                for key, src in {MASTER: p.fp32, **p.states}.items():
+                    at = _first_difference(p0.fp32 if key == MASTER else p0.states[key], src, files)
+                    if at is not None:
+                        raise UnsupportedCheckpointError(
+                            f"{ckpt.location.tag_dir}: tied {p.name} differs between stage {s0} and stage {s} ({key}, "
+                            f"from element {at}); the universal format holds one copy per parameter, so it cannot "
+                            "keep both: reshard with --dp M instead"
+                        )
+    finally:
+        files.close()
+
+
+def _first_difference(a: TensorSource, b: TensorSource, files: OpenFiles) -> int | None:
+    """The first element where two sources' stored bytes differ (None: bit-identical), read chunk by chunk."""
+    if (a.dtype, a.numel()) != (b.dtype, b.numel()):
+        return 0
+    for start in range(0, a.numel(), CHUNK_ELEMS):
+        n = min(CHUNK_ELEMS, a.numel() - start)
+        x, y = (read_elements(t, start, n, files).view(np.uint8) for t in (a, b))
+        if not np.array_equal(x, y):
+            return start + int(np.flatnonzero(x != y)[0]) // a.dtype.itemsize
+    return None

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import shutil
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,8 +37,9 @@ from .pieces import (
     pieces_of,
     state_of,
 )
+from .pipeline import pipeline_universal_files
 from .reader import Param, TensorSource, ZeroCheckpoint, strip_prefixes
-from .sources import open_checkpoint
+from .sources import checkpoint_root, open_checkpoint
 from .staging import check_output_dir, shared_staged_folder, staged_folder
 from .tensor import tensor_universal_files
 from .torchfile import LazyTensor, Record, RecordReader, TorchSize, load_pickle
@@ -344,6 +345,7 @@ def reshard(
         >>> reshard("out/checkpoint-500", "out/dp8-checkpoint-500", dp=8).files[0]
         'global_step500/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt'
     """
+    _check_arguments(dp, universal, stage)  # every rank alike, before anything is read
     if group is not None and group.world_size > 1:
         holdings = nodelocal.exchange_holdings(group, Path(path))
         if not nodelocal.is_shared(holdings):
@@ -360,17 +362,17 @@ def reshard(
     return _write(job.ckpt, job.dp, job.stage, out_dir, overwrite, job.model_config, (on_start, on_progress))
 
 
-def _gathered(group: ProcessGroup, root: Path, holdings: list[nodelocal.Holdings], out_dir: Path | str | None,
+def _gathered(group: ProcessGroup, path: Path, holdings: list[nodelocal.Holdings], out_dir: Path | str | None,
               dp: int | None, universal: bool, stage: int | None, tag: str | None, step: int | None, best: bool,
               overwrite: bool, config: Path | str | None, progress: _ProgressFns) -> ReshardResult:  # fmt: skip
     """A node-local checkpoint (each node holds its own ranks' files): rank 0 gathers it and writes the output."""
 
-    def on_copy(view: Path) -> dict[str, Any]:
+    def on_copy(view: Path, user_path: Callable[[Path], Path]) -> dict[str, Any]:
         job = _prepare(view, out_dir, dp, universal, stage, tag, step, best, config)
         if isinstance(job, ReshardResult):
             result = job
         else:
-            user_root = nodelocal.map_path(job.ckpt.location.root, view, root)
+            user_root = user_path(job.ckpt.location.root)
             new_stage = job.stage if job.stage != job.ckpt.zero_stage else None
             out = Path(out_dir) if out_dir else _default_out(user_root, job.dp, new_stage)
             check_output_dir(out, user_root, overwrite)
@@ -378,9 +380,14 @@ def _gathered(group: ProcessGroup, root: Path, holdings: list[nodelocal.Holdings
         result.world_size, result.ranks = group.world_size, dict.fromkeys(result.files, 0)
         return result.to_dict()
 
-    parent = Path(out_dir).parent if out_dir else root.resolve().parent
-    done = nodelocal.convert_on_rank0(group, root, holdings, parent, lambda v: open_checkpoint(v, tag=tag, step=step,
-                                      best=best), on_copy, optimizer_states=True)  # fmt: skip
+    def check_output(root: Path) -> None:  # before any byte moves; the default folder's name needs the checkpoint
+        if out_dir is not None:
+            check_output_dir(Path(out_dir), root, overwrite)
+
+    steps = nodelocal.GatherSteps(lambda v: checkpoint_root(v, tag=tag, step=step, best=best), check_output,
+                                  lambda v: open_checkpoint(v, tag=tag, step=step, best=best), on_copy)  # fmt: skip
+    done = nodelocal.convert_on_rank0(group, path, holdings, nodelocal.gather_parent(path, out_dir), steps,
+                                      optimizer_states=True)  # fmt: skip
     return ReshardResult(**done)
 
 
@@ -392,6 +399,17 @@ class _Job:
     dp: int | None  # None: universal output
     stage: int
     model_config: hf.ModelConfig | None
+
+
+def _check_arguments(dp: int | None, universal: bool, stage: int | None) -> None:
+    if universal and (dp is not None or stage is not None):
+        raise UsageError("--universal writes a checkpoint for any DP size and stage; pass it without --dp/--stage")
+    if not universal and dp is None and stage is None:
+        raise UsageError("pass --dp M, --stage S or --universal")
+    if dp is not None and not 1 <= dp <= 1 << 20:
+        raise UsageError(f"--dp must be at least 1 (and at most {1 << 20}), not {dp}")
+    if stage is not None and stage not in (1, 2, 3):
+        raise UsageError(f"--stage must be 1, 2 or 3, not {stage}")
 
 
 def _prepare(
@@ -406,14 +424,7 @@ def _prepare(
     config: Path | str | None,
 ) -> _Job | ReshardResult:
     """Check the arguments and open the checkpoint: the job, or the result when there is nothing to do."""
-    if universal and (dp is not None or stage is not None):
-        raise UsageError("--universal writes a checkpoint for any DP size and stage; pass it without --dp/--stage")
-    if not universal and dp is None and stage is None:
-        raise UsageError("pass --dp M, --stage S or --universal")
-    if dp is not None and not 1 <= dp <= 1 << 20:
-        raise UsageError(f"--dp must be at least 1 (and at most {1 << 20}), not {dp}")
-    if stage is not None and stage not in (1, 2, 3):
-        raise UsageError(f"--stage must be 1, 2 or 3, not {stage}")
+    _check_arguments(dp, universal, stage)
     ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
     if universal and ckpt.source_format == "universal":
         raise UsageError(f"{path} is already a universal checkpoint; pass --dp M to turn it into native shards")
@@ -460,7 +471,7 @@ def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int, dp: int | N
             "0.19.8 cannot resume such a checkpoint even at its own size (KeyError: 0 in _load_legacy_checkpoint), "
             "so resharding it is not supported (consolidate works)"
         )
-    if universal and kind != "tensor":  # AutoTP: tensor.tensor_universal_files writes it
+    if universal and kind not in ("tensor", "pipeline"):  # their own writers: tensor.py, pipeline.py
         raise UnsupportedCheckpointError(f"{what}; --universal is not supported for it yet, reshard with --dp M")
     if stage != ckpt.zero_stage:
         raise UnsupportedCheckpointError(f"{what}; --stage is supported for data-parallel checkpoints only")
@@ -613,7 +624,11 @@ def _tensor_bytes(obj: Any) -> int:
 
 def universal_tag_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     """Relative path -> object: the universal tag folder of a checkpoint of any layout that has one."""
-    return tensor_universal_files(ckpt) if ckpt.layout.kind == "tensor" else universal_files(ckpt)
+    if ckpt.layout.kind == "tensor":
+        return tensor_universal_files(ckpt)
+    if ckpt.layout.kind == "pipeline":
+        return pipeline_universal_files(ckpt)
+    return universal_files(ckpt)
 
 
 def _rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int, mp: int = 0) -> dict[str, Any]:

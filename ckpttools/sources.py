@@ -14,6 +14,7 @@ from .errors import UnsupportedCheckpointError
 from .layout import CheckpointLocation, locate
 from .parallel import KIND_NAMES
 from .reader import ZeroCheckpoint
+from .universal import _resolve as universal_root
 from .universal import is_universal, read_universal
 
 # layout -> (module, function): imported when a checkpoint of that layout is opened
@@ -35,6 +36,18 @@ def open_checkpoint(
     if path.is_dir() and is_universal(path):
         return read_universal(path, tag=tag)
     return read_checkpoint(path, tag=tag, step=step, best=best)
+
+
+def checkpoint_root(
+    path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
+) -> tuple[Path, str]:
+    """The checkpoint root and tag `open_checkpoint` reads, from file names and the small files that select them
+    (`latest`, trainer_state.json) alone."""
+    path = Path(path)
+    if path.is_dir() and is_universal(path):
+        return universal_root(path, tag)
+    loc = locate(path, tag=tag, step=step, best=best)
+    return loc.root, loc.tag
 
 
 def read_checkpoint(

@@ -133,8 +133,10 @@ def _model_files(tag_dir: Path, stage: int) -> list[RankFile]:
             f"{tag_dir} has no {'zero_pp_rank_*_' if stage == 3 else ''}mp_rank_00_model_states.pt"
         )
     if stage != 3 and len(found) > 1:
+        pp = dict_at(load_pickle(found[min(found)]), "checkpoint_parallel_dimensions").get("pp_degree")
+        kind = "pipeline" if isinstance(pp, int) and pp > 1 else "tensor-parallel (AutoTP)"
         raise UnsupportedCheckpointError(
-            f"{tag_dir} holds {len(found)} mp_rank_*_model_states.pt files: a tensor-parallel (AutoTP) universal "
+            f"{tag_dir} holds {len(found)} mp_rank_*_model_states.pt files: a {kind} universal "
             "checkpoint, which ckpttools does not read back; use the native checkpoint it was converted from, or "
             'load it in DeepSpeed with "checkpoint": {"load_universal": true}'
         )

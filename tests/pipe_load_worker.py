@@ -2,10 +2,11 @@
 every stage hold, and train on.  Run it under torchrun with DP x stages processes; not a test.
 
     torchrun --nproc_per_node <dp*stages> tests/pipe_load_worker.py --fixture-meta fixtures/pp2_dp1_z1_bf16/meta.json \
-        --load CKPT_ROOT --dump OUT.safetensors [--universal] [--steps K]
+        --load CKPT_ROOT --dump OUT.safetensors [--universal] [--steps K] [--stages S] [--partition-method M]
 
   * the PipelineModule is built exactly as scripts/fixture_pipe.py built it (same layers, seed, stages, partition
-    method, the fixture's ds_config with the batch size for this DP size), then every parameter and persistent
+    method, the fixture's ds_config with the batch size for this DP size; --stages / --partition-method change the
+    pipeline layout, DP = processes / stages), then every parameter and persistent
     buffer is overwritten, so anything `load_checkpoint` does not restore shows up in the dump;
   * `engine.load_checkpoint(CKPT_ROOT, load_optimizer_states=True, load_lr_scheduler_states=True)` (a None load
     path is an error); with --universal the config gets `"checkpoint": {"load_universal": true}`;
@@ -55,9 +56,9 @@ def scramble(module: torch.nn.Module) -> None:
             t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
 
 
-def build_engine(meta: dict, dp: int, universal: bool):
-    spec = {"zero_stage": meta["zero_stage"], "dtype": meta["dtype"], "stages": meta["stages"],
-            "partition_method": meta["partition_method"]}  # fmt: skip
+def build_engine(meta: dict, dp: int, universal: bool, stages: int, partition_method: str):
+    spec = {"zero_stage": meta["zero_stage"], "dtype": meta["dtype"], "stages": stages,
+            "partition_method": partition_method}  # fmt: skip
     extra = {"checkpoint": {"load_universal": True}} if universal else None
     engine, _cfg = FP.make_engine(spec, dp, extra)
     return engine
@@ -72,11 +73,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dump", required=True)
     ap.add_argument("--universal", action="store_true")
     ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--stages", type=int, help="pipeline stages of the loading engine (default: the fixture's)")
+    ap.add_argument("--partition-method", help="PipelineModule partition_method (default: the fixture's)")
     a = ap.parse_args(argv)
     meta = json.loads(Path(a.fixture_meta).read_text())
     world = int(os.environ["WORLD_SIZE"])
-    dp = world // meta["stages"]
-    engine = build_engine(meta, dp, a.universal)
+    stages = a.stages or meta["stages"]
+    dp = world // stages
+    engine = build_engine(meta, dp, a.universal, stages, a.partition_method or meta["partition_method"])
     scramble(engine.module)
     load_path, _ = engine.load_checkpoint(a.load, load_optimizer_states=True, load_lr_scheduler_states=True)
     FP.quiet_loggers()
@@ -102,7 +106,8 @@ def main(argv=None) -> int:
         facts = {
             "world_size": world,
             "dp": dp,
-            "stages": meta["stages"],
+            "stages": stages,
+            "parts": [int(x) for x in engine.module.parts],
             "global_steps_after_load": global_steps,
             "optimizer_steps_after_load": {
                 f"stage{p['stage']}_dp{p['dp_rank']}": p["optimizer_steps"] for p in everyone

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -157,15 +158,33 @@ def test_holdings_compare_zip_directories_and_contents(tmp_path):
     folders = split_by_node(Z2, tmp_path, 2)
     held = [nodelocal.list_held(f) for f in folders]
     tag = (Z2 / "latest").read_text().strip()
-    assert held[0]["latest"] == held[1]["latest"]
-    assert held[0][f"{tag}/mp_rank_00_model_states.pt"].fingerprint.startswith("zip:")
+    assert held[0]["latest"].size == held[1]["latest"].size
+    assert held[0]["latest"].inode != held[1]["latest"].inode  # two copies, not one shared file
     assert not nodelocal.is_shared(held)
-    nodelocal.check_copies_agree(held)
     assert nodelocal.holders(held)[f"{tag}/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"] == 1
+    assert nodelocal.fingerprint(folders[0] / f"{tag}/mp_rank_00_model_states.pt", 0).startswith("zip:")
+    same = [{rel: replace(h, fingerprint=nodelocal.fingerprint(f / rel, h.size)) for rel, h in x.items()}
+            for f, x in zip(folders, held, strict=True)]  # fmt: skip
+    nodelocal.check_copies_agree(same)
     (folders[1] / "latest").write_text("global_step9")
+    bad = [{rel: replace(h, fingerprint=nodelocal.fingerprint(f / rel, h.size)) for rel, h in nodelocal.list_held(f).items()}
+           for f in folders]  # fmt: skip
     with pytest.raises(CorruptCheckpointError, match="latest differs between rank 0"):
-        nodelocal.check_copies_agree([nodelocal.list_held(f) for f in folders])
+        nodelocal.check_copies_agree(bad)
     assert nodelocal.list_held(tmp_path / "absent") == {}
+
+
+def test_a_tag_folder_is_listed_from_its_checkpoint_root(tmp_path):
+    tag = (Z2 / "latest").read_text().strip()
+    assert nodelocal.listing_root(Z2 / tag) == (Z2, tag)
+    assert nodelocal.listing_root(Z2) == (Z2, "")
+
+
+def test_only_the_selected_checkpoint_is_gathered():
+    held = [{"latest": None, "global_step2/a.pt": None, "global_step1/a.pt": None, "config.json": None,
+             "checkpoint-2/global_step2/b.pt": None}]  # fmt: skip
+    assert nodelocal.selected_files(held, "", "global_step2") == ["config.json", "global_step2/a.pt", "latest"]
+    assert nodelocal.selected_files(held, "checkpoint-2", "global_step2") == ["checkpoint-2/global_step2/b.pt"]
 
 
 def test_chunks_take_the_holders_in_turn():
@@ -210,3 +229,65 @@ def test_a_path_outside_the_folder_from_another_rank_is_refused(rel):
     with pytest.raises(UnsafeCheckpointError, match="outside its checkpoint folder"):
         nodelocal._check_relative(rel, 2)
     nodelocal._check_relative("global_step2/mp_rank_00_model_states.pt", 2)
+
+
+def test_full_copies_with_one_stale_node_are_refused(tmp_path):
+    """Every node holds every file, same names and sizes, but node 1's tag folder came from another step."""
+    out = FIXTURES / "trainer_z3_gather_bf16" / "out"
+    nodes = [tmp_path / f"node{n}" / "checkpoint-2" for n in range(2)]
+    for node in nodes:
+        shutil.copytree(out / "checkpoint-2", node)
+    shutil.rmtree(nodes[1] / "global_step2")
+    shutil.copytree(out / "checkpoint-1" / "global_step1", nodes[1] / "global_step2")
+    if [p.stat().st_size for p in sorted((nodes[0] / "global_step2").iterdir())] != [
+            p.stat().st_size for p in sorted((nodes[1] / "global_step2").iterdir())]:  # fmt: skip
+        pytest.skip("the two steps' files differ in size here; the size check alone catches it")
+    runs = on_ranks([["consolidate", n, "--out", tmp_path / "o"] for n in nodes])
+    assert [rc for rc, _, _ in runs] == [1, 1], runs
+    assert "differs between rank 0" in runs[0][2] and "rank 1" in runs[0][2], runs[0]
+    assert not (tmp_path / "o").exists()
+
+
+def test_full_copies_on_every_node_need_no_shared_output(tmp_path):
+    nodes = [tmp_path / f"node{n}" / Z3.name for n in range(2)]
+    for node in nodes:
+        shutil.copytree(Z3, node)
+    single = one_process("consolidate", Z3, "--out", tmp_path / "one", "--json")
+    runs = on_ranks([["consolidate", n, "--out", tmp_path / "many", "--json"] for n in nodes])
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")
+    assert json.loads(runs[0][1])["files"] == single["files"]
+
+
+def test_a_tag_folder_as_path_keeps_the_files_beside_it(tmp_path):
+    tag = (TRAINER / "latest").read_text().strip()
+    single = one_process("consolidate", TRAINER / tag, "--out", tmp_path / "one", "--json")
+    assert "config.json" in single["files"]
+    folders = split_by_node(TRAINER, tmp_path / "nodes", 2)
+    runs = on_ranks([["consolidate", f / tag, "--out", tmp_path / "many", "--json"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")
+    runs = on_ranks([["consolidate", f / tag, "--json"] for f in folders])  # default output beside the root
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    assert json.loads(runs[0][1])["output_dir"] == str(folders[0].parent / f"hf-{TRAINER.name}")
+    assert not list(folders[0].glob(".ckpt-gather-*")) and not list(folders[0].parent.glob(".ckpt-gather-*"))
+
+
+def test_a_copy_that_cannot_be_built_is_removed(tmp_path):
+    folders = split_by_node(Z3, tmp_path / "nodes", 2)
+    (folders[0] / "notes").write_text("a file here")
+    (folders[1] / "notes").mkdir()
+    (folders[1] / "notes" / "x.txt").write_text("a folder there")
+    runs = on_ranks([["consolidate", f, "--out", tmp_path / "out"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [1, 1], runs
+    assert "Traceback" not in runs[0][2] and len(runs[0][2].strip().splitlines()) == 1, runs[0]
+    assert not list((tmp_path / "nodes").glob(".ckpt-gather-*")) and not list(tmp_path.glob(".ckpt-gather-*"))
+
+
+def test_an_existing_output_is_refused_before_anything_moves(tmp_path):
+    folders = split_by_node(Z3, tmp_path / "nodes", 2)
+    (tmp_path / "out").mkdir()
+    runs = on_ranks([["consolidate", f, "--out", tmp_path / "out"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [1, 1], runs
+    assert "already exists" in runs[0][2] and str(tmp_path / "out") in runs[0][2], runs[0]
+    assert not list(tmp_path.glob(".ckpt-gather-*")) and not any((tmp_path / "out").iterdir())

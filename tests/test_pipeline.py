@@ -2,7 +2,9 @@
 merges the stages into whole-model keys (`tied_modules.embed.weight`, `1.weight`, ...), tied params once, and
 `consolidate` writes exactly what the live engines held (reference/*.safetensors); damaged folders fail with one
 clear line. The slow tests run real DeepSpeed (tests/pipe_load_worker.py): the original fixture loads with
-`engine.load_checkpoint` and holds its reference state, and DeepSpeed's own ds_to_universal refuses it.
+`engine.load_checkpoint` and holds its reference state, DeepSpeed's own ds_to_universal refuses it, and
+`ckpt reshard --dp M` / `--universal` output resumes in PipelineEngine (universal: at another DP size, stage count
+or partition) holding the saving engines' masters and Adam moments bit for bit.
 """
 
 from __future__ import annotations
@@ -361,15 +363,170 @@ def test_deepspeed_ds_to_universal_refuses_a_pipeline_checkpoint(tmp_path: Path)
 
 
 def test_reshard_refuses_what_deepspeed_cannot_resume(tmp_path: Path) -> None:
-    """A ZeRO-0 (BF16_Optimizer) pipeline checkpoint does not resume in DeepSpeed 0.19.8 even at its own size, and
-    the universal format cannot place pipeline stages yet: both refused before anything is written."""
+    """A ZeRO-0 (BF16_Optimizer) pipeline checkpoint does not resume in DeepSpeed 0.19.8 even at its own size
+    (natively or universally), and --stage is for plain DP: refused before anything is written."""
     from ckpttools.errors import UnsupportedCheckpointError
     from ckpttools.reshard import reshard
 
     with pytest.raises(UnsupportedCheckpointError, match="saved without ZeRO"):
         reshard(FIXTURES / "pp2_dp2_z0_bf16" / "checkpoint", tmp_path / "a", dp=1)
-    with pytest.raises(UnsupportedCheckpointError, match="--universal is not supported"):
-        reshard(FIXTURES / "pp2_dp1_z1_bf16" / "checkpoint", tmp_path / "b", universal=True)
+    with pytest.raises(UnsupportedCheckpointError, match="saved without ZeRO"):
+        reshard(FIXTURES / "pp2_dp2_z0_bf16" / "checkpoint", tmp_path / "b", universal=True)
     with pytest.raises(UnsupportedCheckpointError, match="--stage is supported for data-parallel"):
         reshard(FIXTURES / "pp2_dp1_z1_bf16" / "checkpoint", tmp_path / "c", dp=2, stage=2)
     assert not list(tmp_path.iterdir())
+
+
+# --- the universal format ----------------------------------------------------------------------------------------
+
+Z1 = [n for n in PIPE if fixture_meta(n)["zero_stage"] == 1]
+
+
+def _load(path: Path):
+    return torch.load(path, weights_only=False)  # a test's own output: DeepSpeed's loader unpickles it the same way
+
+
+@pytest.mark.parametrize("name", Z1)
+def test_universal_folder_holds_every_param_once_and_the_stage_files(name: str, tmp_path: Path) -> None:
+    """What PipelineEngine's universal load reads: zero/<whole-model name>/ per param (the tied one once, as both
+    stages' optimizers look it up by the same name), zero/optimizer_state.pt, the stage files; no layer files
+    (a universal load never calls load_state_dir)."""
+    from ckpttools.reshard import reshard
+
+    meta = fixture_meta(name)
+    src = FIXTURES / name / "checkpoint"
+    before = tree_digest(src)
+    result = reshard(src, tmp_path / "u", universal=True)
+    tag = tmp_path / "u" / meta["tag"]
+    per_param = [f"zero/{n}/{k}.pt" for n in meta["trainable"] for k in ("fp32", *STATES, "step")]
+    stage_files = [f"mp_rank_{s:02d}_model_states.pt" for s in range(meta["stages"])]
+    assert sorted(result.files) == sorted(f"{meta['tag']}/{f}" for f in [*per_param, "zero/optimizer_state.pt",
+                                                                           *stage_files])  # fmt: skip
+    assert (tmp_path / "u" / "latest_universal").read_text() == meta["tag"]
+    full = reference(name, "full_state.safetensors")
+    for n in meta["trainable"]:
+        for key in ("fp32", *STATES):
+            got = _load(tag / "zero" / n / f"{key}.pt")
+            assert got["cat_dim"] == 0
+            assert same(got["param"], full[f"{key}/{n}"]), (key, n)
+        assert int(_load(tag / "zero" / n / "step.pt")) == meta["global_steps"]
+    original = src / meta["tag"]
+    for f in stage_files:
+        got, want = _load(tag / f), _load(original / f)
+        assert got.keys() == want.keys()
+        for key in ("param_shapes", "buffer_names", "global_steps", "mp_world_size", "dp_world_size",
+                    "checkpoint_parallel_dimensions", "ds_config"):  # fmt: skip
+            assert got[key] == want[key], (f, key)
+    common = _load(tag / "zero" / "optimizer_state.pt")
+    osd = _load(original / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")["optimizer_state_dict"]
+    assert common["param_groups"] == osd["base_optimizer_state"]["param_groups"]
+    assert "single_partition_of_fp32_groups" not in common
+    assert "base_optimizer_state" not in common
+    assert tree_digest(src) == before
+    from ckpttools.sources import open_checkpoint
+
+    with pytest.raises(UnsupportedCheckpointError, match="a pipeline universal checkpoint, which ckpttools does not"):
+        open_checkpoint(tmp_path / "u")  # read back: not yet (DeepSpeed loads it)
+
+
+def _set_tied_state(optim_file: Path, key: str, delta: float) -> None:
+    """Change one element of the tied param's `key` state in one stage's optimizer file (a damaged copy)."""
+    sd = torch.load(optim_file, weights_only=False)
+    osd = sd["optimizer_state_dict"]
+    start = osd["param_slice_mappings"][0]["tied_modules.embed.weight"].start
+    osd["base_optimizer_state"]["state"][0][key][start + 3] += delta
+    torch.save(sd, optim_file)
+
+
+def test_universal_refuses_tied_copies_that_differ(tmp_path: Path) -> None:
+    """The universal folder holds one copy of the tied param for every stage: copies that differ (as BF16_Optimizer
+    leaves exp_avg_sq a few ULPs apart) are refused with the first element that differs, nothing written."""
+    from ckpttools.reshard import reshard
+
+    root, tag = copy_checkpoint("pp2_dp1_z1_bf16", tmp_path)
+    _set_tied_state(tag / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", "exp_avg_sq", 1e-12)
+    with pytest.raises(UnsupportedCheckpointError) as e:
+        reshard(root, tmp_path / "u", universal=True)
+    msg = one_line(e)
+    assert "tied tied_modules.embed.weight differs between stage 0 and stage 1 (exp_avg_sq, from element 3)" in msg
+    assert "--dp M" in msg
+    assert not (tmp_path / "u").exists()
+    reshard(root, tmp_path / "native", dp=2)  # each stage keeps its own copy there
+
+
+def test_universal_on_two_ranks_is_byte_identical_to_one_process(tmp_path: Path) -> None:
+    """Under a launcher the parameter folders are split over the ranks (each folder whole on one), the stage files
+    and zero/optimizer_state.pt included: the same bytes as one process writes."""
+    from .test_distributed import _on_ranks, _one_process, _tree_sha256
+
+    src = FIXTURES / "pp2_dp2_z1_bf16" / "checkpoint"
+    single = _one_process("reshard", src, "--universal", "--json", "--out", tmp_path / "one")
+    runs = _on_ranks(2, "reshard", src, "--universal", "--json", "--out", tmp_path / "many")
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    data = json.loads(runs[0][1])
+    assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")
+    assert sorted(data["files"]) == sorted(single["files"])
+    assert sorted(set(data["ranks"].values())) == [0, 1]
+    assert data["ranks"][f"{data['tag']}/zero/optimizer_state.pt"] == 0
+    folders: dict[str, set[int]] = {}
+    for name, rank in data["ranks"].items():
+        parts = name.split("/")
+        if parts[1] == "zero" and len(parts) > 3:
+            folders.setdefault(parts[2], set()).add(rank)
+    assert sorted(folders) == sorted(fixture_meta("pp2_dp2_z1_bf16")["trainable"])
+    assert all(len(ranks) == 1 for ranks in folders.values())
+
+
+def _universal_load(meta: dict, checkpoint: Path, tmp_path: Path, nproc: int, stages: int, partition: str | None):
+    dump = tmp_path / "dump.safetensors"
+    args = ["--fixture-meta", str(FIXTURES / meta["name"] / "meta.json"), "--load", str(checkpoint), "--dump",
+            str(dump), "--universal", "--stages", str(stages)]  # fmt: skip
+    args += ["--partition-method", partition] if partition else []
+    return _torchrun(nproc, args, tmp_path), dump
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "nproc", "stages", "partition", "parts"),
+    [
+        ("pp2_dp2_z1_bf16", 2, 2, None, [0, 4, 7]),  # PP 2, DP 2 -> 1
+        ("pp2_dp1_z1_bf16", 4, 2, None, [0, 4, 7]),  # PP 2, DP 1 -> 2
+        ("pp2_dp1_z1_bf16", 2, 1, None, [0, 7]),  # PP 2 -> 1 (DP 2): the tied module becomes one param
+        ("pp2_dp2_z1_bf16", 2, 2, "type:LayerNorm", [0, 5, 7]),  # another partition: layer 4 moves to stage 0
+        ("pp2_dp2_z1_bf16", 3, 3, None, [0, 3, 5, 7]),  # PP 3 (DP 1): the tied param on stages 0 and 2
+    ],
+    ids=["pp2_dp2_to_dp1", "pp2_dp1_to_dp2", "pp2_to_pp1_dp2", "pp2_other_partition", "pp2_to_pp3"],
+)
+def test_deepspeed_resumes_a_universal_pipeline_checkpoint(
+    name: str, nproc: int, stages: int, partition: str | None, parts: list[int], tmp_path: Path
+) -> None:
+    """`ckpt reshard --universal`, loaded by PipelineEngine with load_universal at another DP size, stage count or
+    partition: every fp32 master and both Adam moments (safe_get_full_*, on whichever stage holds the param; every
+    stage's copy of the tied one) and the 16-bit weights equal the saving engines' bit for bit, steps right, and
+    one more train_batch runs. DeepSpeed's universal load restores only optimizer-owned params: the persistent
+    buffer `4.scale` keeps the loading model's own value (here scrambled; in a real run its init value)."""
+    pytest.importorskip("deepspeed")
+    from ckpttools.reshard import reshard
+
+    meta = fixture_meta(name)
+    reshard(FIXTURES / name / "checkpoint", tmp_path / "u", universal=True)
+    run, dump = _universal_load(meta, tmp_path / "u", tmp_path, nproc, stages, partition)
+    assert run.rc == 0, run.tail()
+    facts = json.loads(dump.with_suffix(".json").read_text())
+    assert (facts["stages"], facts["dp"], facts["parts"]) == (stages, nproc // stages, parts)
+    got = load_file(dump)
+    full, bit16 = reference(name, "full_state.safetensors"), reference(name, "bit16.safetensors")
+    want = {**full, **{f"module/{k}": v for k, v in bit16.items()}}
+    assert sorted(got) == sorted(want)
+    assert [k for k, t in want.items() if not same(got[k], t)] == ["module/4.scale"]  # the buffer: not restored
+    tied = load_file(dump.with_suffix(".tied.safetensors"))
+    tied_stages = {int(k.split("/", 1)[0]) for k in tied}
+    assert len(tied_stages) == (0 if stages == 1 else 2)  # one stage: one param, no copies
+    for key, t in tied.items():  # every stage's copy: the saving engine's (one value under ZeRO-1)
+        _, what, param = key.split("/", 2)
+        assert same(t, want[f"{what}/{param}"]), key
+    assert facts["global_steps_after_load"] == meta["global_steps"]
+    assert all(s == [meta["global_steps"]] for s in facts["optimizer_steps_after_load"].values())
+    assert len(facts["optimizer_steps_after_load"]) == nproc
+    assert facts["global_steps_after_training"] == meta["global_steps"] + 1
+    assert all(math.isfinite(loss) for loss in facts["losses_after_load"])
