@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from .threads import Workers
 
 _POLY = 0xEDB88320  # CRC-32 (zlib), reflected
-PARALLEL_MIN = 4 << 20  # smaller buffers are checksummed on the calling thread
+PIECE_MIN = 1 << 20  # the least bytes a thread checksums (a buffer under 2 pieces stays on the calling thread)
 
 
 def _multmodp(a: int, b: int) -> int:
@@ -55,16 +55,17 @@ def crc32(buf: Any, crc: int = 0, workers: Workers | None = None) -> int:
     """zlib.crc32(buf, crc), the pieces of a large buffer checksummed on `workers`' threads at once."""
     view = memoryview(buf).cast("B")
     n = len(view)
-    if workers is None or workers.n == 1 or n < PARALLEL_MIN:
+    parts = 1 if workers is None else min(workers.n, n // PIECE_MIN)
+    if workers is None or parts < 2:
         return zlib.crc32(view, crc)
-    bounds = [n * i // workers.n for i in range(workers.n + 1)]
-    crcs = [0] * workers.n
+    bounds = [n * i // parts for i in range(parts + 1)]
+    crcs = [0] * parts
 
     def piece(i: int) -> None:
         crcs[i] = zlib.crc32(view[bounds[i] : bounds[i + 1]], crc if i == 0 else 0)
 
-    workers.run([functools.partial(piece, i) for i in range(workers.n)])
+    workers.run([functools.partial(piece, i) for i in range(parts)])
     result = crcs[0]
-    for i in range(1, workers.n):
+    for i in range(1, parts):
         result = crc32_combine(result, crcs[i], bounds[i + 1] - bounds[i])
     return result

@@ -37,6 +37,7 @@ from .reader import (
     check_agree,
     dict_at,
     dp_size_of,
+    param_shapes_of,
     require_keys,
     zero_stage_of,
 )
@@ -230,15 +231,34 @@ def _check_optimizers_agree(
 
 def _plans(models: Sequence[RankFile], ranks: Sequence[ZeroCheckpoint]) -> dict[str, TensorPlan]:
     """A plan for every parameter (trained or frozen) of the module, from TP rank 0's map."""
-    f0 = models[0]
+    return _plans_of(models[0], {name: [_local_shape(c, name) for c in ranks] for name in _param_names(ranks[0])})
+
+
+def full_shapes(models: Sequence[RankFile], names: Sequence[str]) -> dict[str, tuple[int, ...]]:
+    """The full shape of each parameter of a TP checkpoint whose model-states files (one per TP rank) are
+    `models`, from each rank's param_shapes and TP rank 0's map (a universal folder holds full tensors)."""
+    local: dict[str, list[tuple[int, ...]]] = {name: [] for name in names}
+    for f in models:
+        shapes = dict(entry for group in param_shapes_of(f, f.get(f.obj, "param_shapes", list), "param_shapes")
+                      for entry in group)  # fmt: skip
+        if set(shapes) != set(names):
+            raise CorruptCheckpointError(
+                f"{f.path} lists other parameters than {models[0].path.name}: the TP ranks' model-states files are "
+                "from different runs; re-copy the tag folder"
+            )
+        for name in names:
+            local[name].append(shapes[name])
+    return {name: plan.shape for name, plan in _plans_of(models[0], local).items()}
+
+
+def _plans_of(f0: RankFile, local_shapes: Mapping[str, list[tuple[int, ...]]]) -> dict[str, TensorPlan]:
     info = f0.get(f0.obj, "universal_checkpoint_info", dict)
     unsupported = info.get("autotp_unsupported_parameter_patterns") or {}
     maps = _affine_maps(f0, info)
     vocab = [str(p) for p in info.get("vocabulary_parameter_patterns") or []]
     original_vocab = info.get("original_vocab_size")
     plans = {}
-    for name in _param_names(ranks[0]):
-        local = [_local_shape(c, name) for c in ranks]
+    for name, local in local_shapes.items():
         hit = _matching(f0, name, unsupported)
         if hit is not None:
             raise UnsupportedCheckpointError(

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 MAX_DEFAULT = 8
+MAX_WORKERS = 1024
 _chosen: dict[str, int] = {}  # set_workers: the process-wide choice, as torch.set_num_threads
 
 
@@ -51,8 +52,8 @@ def resolve_workers(workers: int | None) -> int:
     """`workers` as given (checked), or the default for None."""
     if workers is None:
         return default_workers()
-    if workers < 1:
-        raise UsageError(f"--workers {workers}: give at least 1")
+    if not 1 <= workers <= MAX_WORKERS:
+        raise UsageError(f"--workers {workers}: give 1 to {MAX_WORKERS}")
     return workers
 
 

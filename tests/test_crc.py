@@ -20,8 +20,10 @@ def test_the_checksum_of_zeros_needs_no_bytes():
 
 @pytest.mark.parametrize("workers", [1, 2, 3, 8])
 def test_a_checksum_split_over_threads_is_zlibs(workers):
-    data = bytearray(os.urandom(crc.PARALLEL_MIN + 12345))
+    data = bytearray(os.urandom(8 * crc.PIECE_MIN + 12345))
     with Workers(workers) as pool:
         assert crc.crc32(data, 0, pool) == zlib.crc32(data)
         assert crc.crc32(memoryview(data)[7:], 0xDEADBEEF, pool) == zlib.crc32(memoryview(data)[7:], 0xDEADBEEF)
         assert crc.crc32(b"small", 5, pool) == zlib.crc32(b"small", 5)
+    with Workers(64) as pool:  # more threads than 1 MiB pieces: capped
+        assert crc.crc32(data[: 3 * crc.PIECE_MIN], 0, pool) == zlib.crc32(data[: 3 * crc.PIECE_MIN])

@@ -17,8 +17,10 @@ def test_set_workers_is_the_process_wide_choice():
         threads.set_workers(3)
         assert threads.default_workers({"LOCAL_WORLD_SIZE": "64"}) == 3 == threads.resolve_workers(None)
         assert threads.resolve_workers(5) == 5
-        with pytest.raises(UsageError, match="at least 1"):
+        with pytest.raises(UsageError, match="give 1 to 1024"):
             threads.set_workers(0)
+        with pytest.raises(UsageError, match="give 1 to 1024"):
+            threads.set_workers(5000)
     finally:
         threads.set_workers(None)
     assert threads.resolve_workers(None) == threads.default_workers()

@@ -153,7 +153,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print one JS
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 workers_option = click.option(
     "--workers",
-    type=click.IntRange(min=1),
+    type=click.IntRange(min=1, max=1024),
     metavar="N",
     help="Threads for 16-bit casts (default: this process's share of the cores, at most 8).",
 )
