@@ -462,6 +462,11 @@ def _check_layout(ckpt: ZeroCheckpoint, universal: bool, stage: int, dp: int | N
         moe.check_moe_reshard(ckpt, universal=universal, stage=stage, dp=dp)
         return
     what = f"{ckpt.location.tag_dir} is a {KIND_NAMES[kind]} checkpoint ({ckpt.layout.describe()})"
+    if ckpt.source_format == "universal":
+        raise UnsupportedCheckpointError(
+            f"{what} in the universal format; writing native TP shards from it is not supported: load it in "
+            'DeepSpeed with "checkpoint": {"load_universal": true}, or reshard the native checkpoint it came from'
+        )
     if not ckpt.slices:
         raise UnsupportedCheckpointError(f"{what}; resharding it is not supported yet (consolidate works)")
     zero = ckpt.ds_config.get("zero_optimization")

@@ -87,14 +87,24 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     mod = read_module(f0)
     shapes = param_shapes_of(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
     check_unique_names(f0, shapes)
+    tp = len(models) if stage != 3 else 1
+    if tp > 1:  # AutoTP: each rank's model file lists its shard shapes; zero/ holds the merged tensors
+        from .tensor import full_shapes  # tensor imports this module
+
+        full = full_shapes(models, [name for group in shapes for name, _ in group])
+        shapes = [[(name, full[name]) for name, _ in group] for group in shapes]
     groups, scalars_of, common = _groups(common_file, stage, len(shapes))
-    params = [_param(zero, name, shape, groups[g]) for g, entries in enumerate(shapes) for name, shape in entries]
+    params = [
+        _param(zero, name, shape, groups[g], tp > 1) for g, entries in enumerate(shapes) for name, shape in entries
+    ]
     params.sort(key=lambda p: p.group)
     by_name = {p.name: p for p in params}
     scalars = scalars_of if stage == 3 else _steps(zero, params)
     _same_state_keys(zero, params)
     dp = int(f0.get(f0.obj, "dp_world_size", int))
     bit16 = zero3_frozen(models, dp) if stage == 3 else zero12_bit16(f0, mod, by_name)
+    if tp > 1:
+        bit16 = _without_tp_shards(tag_dir, bit16, by_name)
     check_ties_and_keys(f0, mod, by_name, {n: s for n, s in bit16.items() if n not in by_name})
     ds_config = dict_at(f0.obj, "ds_config")
     prefix = "bf16_" if dict_at(ds_config, "bf16").get("enabled") else ""
@@ -118,8 +128,23 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
         ds_config=ds_config,
         model_files=[m.obj for m in models],
         source_format="universal",
-        layout=ParallelLayout("dp", dp=dp),
+        layout=ParallelLayout("tensor", dp=dp, tp=tp) if tp > 1 else ParallelLayout("dp", dp=dp),
     )
+
+
+def _without_tp_shards(
+    tag_dir: Path, bit16: dict[str, TensorSource], params: dict[str, Param]
+) -> dict[str, TensorSource]:
+    """A TP rank's module holds its shards of the weights, which the merged fp32 masters replace. Frozen params
+    exist there only as shards, which a universal folder does not merge: refused."""
+    frozen = sorted(n for n in bit16 if n not in params)
+    if frozen:
+        raise UnsupportedCheckpointError(
+            f"{tag_dir} is a tensor-parallel universal checkpoint with frozen parameters ({short(frozen[0], 60)}, "
+            "...): they exist only as TP shards, which ckpttools does not merge from a universal folder; use the "
+            "native checkpoint it was converted from"
+        )
+    return {}
 
 
 def _model_files(tag_dir: Path, stage: int) -> list[RankFile]:
@@ -133,14 +158,18 @@ def _model_files(tag_dir: Path, stage: int) -> list[RankFile]:
             f"{tag_dir} has no {'zero_pp_rank_*_' if stage == 3 else ''}mp_rank_00_model_states.pt"
         )
     if stage != 3 and len(found) > 1:
-        pp = dict_at(load_pickle(found[min(found)]), "checkpoint_parallel_dimensions").get("pp_degree")
-        kind = "pipeline" if isinstance(pp, int) and pp > 1 else "tensor-parallel (AutoTP)"
-        raise UnsupportedCheckpointError(
-            f"{tag_dir} holds {len(found)} mp_rank_*_model_states.pt files: a {kind} universal "
-            "checkpoint, which ckpttools does not read back; use the native checkpoint it was converted from, or "
-            'load it in DeepSpeed with "checkpoint": {"load_universal": true}'
-        )
-    if set(found) != set(range(len(found))) or (stage != 3 and set(found) != {0}):
+        first = load_pickle(found[min(found)])
+        pp = dict_at(first, "checkpoint_parallel_dimensions").get("pp_degree")
+        kind = "pipeline" if isinstance(pp, int) and pp > 1 else None
+        if kind is None and not isinstance(first.get("universal_checkpoint_info"), dict):
+            kind = "model-parallel"  # neither a pipeline nor AutoTP's map: nothing says how the shards merge
+        if kind is not None:
+            raise UnsupportedCheckpointError(
+                f"{tag_dir} holds {len(found)} mp_rank_*_model_states.pt files: a {kind} universal "
+                "checkpoint, which ckpttools does not read back; use the native checkpoint it was converted from, "
+                'or load it in DeepSpeed with "checkpoint": {"load_universal": true}'
+            )
+    if set(found) != set(range(len(found))):
         raise CorruptCheckpointError(
             f"{tag_dir}: model-state files for ranks {sorted(found)}; expected 0-{len(found) - 1}"
         )
@@ -173,22 +202,24 @@ def _param_dir(zero: Path, name: str) -> Path:
         raise CorruptCheckpointError(f"{zero}: parameter name {short(name, 60)} is not a folder name") from e
 
 
-def _param(zero: Path, name: str, shape: tuple[int, ...], group: int) -> Param:
+def _param(zero: Path, name: str, shape: tuple[int, ...], group: int, tensor_parallel: bool = False) -> Param:
     folder = _param_dir(zero, name)
     if not (folder / f"{MASTER}.pt").is_file():
         raise CheckpointNotFoundError(f"universal checkpoint lacks {folder / (MASTER + '.pt')}")
     stripped = strip_prefixes(name)
-    fp32 = _state_source(folder / f"{MASTER}.pt", name, shape, "trainable")
+    fp32 = _state_source(folder / f"{MASTER}.pt", name, shape, "trainable", tensor_parallel)
     if fp32.dtype != dtypes.FLOAT32:
         raise CorruptCheckpointError(f"{folder / (MASTER + '.pt')} is stored as {fp32.dtype.name}, not float32")
     states = {}
     for p in sorted(folder.glob("*.pt")):
         if p.stem not in (MASTER, STEP):
-            states[p.stem] = _state_source(p, name, shape, "state")
+            states[p.stem] = _state_source(p, name, shape, "state", tensor_parallel)
     return Param(stripped, name, shape, group, 0, fp32, states)
 
 
-def _state_source(path: Path, name: str, shape: tuple[int, ...], kind: str) -> TensorSource:
+def _state_source(
+    path: Path, name: str, shape: tuple[int, ...], kind: str, tensor_parallel: bool = False
+) -> TensorSource:
     f = RankFile(path, {"value": load_pickle(path)}, "universal state")
     value = f.obj["value"]
     tensor = value.get("param") if isinstance(value, dict) else value
@@ -200,8 +231,8 @@ def _state_source(path: Path, name: str, shape: tuple[int, ...], kind: str) -> T
             "re-copy the universal checkpoint"
         )
     name = strip_prefixes(name)
-    if isinstance(value, dict) and "vocab_tensor" in value:
-        raise f.fail("holds tensor-parallel merge information; only data-parallel universal checkpoints are supported")
+    if isinstance(value, dict) and "vocab_tensor" in value and not tensor_parallel:
+        raise f.fail("holds tensor-parallel merge information, but the folder has one model-states file; re-copy it")
     numel = 1
     for s in shape_of(f, shape, "the parameter's shape"):
         numel *= s

@@ -144,16 +144,38 @@ def test_an_averaged_parameter_is_refused_not_concatenated(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_our_reader_refuses_a_tensor_parallel_universal_folder_in_one_line(tmp_path, capsys):
-    """ckpttools reads data-parallel universal folders only; a TP one (two mp_rank files, local param_shapes) is
-    refused with one line, never misread."""
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_tensor_parallel_universal_folder_consolidates_as_its_native_checkpoint(name, dtype, tmp_path, capsys):
+    """DeepSpeed's own ds_to_universal output and ours hold the merged fp32 masters: consolidated, they give the
+    bytes the native TP checkpoint gives."""
+    from ckpttools.consolidate import consolidate
+
+    _deepspeed(_ckpt(name) / TAG, tmp_path / "ds" / "universal_tag")
+    (tmp_path / "ds" / "latest_universal").write_text("universal_tag")
+    assert cli(["--input_folder", str(_ckpt(name) / TAG), "--output_folder", str(tmp_path / "ours" / "u")]) == 0
+    capsys.readouterr()
+    native = consolidate(_ckpt(name), tmp_path / "native", dtype=dtype, check_existing=False)
+    for universal in (tmp_path / "ds", tmp_path / "ours"):
+        ckpt = open_checkpoint(universal)
+        assert (ckpt.layout.kind, ckpt.layout.tp, ckpt.source_format) == ("tensor", 2, "universal")
+        out = tmp_path / f"from-{universal.name}"
+        result = consolidate(universal, out, dtype=dtype, check_existing=False)
+        assert "model.safetensors" in result.files
+        assert (out / "model.safetensors").read_bytes() == (tmp_path / "native" / "model.safetensors").read_bytes()
+
+
+def test_a_tensor_parallel_universal_folder_is_not_resharded_back(tmp_path, capsys):
+    """Native TP shards from a universal folder are not written: refused in one line, nothing written."""
+    from ckpttools.reshard import reshard
+
     out = tmp_path / "u" / "universal_tag"
     assert cli(["--input_folder", str(_ckpt(NAMES[0]) / TAG), "--output_folder", str(out)]) == 0
-    for path in (out, out.parent):
-        with pytest.raises(CkptError) as e:
-            open_checkpoint(path)
-        assert "\n" not in str(e.value)
-        assert str(out) in str(e.value) and "tensor-parallel (AutoTP) universal checkpoint" in str(e.value)
+    capsys.readouterr()
+    with pytest.raises(CkptError) as e:
+        reshard(out.parent, tmp_path / "back", dp=2)
+    assert "\n" not in str(e.value) and "universal format" in str(e.value) and str(out) in str(e.value)
+    assert not (tmp_path / "back").exists()
 
 
 # --- DeepSpeed's load_universal resumes from our output -------------------------------------------------------
