@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import torchfile
+from . import threads, torchfile
 from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -478,7 +478,7 @@ def convert_on_rank0(group: ProcessGroup, path: Path, holdings: list[Holdings], 
         def run() -> dict[str, Any] | None:
             if view is None:
                 return None
-            with user_paths_in_errors(view, root):
+            with user_paths_in_errors(view, root), threads.whole_node():  # the node's other ranks only wait
                 return steps.convert(view / sub if sub else view, lambda p: map_path(p, view, root))
 
         result = group.run_agreed(run)

@@ -8,8 +8,9 @@ at most `MAX_DEFAULT`: beyond that the disk, not the CPU, is the limit.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from .errors import UsageError
@@ -33,6 +34,20 @@ def set_workers(n: int | None) -> None:
     _chosen.pop("workers", None)
     if n is not None:
         _chosen["workers"] = resolve_workers(n)
+
+
+@contextmanager
+def whole_node() -> Iterator[None]:
+    """Inside, the default is all of this node's cores (up to MAX_DEFAULT): for a rank that works while the other
+    ranks on its node wait. A choice made with `set_workers` stays."""
+    if "workers" in _chosen:
+        yield
+        return
+    _chosen["workers"] = min(MAX_DEFAULT, usable_cores())
+    try:
+        yield
+    finally:
+        _chosen.pop("workers", None)
 
 
 def default_workers(env: Mapping[str, str] | None = None) -> int:

@@ -39,3 +39,18 @@ def test_run_does_every_part_and_raises_the_first_error():
             pool.run([lambda: None, lambda: None, boom])
         pool.run([lambda: done.append(9)])  # still usable after an error
     assert done[-1] == 9
+
+
+def test_the_whole_node_while_the_other_ranks_wait(monkeypatch):
+    monkeypatch.setattr(threads, "usable_cores", lambda: 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert threads.default_workers() == 2
+    with threads.whole_node():
+        assert threads.default_workers() == 6
+    assert threads.default_workers() == 2
+    threads.set_workers(1)
+    try:
+        with threads.whole_node():
+            assert threads.default_workers() == 1  # the user's choice stays
+    finally:
+        threads.set_workers(None)
