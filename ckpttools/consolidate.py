@@ -566,14 +566,17 @@ class _RanksJob:
         keycheck = plan.key_check(self.check_keys and self.group.rank == 0)
         try:
             staging = shared_staged_folder(out, overwrite=self.overwrite, needed_bytes=plan.total, group=self.group)
-            with RecordReader() as reader, staging as tmp:
+            # CRC-32: each record any rank reads is checked by one, whole, before they agree; the others read
+            # only the pieces they need (checking every record they touch would read every record on every rank)
+            share = _records_to_verify(plan.tensors, self.group)
+            with RecordReader(checked=share) as reader, staging as tmp:
                 if self.on_start:
                     self.on_start(sum(t.nbytes for group in mine.values() for t in group))
                 _write_shards(tmp, mine, self.to, reader, self.on_progress)
                 rank0 = self.group.rank == 0
                 extra = plan.finish_folder(tmp, keycheck, reader, self.check_existing) if rank0 else []
-                for record in _records_to_verify(plan.tensors, self.group):
-                    reader.verify(record)  # CRC-32: each record read by any rank is checked by one, before they agree
+                for record in share:
+                    reader.verify(record)
         except BaseException:
             keycheck.cancel()
             raise

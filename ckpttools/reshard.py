@@ -568,11 +568,12 @@ def _write_on_ranks(
     group.run_agreed(lambda: check_module_copies(ckpt) if group.rank == 0 else None)  # one whole-model pass
     mine = {name: obj for name, obj in files.items() if owners[name] == group.rank}
     staging = shared_staged_folder(out, overwrite=overwrite, needed_bytes=needed, group=group)
-    with RecordReader() as reader, staging as tmp:
+    share = _my_records(files, group)  # CRC-32: each record any rank reads is checked by one, whole, before they
+    with RecordReader(checked=share) as reader, staging as tmp:  # agree; the others read only what they need
         (tmp / loc.tag).mkdir(exist_ok=True)
         _write_files(tmp / loc.tag, mine, reader, progress)
-        for record in _my_records(files, group):
-            reader.verify(record)  # CRC-32: each record any rank reads is checked by one, before they agree
+        for record in share:
+            reader.verify(record)
         if group.rank == 0:
             _finish_folder(ckpt, job.dp, job.stage, tmp, job.model_config, result)
     result.files = [f"{loc.tag}/{n}" for n in files]

@@ -509,10 +509,13 @@ class RecordReader:
 
     GAP_CHUNK = 8 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, checked: Iterable[Record] | None = None) -> None:
+        """`checked`: the only records whose CRC-32 this reader checks (a rank's share under a launcher, the other
+        ranks check the rest); any other record is read as asked, never its gaps. Default: every record touched."""
         self._fds: dict[Path, int] = {}
         self._cursors: dict[tuple[Path, str], _CrcCursor] = {}
         self._lock = threading.Lock()
+        self._checked = None if checked is None else {(r.path, r.name) for r in checked}
         self.bytes_read = 0
 
     def _fd(self, path: Path) -> int:
@@ -559,6 +562,9 @@ class RecordReader:
         end = start + len(buf)
         if end > record.nbytes:
             raise CorruptCheckpointError(f"{record.path}: read past the end of record {record.name}")
+        if self._checked is not None and (record.path, record.name) not in self._checked:
+            self._pread(record, start, buf)  # another rank checks this record, whole
+            return
         cur = self._cursor(record)
         with cur.lock:
             self._advance_gap(cur, start)

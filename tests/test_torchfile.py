@@ -107,6 +107,25 @@ def test_crc_is_checked_for_partly_read_records(tmp_path):
             reader.finish()
 
 
+def test_a_reader_checks_only_the_records_it_is_given(tmp_path):
+    """Under a launcher each rank checks its share of the records, whole; it reads only the pieces it needs of
+    the others (gaps would otherwise be read for the checksum, every record on every rank)."""
+    path, lazy = _tensor_file(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[lazy.record.offset + 3] ^= 0x01  # before the piece read: only a check of the whole record sees it
+    path.write_bytes(bytes(data))
+    record = load_pickle(path)["w"].record
+    with RecordReader(checked=[]) as reader:
+        reader.readinto(record, 64, memoryview(bytearray(16)))
+        reader.finish()  # not this reader's record to check
+        assert reader.bytes_read == 16
+    with RecordReader(checked=[record]) as reader:
+        reader.readinto(record, 64, memoryview(bytearray(16)))
+        with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+            reader.verify(record)
+        assert reader.bytes_read == record.nbytes  # its gap once, the piece, the rest: the record once
+
+
 def test_truncated_file_is_corrupt(tmp_path):
     path, _ = _tensor_file(tmp_path)
     path.write_bytes(path.read_bytes()[:-200])
