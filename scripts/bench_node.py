@@ -554,7 +554,8 @@ def machine(cache: Path) -> dict[str, Any]:
             "ram_gib": round(psutil.virtual_memory().total / 2**30, 1), "disk_free_gb": round(du.free / 1e9, 1),
             "disk_total_gb": round(du.total / 1e9, 1), "df": mounts, "kernel": platform.release(),
             "python": platform.python_version(), "versions": versions,
-            "ckpttools_git_head": bc._git("rev-parse", "HEAD") or os.environ.get("CKPTTOOLS_GIT_HEAD"),
+            # a copied tree's .git (if any) may be stale: the copier says which commit it copied
+            "ckpttools_git_head": os.environ.get("CKPTTOOLS_GIT_HEAD") or bc._git("rev-parse", "HEAD"),
             "dirty_ratio": _read("/proc/sys/vm/dirty_ratio"),
             "dirty_background_ratio": _read("/proc/sys/vm/dirty_background_ratio")}  # fmt: skip
 
