@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from . import dtypes, hf, nodelocal, peft
 from .crosscheck import check_module_copies
+from .distributed import check_records
 from .dtypes import DType
 from .errors import CkptError, UsageError, short
 from .reader import TensorSource, ZeroCheckpoint
@@ -24,7 +25,7 @@ from .torchfile import Record, RecordReader
 from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, write_pt, write_safetensors
 
 if TYPE_CHECKING:
-    from .distributed import ProcessGroup
+    from .distributed import Launch, ProcessGroup
 
 DTYPES = dtypes.SHORT
 
@@ -566,17 +567,18 @@ class _RanksJob:
         keycheck = plan.key_check(self.check_keys and self.group.rank == 0)
         try:
             staging = shared_staged_folder(out, overwrite=self.overwrite, needed_bytes=plan.total, group=self.group)
-            # CRC-32: each record any rank reads is checked by one, whole, before they agree; the others read
-            # only the pieces they need (checking every record they touch would read every record on every rank)
-            share = _records_to_verify(plan.tensors, self.group)
-            with RecordReader(checked=share) as reader, staging as tmp:
-                if self.on_start:
-                    self.on_start(sum(t.nbytes for group in mine.values() for t in group))
-                _write_shards(tmp, mine, self.to, reader, self.on_progress)
-                rank0 = self.group.rank == 0
-                extra = plan.finish_folder(tmp, keycheck, reader, self.check_existing) if rank0 else []
-                for record in share:
-                    reader.verify(record)
+            with RecordReader(pieces=True) as reader, staging as tmp:
+
+                def write() -> list[str]:
+                    if self.on_start:
+                        self.on_start(sum(t.nbytes for group in mine.values() for t in group))
+                    _write_shards(tmp, mine, self.to, reader, self.on_progress)
+                    rank0 = self.group.rank == 0
+                    return plan.finish_folder(tmp, keycheck, reader, self.check_existing) if rank0 else []
+
+                extra = self.group.run_agreed(write)
+                # CRC-32 of every record read, each checked by one rank from the pieces all of them read
+                check_records(self.group, reader, _tensor_records(plan.tensors))
         except BaseException:
             keycheck.cancel()
             raise
@@ -620,15 +622,17 @@ def _plan_ranks(shards: dict[str, list[OutputTensor]], world_size: int) -> list[
     return plan_by_bytes([_shard_bytes(group) for group in shards.values()], world_size)
 
 
-def _records_to_verify(tensors: Sequence[OutputTensor], group: ProcessGroup) -> list[Record]:
-    """This rank's share of the CRC-32 checks: every record any rank reads, each checked by one rank (whole
-    records, balanced by bytes), so a ZeRO flat partition every rank reads a piece of is not read by all."""
-    from .distributed import plan_by_bytes
+def _tensor_records(tensors: Sequence[OutputTensor]) -> list[Record]:
+    """Every record the tensors read from, once each, in a fixed order."""
+    return list({(seg.tensor.record.path, seg.tensor.record.name): seg.tensor.record
+                 for t in tensors for seg in t.source.segments}.values())  # fmt: skip
 
-    records = list({(seg.tensor.record.path, seg.tensor.record.name): seg.tensor.record
-                    for t in tensors for seg in t.source.segments}.values())  # fmt: skip
-    owners = plan_by_bytes([r.nbytes for r in records], group.world_size)
-    return [r for r, owner in zip(records, owners, strict=True) if owner == group.rank]
+
+def _records_to_verify(tensors: Sequence[OutputTensor], group: Launch | ProcessGroup) -> list[Record]:
+    """This rank's share of the CRC-32 checks (see `distributed.check_records`)."""
+    from .distributed import records_to_verify
+
+    return records_to_verify(_tensor_records(tensors), group.rank, group.world_size)
 
 
 def _shard_bytes(tensors: Sequence[OutputTensor]) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .errors import CkptError, UsageError
 
 if TYPE_CHECKING:
-    from .torchfile import Record
+    from .torchfile import Record, RecordReader
 
 DEFAULT_TIMEOUT_S = 3600  # a rank waits this long at an agreement point for the slowest one
 EXIT_INTERRUPTED = 130
@@ -96,6 +97,21 @@ def records_to_verify(records: Iterable[Record], rank: int, world_size: int) -> 
     unique = list({(r.path, r.name): r for r in records}.values())
     owners = plan_by_bytes([r.nbytes for r in unique], world_size)
     return [r for r, owner in zip(unique, owners, strict=True) if owner == rank]
+
+
+def check_records(group: ProcessGroup, reader: RecordReader, records: Sequence[Record]) -> None:
+    """Collective, after every rank read what it needed with a `RecordReader(pieces=True)`: each record's CRC-32 is
+    checked by one rank (`records_to_verify`), from the pieces every rank read of it, so each byte is read once in
+    all. Raises CorruptCheckpointError on this rank for a damaged record of its share (the caller agrees on it)."""
+    unique = list({(r.path, r.name): r for r in records}.values())
+    index = {(r.path, r.name): i for i, r in enumerate(unique)}
+    mine = [[index[key], start, n, crc] for key, start, n, crc in reader.pieces or [] if key in index]
+    pieces: list[list[tuple[int, int, int]]] = [[] for _ in unique]
+    for report in group.gather_bytes(json.dumps(mine).encode()):
+        for i, start, n, crc in json.loads(report):
+            pieces[i].append((start, n, crc))
+    for record in records_to_verify(unique, group.rank, group.world_size):
+        reader.verify_pieces(record, pieces[index[(record.path, record.name)]])
 
 
 class RankFailedError(CkptError):

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import hf, moe, nodelocal, partition, stages, zero0
 from .crosscheck import check_module_copies
-from .distributed import plan_by_bytes, records_to_verify
+from .distributed import check_records, plan_by_bytes
 from .errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError, short
 from .parallel import KIND_NAMES
 from .pieces import (
@@ -568,12 +568,10 @@ def _write_on_ranks(
     group.run_agreed(lambda: check_module_copies(ckpt) if group.rank == 0 else None)  # one whole-model pass
     mine = {name: obj for name, obj in files.items() if owners[name] == group.rank}
     staging = shared_staged_folder(out, overwrite=overwrite, needed_bytes=needed, group=group)
-    share = _my_records(files, group)  # CRC-32: each record any rank reads is checked by one, whole, before they
-    with RecordReader(checked=share) as reader, staging as tmp:  # agree; the others read only what they need
+    with RecordReader(pieces=True) as reader, staging as tmp:
         (tmp / loc.tag).mkdir(exist_ok=True)
-        _write_files(tmp / loc.tag, mine, reader, progress)
-        for record in share:
-            reader.verify(record)
+        group.run_agreed(lambda: _write_files(tmp / loc.tag, mine, reader, progress))
+        check_records(group, reader, _records_read(files))  # each checked by one rank, from every rank's pieces
         if group.rank == 0:
             _finish_folder(ckpt, job.dp, job.stage, tmp, job.model_config, result)
     result.files = [f"{loc.tag}/{n}" for n in files]
@@ -598,8 +596,8 @@ def _plan_file_ranks(files: dict[str, Any], ckpt: ZeroCheckpoint, world_size: in
     return owners
 
 
-def _my_records(files: dict[str, Any], group: ProcessGroup) -> list[Record]:
-    """This rank's share of the CRC-32 checks over every record any rank's files read."""
+def _records_read(files: dict[str, Any]) -> list[Record]:
+    """Every record any rank's files read."""
     records: list[Record] = []
     for obj in files.values():
         for t in _tensors_in(obj):
@@ -607,7 +605,7 @@ def _my_records(files: dict[str, Any], group: ProcessGroup) -> list[Record]:
                 records.append(t.record)
             else:
                 records += [p.tensor.record for p in t.pieces if isinstance(p, Slice)]
-    return records_to_verify(records, group.rank, group.world_size)
+    return records
 
 
 def _tensors_in(obj: Any) -> Iterator[LazyTensor | NewTensor]:

@@ -33,7 +33,7 @@ except ImportError:  # not on Windows
     resource = None  # type: ignore[assignment]
 
 from . import dtypes
-from .crc import crc32
+from .crc import crc32, crc32_combine
 from .dtypes import DType
 from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, short
 
@@ -509,13 +509,14 @@ class RecordReader:
 
     GAP_CHUNK = 8 << 20
 
-    def __init__(self, checked: Iterable[Record] | None = None) -> None:
-        """`checked`: the only records whose CRC-32 this reader checks (a rank's share under a launcher, the other
-        ranks check the rest); any other record is read as asked, never its gaps. Default: every record touched."""
+    def __init__(self, *, pieces: bool = False) -> None:
+        """With `pieces` (ranks sharing one conversion), reads are not checked as they go: each is only logged
+        with its CRC-32 in `self.pieces`, for `verify_pieces` on the rank that checks that record, which then
+        reads only the bytes no rank read. Every byte is then read once in all, not once more for the check."""
         self._fds: dict[Path, int] = {}
         self._cursors: dict[tuple[Path, str], _CrcCursor] = {}
         self._lock = threading.Lock()
-        self._checked = None if checked is None else {(r.path, r.name) for r in checked}
+        self.pieces: list[tuple[tuple[Path, str], int, int, int]] | None = [] if pieces else None
         self.bytes_read = 0
 
     def _fd(self, path: Path) -> int:
@@ -562,8 +563,11 @@ class RecordReader:
         end = start + len(buf)
         if end > record.nbytes:
             raise CorruptCheckpointError(f"{record.path}: read past the end of record {record.name}")
-        if self._checked is not None and (record.path, record.name) not in self._checked:
-            self._pread(record, start, buf)  # another rank checks this record, whole
+        if self.pieces is not None:
+            self._pread(record, start, buf)
+            piece = ((record.path, record.name), start, len(buf), crc32(buf, 0, workers))
+            with self._lock:
+                self.pieces.append(piece)
             return
         cur = self._cursor(record)
         with cur.lock:
@@ -590,6 +594,34 @@ class RecordReader:
                     f"{record.path}: record {record.name} fails its CRC-32 check (stored {record.crc32:08x}, "
                     f"read {cur.crc:08x}); the file is damaged, re-copy it from the source"
                 )
+
+    def verify_pieces(self, record: Record, pieces: Iterable[tuple[int, int, int]]) -> None:
+        """Check a record's CRC-32 from the (start, length, CRC-32) of the pieces any rank read of it, combined in
+        order (`crc.crc32_combine`); the bytes no piece covers are read here."""
+        crc, pos = 0, 0
+        for start, length, piece_crc in sorted(pieces):
+            end = start + length
+            if end <= pos:
+                continue  # bytes another piece already covered
+            if start < pos:  # overlaps the covered bytes: read the rest here
+                crc = self._crc_of(record, pos, end, crc)
+            else:
+                crc = crc32_combine(self._crc_of(record, pos, start, crc), piece_crc, length)
+            pos = end
+        crc = self._crc_of(record, pos, record.nbytes, crc)
+        if crc != record.crc32:
+            raise CorruptCheckpointError(
+                f"{record.path}: record {record.name} fails its CRC-32 check (stored {record.crc32:08x}, "
+                f"read {crc:08x}); the file is damaged, re-copy it from the source"
+            )
+
+    def _crc_of(self, record: Record, start: int, end: int, crc: int) -> int:
+        while start < end:
+            chunk = bytearray(min(self.GAP_CHUNK, end - start))
+            self._pread(record, start, memoryview(chunk))
+            crc = zlib.crc32(chunk, crc)
+            start += len(chunk)
+        return crc
 
     def finish(self) -> None:
         """Verify every record touched so far."""

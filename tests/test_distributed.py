@@ -294,13 +294,14 @@ def test_reshard_on_ranks_is_byte_identical_to_one_process(tmp_path, ckpt_dir, w
 
 
 def test_one_rank_failing_a_reshard_fails_every_rank_and_leaves_nothing_behind(tmp_path):
-    from ckpttools.reshard import _my_records, _tag_files
+    from ckpttools.distributed import records_to_verify
+    from ckpttools.reshard import _records_read, _tag_files
 
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(Z2, ckpt_dir)
     ckpt = open_checkpoint(ckpt_dir)
     files = _tag_files(ckpt, 3, ckpt.zero_stage)
-    record = max(_my_records(files, Launch(1, 3, "", 0)), key=lambda r: r.nbytes)
+    record = max(records_to_verify(_records_read(files), 1, 3), key=lambda r: r.nbytes)
     with open(record.path, "r+b") as fh:
         fh.seek(record.offset + record.nbytes // 2)
         byte = fh.read(1)

@@ -107,23 +107,40 @@ def test_crc_is_checked_for_partly_read_records(tmp_path):
             reader.finish()
 
 
-def test_a_reader_checks_only_the_records_it_is_given(tmp_path):
-    """Under a launcher each rank checks its share of the records, whole; it reads only the pieces it needs of
-    the others (gaps would otherwise be read for the checksum, every record on every rank)."""
+@pytest.mark.parametrize("pieces", [[], [(64, 16)], [(0, 40), (30, 50), (200, 8)], [(8, 8), (0, 32)]],
+                         ids=["none", "one", "overlapping", "covered"])  # fmt: skip
+def test_a_record_is_checked_from_the_pieces_ranks_read(tmp_path, pieces):
+    """Ranks sharing a conversion log (start, length, CRC-32) of what they read; the checking rank combines them
+    and reads only what no piece covers: damage anywhere, inside a piece or between them, is caught."""
+    import zlib
+
     path, lazy = _tensor_file(tmp_path)
-    data = bytearray(path.read_bytes())
-    data[lazy.record.offset + 3] ^= 0x01  # before the piece read: only a check of the whole record sees it
-    path.write_bytes(bytes(data))
-    record = load_pickle(path)["w"].record
-    with RecordReader(checked=[]) as reader:
-        reader.readinto(record, 64, memoryview(bytearray(16)))
-        reader.finish()  # not this reader's record to check
+    record = lazy.record
+    good = path.read_bytes()[record.offset : record.offset + record.nbytes]
+    logged = [(s, n, zlib.crc32(good[s : s + n])) for s, n in pieces]
+    covered = sum(n for _, n in pieces)
+    with RecordReader(pieces=True) as reader:
+        reader.verify_pieces(record, logged)  # intact
+        assert reader.bytes_read <= record.nbytes - covered + 64  # what the pieces cover is not read again
+    for where in (3, 100, record.nbytes - 1):
+        data = bytearray(path.read_bytes())
+        data[record.offset + where] ^= 0x01
+        path.write_bytes(bytes(data))
+        with RecordReader(pieces=True) as reader, pytest.raises(CorruptCheckpointError, match="CRC-32"):
+            # the pieces' CRCs are of the bytes as their ranks read them: damage inside one is seen in its CRC
+            damaged = bytes(data[record.offset : record.offset + record.nbytes])
+            reader.verify_pieces(record, [(s, n, zlib.crc32(damaged[s : s + n])) for s, n in pieces])
+        data[record.offset + where] ^= 0x01
+        path.write_bytes(bytes(data))
+
+
+def test_reads_in_pieces_mode_are_logged_not_checked(tmp_path):
+    path, lazy = _tensor_file(tmp_path)
+    with RecordReader(pieces=True) as reader:
+        reader.readinto(lazy.record, 64, memoryview(bytearray(16)))
+        reader.finish()  # nothing tracked: another rank may check this record
         assert reader.bytes_read == 16
-    with RecordReader(checked=[record]) as reader:
-        reader.readinto(record, 64, memoryview(bytearray(16)))
-        with pytest.raises(CorruptCheckpointError, match="CRC-32"):
-            reader.verify(record)
-        assert reader.bytes_read == record.nbytes  # its gap once, the piece, the rest: the record once
+        assert [(s, n) for _, s, n, _ in reader.pieces] == [(64, 16)]
 
 
 def test_truncated_file_is_corrupt(tmp_path):
