@@ -1,19 +1,23 @@
 """Node-local checkpoint folders: each node holds only its own ranks' files and no filesystem is shared.
 
-Under a launcher every rank lists what it holds under PATH (`exchange_holdings`). When all lists are the same the
-folder is shared and the ranks split the work as usual. When they differ, rank 0 gathers (`Gather`):
+Under a launcher every rank lists what it holds under PATH (`exchange_holdings`: names, sizes, mtimes, inodes,
+compared by one digest). When all listings are equal the folder is shared and the ranks split the work as usual.
+Otherwise rank 0 gathers (`gathered`, `Gather`):
 
-1. a file several ranks hold must be the same file everywhere (zip directories or contents compared);
-2. each file rank 0 lacks comes as a skeleton: every byte but its large storage records, written at the same
-   offsets into a sparse file, so the one-process reader parses and validates the whole checkpoint unchanged;
-3. the records the conversion reads (consolidate: all but the optimizer moments; reshard: all) come from the
-   rank holding them, in chunks over torch.distributed (`ProcessGroup.move`), into those files;
-4. rank 0 runs the one-process conversion on that folder, so the output is byte-identical to one process's
-   on the whole checkpoint; the other ranks wait and share its result or its failure.
+1. a file several ranks hold must be the same file everywhere (copies whose metadata differ are compared by zip
+   directory or content);
+2. the small files that select the checkpoint (`latest`, trainer_state.json) come whole, the others' names as
+   empty files, so rank 0 can tell which checkpoint and tag the command reads, and refuse a bad output folder;
+3. each of that checkpoint's files rank 0 lacks comes as a skeleton: every byte but its large storage records, at
+   the same offsets in a sparse file, so the one-process reader parses and validates it unchanged;
+4. the records the conversion reads (consolidate: all but the optimizer moments; reshard: all) come from the
+   ranks holding them, in chunks over torch.distributed (`ProcessGroup.move`), into those files;
+5. rank 0 runs the one-process conversion on that copy, so the output is byte-identical to one process's on the
+   whole checkpoint; the other ranks wait and share its result or its failure.
 
 Records that were not fetched stay holes that torchfile refuses to read (`torchfile.mark_absent`): a missed
-fetch fails loudly instead of reading zeros. The gathered folder lives beside the output on rank 0's disk (it
-holds the bytes fetched, about the size of what the conversion reads from other nodes) and is removed after.
+fetch fails loudly instead of reading zeros. The copy lives beside the output on rank 0's disk (it holds the
+bytes fetched from the other nodes) and is removed after, failed or not.
 """
 
 from __future__ import annotations
