@@ -155,7 +155,7 @@ workers_option = click.option(
     "--workers",
     type=click.IntRange(min=1, max=1024),
     metavar="N",
-    help="Threads for 16-bit casts (default: this process's share of the cores, at most 8).",
+    help="Threads for 16-bit casts and CRC-32 checks (default: this process's share of the cores, at most 8).",
 )
 config_option = click.option(
     "--config",
