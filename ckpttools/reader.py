@@ -677,14 +677,25 @@ def _identity_by_storage(t: Any) -> tuple[Any, ...] | None:
     return (t.record.path, t.record.name, t.storage_offset, t.shape)
 
 
-def _undeclared_aliases(mod: ModuleEntries, params: Mapping[str, Param]) -> list[str]:
-    """Module entries sharing storage with a trained parameter but not listed in shared_params (ZeRO-1/2)."""
-    owners = {_identity_by_storage(mod.tensors.get(n)): n for n in params}
-    return [
-        name
-        for name in mod.keys
-        if name not in params and name not in mod.shared and _identity_by_storage(mod.tensors[name]) in owners
-    ]
+def _undeclared_aliases(mod: ModuleEntries, params: Mapping[str, Param]) -> dict[str, str]:
+    """Module entries sharing storage with another one (a trained parameter, or a frozen one before them) but not
+    listed in shared_params (ZeRO-0/1/2), each with the entry it shares with."""
+    owners: dict[tuple[Any, ...], str] = {}
+    for n in params:
+        ident = _identity_by_storage(mod.tensors.get(n))
+        if ident is not None:
+            owners.setdefault(ident, n)
+    aliases = {}
+    for name in mod.keys:
+        if name in params or name in mod.shared or name in mod.buffers:
+            continue
+        ident = _identity_by_storage(mod.tensors.get(name))
+        if ident is None:
+            continue
+        owner = owners.setdefault(ident, name)
+        if owner != name:
+            aliases[name] = owner
+    return aliases
 
 
 # --- ZeRO-1/2 ----------------------------------------------------------------------------------------------
@@ -872,9 +883,10 @@ def zero12_bit16(f0: RankFile, mod: ModuleEntries, params: Mapping[str, Param]) 
     """
     aliases = _undeclared_aliases(mod, params)
     if aliases:
+        alias = min(aliases)
         raise f0.fail(
-            f"module entry {min(aliases)} shares its storage with a trained parameter but shared_params "
-            "does not list it (a tied weight whose tie record was lost)"
+            f"module entry {alias} shares its storage with {aliases[alias]} but shared_params does not list it "
+            "(a tied weight whose tie record was lost)"
         )
     frozen = _zero2_frozen_shapes(f0, mod, params)
     bit16 = {}

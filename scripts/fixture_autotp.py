@@ -6,6 +6,10 @@ A tiny Hugging Face Llama (built from its config with a fixed seed) is sharded b
 (`deepspeed.tp_model_init(model, tp_size=2, dtype=bf16)`, config `tensor_parallel.autotp_size=2`), trained
 2 steps at DP 2 x TP 2 with ZeRO-1 or 2, and saved with `engine.save_checkpoint(<dir>/checkpoint)`. Beside the
 tag folder sit `config.json` and `generation_config.json`, as in a Trainer `checkpoint-N/` folder.
+Mode "trainer": the HF Trainer does the same from its DeepSpeed config. Mode "accelerate": accelerate's
+DeepSpeedPlugin with `tensor_parallel.autotp_size=2` (deepspeed.initialize shards the model from the config; nothing
+calls tp_model_init), `accelerator.save_state(<dir>/checkpoint)` (tag folder `pytorch_model/`, no config.json) and
+the model's config.json + generation_config.json under `<dir>/model_config/`, as save_pretrained writes them.
 
 References (rank 0 writes them):
   reference/bit16_tp{r}.safetensors     the engine's 16-bit module state on TP rank r, DP rank 0 (TP shards)
@@ -72,7 +76,17 @@ def specs() -> list[dict]:
             "deepspeed.tp_model_init itself), the tiny Llama sized to the Trainer fixtures' tokenizer, torch AdamW of "
             f"the Trainer, {STEPS} steps, one checkpoint (out/checkpoint-{STEPS}/) with config, generation config "
             "and tokenizer files as the Trainer writes them.",
-        }
+        },
+        {
+            "name": "accelerate_autotp_tp2_dp2_z1_bf16", "kind": KIND, "mode": "accelerate", "world_size": TP * DP,
+            "zero_stage": 1, "dp": DP, "tp": TP, "dtype": "bf16", "checkpoint": "checkpoint",
+            "notes": "accelerate: Accelerator(DeepSpeedPlugin(hf_ds_config: ZeRO-1, bf16, "
+            "tensor_parallel.autotp_size=2), mixed_precision bf16), the tiny Llama of the engine fixtures, "
+            "torch AdamW, all through "
+            "accelerator.prepare (deepspeed.initialize applies AutoTP from the config; no tp_model_init), "
+            f"DP 2 x TP 2 (4 processes), {STEPS} steps, accelerator.save_state(checkpoint/): tag folder "
+            "pytorch_model/, no config.json; model_config/ holds what save_pretrained writes besides the weights.",
+        },
     ]  # fmt: skip
 
 
@@ -197,6 +211,10 @@ def build(spec: dict, out: Path) -> None:
     import deepspeed
 
     quiet_loggers()
+    if spec.get("mode") == "accelerate":  # the Accelerator starts the process group itself
+        engine, ckpt, losses = run_accelerate(spec, out)
+        write_references(spec, out, engine, ckpt, losses)
+        return
     deepspeed.init_distributed(dist_backend="gloo")
     quiet_loggers()
     if spec.get("mode") == "trainer":
@@ -235,6 +253,69 @@ def run_trainer(spec: dict, out: Path):
     return trainer.model_wrapped, out / spec["checkpoint"], losses
 
 
+class TokenBatches(torch.utils.data.Dataset):
+    """Rows of token ids; accelerate's DataLoader hands TP ranks of one DP rank the same rows."""
+
+    def __init__(self, rows: int = 8, length: int = 12):
+        g = torch.Generator().manual_seed(SEED)
+        self.ids = torch.randint(3, VOCAB, (rows, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def run_accelerate(spec: dict, out: Path):
+    """An accelerate script: Accelerator(deepspeed_plugin=...) with tensor_parallel.autotp_size, the tiny Llama,
+    a torch AdamW and a DataLoader through accelerator.prepare, STEPS steps, accelerator.save_state."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, set_seed
+    from transformers import LlamaForCausalLM
+
+    cfg = {
+        "zero_optimization": {"stage": spec["zero_stage"]}, "bf16": {"enabled": True},
+        "tensor_parallel": {"autotp_size": TP}, "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+    }  # fmt: skip
+    # backend="gloo": without a backend accelerate (no GPU here) would count one process per rank
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg), mixed_precision="bf16",
+                              kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")])  # fmt: skip
+    quiet_loggers()
+    set_seed(SEED)
+    model = LlamaForCausalLM(llama_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    loader = torch.utils.data.DataLoader(TokenBatches(), batch_size=2, shuffle=False)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    quiet_loggers()
+    model.train()
+    losses = []
+    for i, rows in enumerate(loader):
+        if i == STEPS:
+            break
+        loss = model(**rows).loss
+        accelerator.backward(loss)  # DeepSpeed: engine.backward + engine.step
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss.detach().float()))
+    check_tp_peers_saw_one_batch(losses)
+    ckpt = out / spec["checkpoint"]
+    accelerator.save_state(str(ckpt))
+    accelerator.wait_for_everyone()
+    return model, ckpt, losses  # accelerate hands back the DeepSpeedEngine itself
+
+
+def check_tp_peers_saw_one_batch(losses: list[float]) -> None:
+    """AutoTP needs the same rows on the TP ranks of a DP rank (accelerate's DataLoader splits by DP rank only):
+    their losses then agree exactly (collective)."""
+    by_dp: dict[int, set] = {}
+    for dp_rank, rank_losses in gather_to_rank0((ranks()[0], losses)):
+        by_dp.setdefault(dp_rank, set()).add(tuple(rank_losses))
+    if any(len(seen) != 1 for seen in by_dp.values()):
+        raise RuntimeError(f"TP ranks of one DP rank saw different batches: losses {by_dp}")
+
+
 def write_references(spec: dict, out: Path, engine, ckpt: Path, losses: list[float]) -> None:
     """reference/ and meta.partial.json from the live engine after the save (collective: every rank calls)."""
     import deepspeed
@@ -256,7 +337,9 @@ def write_references(spec: dict, out: Path, engine, ckpt: Path, losses: list[flo
             if info["dp"] == 0:
                 save_st(info["bit16"], ref / f"bit16_tp{info['tp']}.safetensors")
                 save_st(info["live"], ref / f"live_fp32_tp{info['tp']}.safetensors")
-        if spec.get("mode") != "trainer":
+        if spec.get("mode") == "accelerate":  # save_state writes no config: kept beside it, as save_pretrained would
+            write_hf_config(out / "model_config")
+        elif spec.get("mode") != "trainer":
             write_hf_config(ckpt)
         tag = (ckpt / "latest").read_text().strip()
         meta = {

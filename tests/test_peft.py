@@ -285,3 +285,20 @@ def test_a_resharded_peft_run_gives_the_same_adapter_folder_and_merge(name, tmp_
     want = _untied(load_file(FIXTURES / name / "reference" / "merged_bf16.safetensors"), name)
     assert sorted(merged) == sorted(want)
     assert all(torch.equal(merged[k], v) for k, v in want.items())
+
+
+def test_a_frozen_tie_whose_record_was_lost_is_refused(tmp_path):
+    """The base's tied embedding and head are both frozen: with shared_params gone they would be written twice,
+    as two params, from one storage. Refused as damage instead."""
+    from ckpttools.errors import CorruptCheckpointError
+    from ckpttools.sources import open_checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "peft_engine_z1_bf16" / "checkpoint", ckpt)
+    path = ckpt / (ckpt / "latest").read_text().strip() / "mp_rank_00_model_states.pt"
+    obj = torch.load(path, weights_only=False)
+    assert obj["shared_params"]
+    obj["shared_params"] = {}
+    torch.save(obj, path)
+    with pytest.raises(CorruptCheckpointError, match="shares its storage with .*shared_params does not list it"):
+        open_checkpoint(ckpt)

@@ -30,6 +30,7 @@ import ds_launch
 
 ENGINE = ["autotp_tp2_dp2_z1_bf16", "autotp_tp2_dp2_z2_bf16"]
 NAMES = [*ENGINE, "autotp_trainer_tp2_dp2_z1_bf16"]
+ACCELERATE = "accelerate_autotp_tp2_dp2_z1_bf16"  # save_state folder: tag pytorch_model, no config.json
 WORKER = Path(__file__).resolve().parent / "autotp_load_worker.py"
 TAG = "global_step2"
 
@@ -48,13 +49,17 @@ def _copy(name: str, tmp_path: Path) -> Path:
     return dst
 
 
+def _model_states(name: str) -> dict:
+    return torch.load(_ckpt(name) / fixture_meta(name)["tag"] / "mp_rank_00_model_states.pt", weights_only=False)
+
+
 def _engine_merge(name: str) -> dict[str, torch.Tensor]:
     """The engine's 16-bit TP shards merged by DeepSpeed's own ParamAffineMap.rebuild (the map of mp_rank_00)."""
     import re
 
     from deepspeed.checkpoint.affine import ParamAffineMap
 
-    info = torch.load(_ckpt(name) / TAG / "mp_rank_00_model_states.pt", weights_only=False)["universal_checkpoint_info"]
+    info = _model_states(name)["universal_checkpoint_info"]
     maps = info["affine_map"]["params"]
     shards = [_ref(name, f"bit16_tp{r}.safetensors") for r in range(2)]
     merged = {}
@@ -82,7 +87,7 @@ def test_reader_sees_the_full_model_of_both_tp_ranks(name):
     assert all(src.shape == ckpt.masters[n].shape for n, src in ckpt.bit16.items())
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, ACCELERATE])
 def test_every_state_equals_what_ds_to_universal_merges(name):
     """fp32 masters and both Adam moments, bit for bit (torch.equal), against DeepSpeed's ds_to_universal."""
     ckpt = read_checkpoint(_ckpt(name))
@@ -120,7 +125,7 @@ def test_consolidate_fp32_and_bf16_are_bit_identical_and_load_in_transformers(na
     assert (out32.num_parameters, out16.num_tensors) == (sum(t.numel() for t in fp32.values()), len(bf16))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, ACCELERATE])
 def test_replicated_parameters_agree_on_every_tp_rank(name):
     ckpt = read_checkpoint(_ckpt(name))
     with RecordReader() as reader:
@@ -277,7 +282,7 @@ def _universal_shards(name: str) -> list[dict[str, torch.Tensor]]:
 
     from deepspeed.checkpoint.affine import ParamAffineMap
 
-    info = torch.load(_ckpt(name) / TAG / "mp_rank_00_model_states.pt", weights_only=False)["universal_checkpoint_info"]
+    info = _model_states(name)["universal_checkpoint_info"]
     maps = info["affine_map"]["params"]
     shards: list[dict[str, torch.Tensor]] = [{}, {}]
     for key, full in _ref(name, "universal_full.safetensors").items():
@@ -344,3 +349,78 @@ def test_a_folder_missing_every_file_of_a_tp_rank_names_it(tmp_path):
         f.unlink()
     with pytest.raises(CheckpointNotFoundError, match="mp_rank_00 only: mp rank 1 missing"):
         read_checkpoint(ckpt)
+
+
+# --- accelerate: Accelerator(DeepSpeedPlugin(... tensor_parallel.autotp_size=2 ...)) + accelerator.save_state ---
+
+
+def _cli(*args: object):
+    from click.testing import CliRunner
+
+    from ckpttools.cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_accelerate_save_state_is_an_autotp_folder_the_live_engine_agrees_with():
+    """The pytorch_model/ tag folder holds one model-states file per TP rank and one optimizer file per (DP, TP)
+    rank, like the engine's; ds_to_universal's merge cut back into TP shards equals the live engine's fp32."""
+    meta = fixture_meta(ACCELERATE)
+    assert (meta["tag"], meta["optimizer"], meta["step_type"]) == ("pytorch_model", "AdamW", "tensor")
+    assert not (_ckpt(ACCELERATE) / "config.json").exists()
+    assert meta["files"] == [f"bf16_zero_pp_rank_{d}_mp_rank_0{t}_optim_states.pt" for d in (0, 1) for t in (0, 1)] + [
+        "mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]  # fmt: skip
+    for r, want in enumerate(_universal_shards(ACCELERATE)):
+        live = _ref(ACCELERATE, f"live_fp32_tp{r}.safetensors")
+        assert live.keys() == {k for k in want if k.startswith("fp32/")}
+        assert all(torch.equal(want[k], v) for k, v in live.items())
+
+
+def test_accelerate_inspect_reports_dp2_by_tp2():
+    res = _cli("inspect", _ckpt(ACCELERATE))
+    assert res.exit_code == 0, res.output
+    assert "ZeRO-1, DP 2 x TP 2 (tensor-parallel (AutoTP))" in res.output
+    assert "tag pytorch_model" in res.output
+    res = _cli("inspect", _ckpt(ACCELERATE), "--json")
+    assert res.exit_code == 0, res.output
+    info = json.loads(res.stdout)
+    assert (info["parallel"]["kind"], info["parallel"]["dp"], info["parallel"]["tp"]) == ("tensor", 2, 2)
+    assert (info["zero_stage"], info["dp_world_size"], info["tag"]) == (1, 2, "pytorch_model")
+
+
+def test_accelerate_consolidate_with_config_is_bit_identical_and_loads_in_transformers(tmp_path):
+    """`ckpt consolidate --config model_config/`: fp32 equal to ds_to_universal's fp32, bf16 equal to the engine's
+    16-bit TP shards merged by DeepSpeed's affine map, config files copied, from_pretrained loads it."""
+    from transformers import AutoModelForCausalLM
+
+    config = FIXTURES / ACCELERATE / "model_config"
+    before = tree_digest(FIXTURES / ACCELERATE)
+    for dtype in ("fp32", "bf16"):
+        res = _cli("consolidate", _ckpt(ACCELERATE), "--dtype", dtype, "--out", tmp_path / dtype, "--config", config)
+        assert res.exit_code == 0, res.output
+        assert "--config" not in res.stderr, res.stderr
+        assert sorted(p.name for p in (tmp_path / dtype).iterdir()) == [
+            "config.json", "generation_config.json", "model.safetensors"]  # fmt: skip
+        written = json.loads((tmp_path / dtype / "config.json").read_text())
+        assert written.pop("dtype") == written.pop("torch_dtype") == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+        assert written == json.loads((config / "config.json").read_text())  # the given config, dtype recorded
+    full = _ref(ACCELERATE, "universal_full.safetensors")
+    fp32 = load_file(str(tmp_path / "fp32" / "model.safetensors"))
+    assert fp32.keys() == {k[5:] for k in full if k.startswith("fp32/")}
+    assert all(t.dtype == torch.float32 and torch.equal(t, full[f"fp32/{k}"]) for k, t in fp32.items())
+    bf16 = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    engine = _engine_merge(ACCELERATE)
+    assert bf16.keys() == engine.keys()
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, engine[k]) for k, t in bf16.items())
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", output_loading_info=True)
+    assert not info["missing_keys"], info
+    assert not info["unexpected_keys"], info
+    assert all(torch.equal(v, fp32[k]) for k, v in model.state_dict().items())
+    assert tree_digest(FIXTURES / ACCELERATE) == before
+
+
+def test_accelerate_consolidate_without_config_says_to_pass_it(tmp_path):
+    res = _cli("consolidate", _ckpt(ACCELERATE), "--out", tmp_path / "out")
+    assert res.exit_code == 0, res.output
+    assert "pass --config" in res.stderr, res.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
