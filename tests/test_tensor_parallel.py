@@ -100,27 +100,34 @@ def test_every_state_equals_what_ds_to_universal_merges(name):
         reader.finish()
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_consolidate_fp32_and_bf16_are_bit_identical_and_load_in_transformers(name, tmp_path):
+def _assert_equal_to_deepspeed(name: str, fp32_dir: Path, bf16_dir: Path) -> tuple[dict, dict]:
+    """fp32 output `torch.equal` to ds_to_universal's merge, bf16 to the engine's shards merged by DeepSpeed's map,
+    and the fp32 folder loading in from_pretrained with nothing missing or unexpected."""
     from transformers import AutoModelForCausalLM
 
+    full = _ref(name, "universal_full.safetensors")
+    fp32 = load_file(str(fp32_dir / "model.safetensors"))
+    assert fp32.keys() == {k[5:] for k in full if k.startswith("fp32/")}
+    assert all(t.dtype == torch.float32 and torch.equal(t, full[f"fp32/{k}"]) for k, t in fp32.items())
+    bf16 = load_file(str(bf16_dir / "model.safetensors"))
+    engine = _engine_merge(name)
+    assert bf16.keys() == engine.keys()
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, engine[k]) for k, t in bf16.items())
+    model, info = AutoModelForCausalLM.from_pretrained(fp32_dir, output_loading_info=True)
+    assert not info["missing_keys"], info
+    assert not info["unexpected_keys"], info
+    assert all(torch.equal(v, fp32[k]) for k, v in model.state_dict().items())
+    return fp32, bf16
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_consolidate_fp32_and_bf16_are_bit_identical_and_load_in_transformers(name, tmp_path):
     before = tree_digest(_ckpt(name))
     out32 = consolidate(_ckpt(name), tmp_path / "fp32", check_keys=True)
     out16 = consolidate(_ckpt(name), tmp_path / "bf16", dtype="bf16")
     assert {"model.safetensors", "config.json", "generation_config.json"} <= set(out32.files)
     assert not any("differ" in note for note in out32.notes + out16.notes)
-    full = _ref(name, "universal_full.safetensors")
-    fp32 = load_file(str(tmp_path / "fp32" / "model.safetensors"))
-    assert fp32.keys() == {k[5:] for k in full if k.startswith("fp32/")}
-    assert all(torch.equal(t, full[f"fp32/{k}"]) for k, t in fp32.items())
-    bf16 = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    engine = _engine_merge(name)
-    assert bf16.keys() == engine.keys()
-    assert all(t.dtype == torch.bfloat16 and torch.equal(t, engine[k]) for k, t in bf16.items())
-    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", output_loading_info=True)
-    assert not info["missing_keys"], info
-    assert not info["unexpected_keys"], info
-    assert all(torch.equal(v, fp32[k]) for k, v in model.state_dict().items())
+    fp32, bf16 = _assert_equal_to_deepspeed(name, tmp_path / "fp32", tmp_path / "bf16")
     assert tree_digest(_ckpt(name)) == before  # the input is never modified
     assert (out32.num_parameters, out16.num_tensors) == (sum(t.numel() for t in fp32.values()), len(bf16))
 
@@ -391,8 +398,6 @@ def test_accelerate_inspect_reports_dp2_by_tp2():
 def test_accelerate_consolidate_with_config_is_bit_identical_and_loads_in_transformers(tmp_path):
     """`ckpt consolidate --config model_config/`: fp32 equal to ds_to_universal's fp32, bf16 equal to the engine's
     16-bit TP shards merged by DeepSpeed's affine map, config files copied, from_pretrained loads it."""
-    from transformers import AutoModelForCausalLM
-
     config = FIXTURES / ACCELERATE / "model_config"
     before = tree_digest(FIXTURES / ACCELERATE)
     for dtype in ("fp32", "bf16"):
@@ -404,18 +409,7 @@ def test_accelerate_consolidate_with_config_is_bit_identical_and_loads_in_transf
         written = json.loads((tmp_path / dtype / "config.json").read_text())
         assert written.pop("dtype") == written.pop("torch_dtype") == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
         assert written == json.loads((config / "config.json").read_text())  # the given config, dtype recorded
-    full = _ref(ACCELERATE, "universal_full.safetensors")
-    fp32 = load_file(str(tmp_path / "fp32" / "model.safetensors"))
-    assert fp32.keys() == {k[5:] for k in full if k.startswith("fp32/")}
-    assert all(t.dtype == torch.float32 and torch.equal(t, full[f"fp32/{k}"]) for k, t in fp32.items())
-    bf16 = load_file(str(tmp_path / "bf16" / "model.safetensors"))
-    engine = _engine_merge(ACCELERATE)
-    assert bf16.keys() == engine.keys()
-    assert all(t.dtype == torch.bfloat16 and torch.equal(t, engine[k]) for k, t in bf16.items())
-    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32", output_loading_info=True)
-    assert not info["missing_keys"], info
-    assert not info["unexpected_keys"], info
-    assert all(torch.equal(v, fp32[k]) for k, v in model.state_dict().items())
+    _assert_equal_to_deepspeed(ACCELERATE, tmp_path / "fp32", tmp_path / "bf16")
     assert tree_digest(FIXTURES / ACCELERATE) == before
 
 
