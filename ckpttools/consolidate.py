@@ -25,7 +25,7 @@ from .torchfile import Record, RecordReader
 from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, write_pt, write_safetensors
 
 if TYPE_CHECKING:
-    from .distributed import Launch, ProcessGroup
+    from .distributed import ProcessGroup
 
 DTYPES = dtypes.SHORT
 
@@ -245,7 +245,7 @@ def _gathered(group: ProcessGroup, path: Path, holdings: list[nodelocal.Holdings
                                 options["overwrite"])  # fmt: skip
 
     def on_copy(view: Path, user_path: Callable[[Path], Path]) -> dict[str, Any]:
-        out = out_for(user_path(open_checkpoint(view, **select).location.root))
+        out = out_for(user_path(checkpoint_root(view, **select)[0]))  # names only: consolidate reads the rest
         result = consolidate(view, out, **options)
         result.world_size, result.ranks = group.world_size, dict.fromkeys(result.files, 0)
         return result.to_dict()
@@ -626,13 +626,6 @@ def _tensor_records(tensors: Sequence[OutputTensor]) -> list[Record]:
     """Every record the tensors read from, once each, in a fixed order."""
     return list({(seg.tensor.record.path, seg.tensor.record.name): seg.tensor.record
                  for t in tensors for seg in t.source.segments}.values())  # fmt: skip
-
-
-def _records_to_verify(tensors: Sequence[OutputTensor], group: Launch | ProcessGroup) -> list[Record]:
-    """This rank's share of the CRC-32 checks (see `distributed.check_records`)."""
-    from .distributed import records_to_verify
-
-    return records_to_verify(_tensor_records(tensors), group.rank, group.world_size)
 
 
 def _shard_bytes(tensors: Sequence[OutputTensor]) -> int:

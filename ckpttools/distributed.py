@@ -152,10 +152,7 @@ class ProcessGroup:
         length = torch.tensor([len(data)], dtype=torch.int64)
         lengths = [torch.zeros_like(length) for _ in range(self.world_size)]
         self._dist.all_gather(lengths, length)
-        longest = max(int(n.item()) for n in lengths)
-        payload = torch.zeros(max(longest, 1), dtype=torch.uint8)
-        if data:
-            payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        payload = _byte_tensor(data, max(int(n.item()) for n in lengths))
         payloads = [torch.zeros_like(payload) for _ in range(self.world_size)]
         self._dist.all_gather(payloads, payload)
         return [p[: int(n.item())].numpy().tobytes() for p, n in zip(payloads, lengths, strict=True)]
@@ -167,11 +164,9 @@ class ProcessGroup:
         data = text.encode() if self.rank == 0 else b""
         length = torch.tensor([len(data)], dtype=torch.int64)
         self._dist.broadcast(length, 0)
-        payload = torch.zeros(max(int(length.item()), 1), dtype=torch.uint8)
-        if data:
-            payload[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        payload = _byte_tensor(data, int(length.item()))
         self._dist.broadcast(payload, 0)
-        return payload[: int(length.item())].numpy().tobytes().decode()
+        return str(payload[: int(length.item())].numpy().tobytes().decode())
 
     def agree(self, error: BaseException | None) -> None:
         """Meet every rank; if any failed, raise RankFailedError for the first one that did, on every rank."""
@@ -247,6 +242,16 @@ class ProcessGroup:
         with contextlib.suppress(Exception):  # a peer already gone: leaving is all that is left to do
             self._dist.barrier()
         self._dist.destroy_process_group()
+
+
+def _byte_tensor(data: bytes, size: int) -> Any:
+    """`data` at the front of a zeroed uint8 tensor of `size` bytes (never empty, so every rank sends a tensor)."""
+    import torch
+
+    tensor = torch.zeros(max(size, 1), dtype=torch.uint8)
+    if data:
+        tensor[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return tensor
 
 
 def join_group(launch: Launch, timeout_s: float | None = None) -> ProcessGroup:

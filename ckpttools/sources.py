@@ -14,8 +14,7 @@ from .errors import UnsupportedCheckpointError
 from .layout import CheckpointLocation, locate
 from .parallel import KIND_NAMES
 from .reader import ZeroCheckpoint
-from .universal import _resolve as universal_root
-from .universal import is_universal, read_universal
+from .universal import is_universal, read_universal, resolve_root
 
 # layout -> (module, function): imported when a checkpoint of that layout is opened
 LAYOUT_READERS = {
@@ -45,7 +44,7 @@ def checkpoint_root(
     (`latest`, trainer_state.json) alone."""
     path = Path(path)
     if path.is_dir() and is_universal(path):
-        return universal_root(path, tag)
+        return resolve_root(path, tag)
     loc = locate(path, tag=tag, step=step, best=best)
     return loc.root, loc.tag
 

@@ -52,7 +52,8 @@ def is_universal(path: Path) -> bool:
     return (path / LATEST).is_file() or (path / "zero" / "optimizer_state.pt").is_file()
 
 
-def _resolve(path: Path, tag: str | None) -> tuple[Path, str]:
+def resolve_root(path: Path, tag: str | None) -> tuple[Path, str]:
+    """The universal checkpoint's root and tag for a root (`latest_universal`, or `tag`) or a tag folder."""
     if (path / "zero").is_dir():
         return path.parent, path.name
     if tag is None:
@@ -73,7 +74,7 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
         CkptError subclasses naming the file: missing per-parameter files, sizes that do not match the
         parameter, optimizer state keys or steps that differ between parameters of one group.
     """
-    root, tag = _resolve(Path(path), tag)
+    root, tag = resolve_root(Path(path), tag)
     tag_dir = root / tag
     zero = tag_dir / "zero"
     if not (zero / "optimizer_state.pt").is_file():
@@ -103,8 +104,9 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     _same_state_keys(zero, params)
     dp = int(f0.get(f0.obj, "dp_world_size", int))
     bit16 = zero3_frozen(models, dp) if stage == 3 else zero12_bit16(f0, mod, by_name)
-    if tp > 1:
-        bit16 = _without_tp_shards(tag_dir, bit16, by_name)
+    if tp > 1:  # a TP rank's module holds its shards, which the merged fp32 masters replace
+        _refuse_frozen_tp_shards(tag_dir, bit16, by_name)
+        bit16 = {}
     check_ties_and_keys(f0, mod, by_name, {n: s for n, s in bit16.items() if n not in by_name})
     ds_config = dict_at(f0.obj, "ds_config")
     prefix = "bf16_" if dict_at(ds_config, "bf16").get("enabled") else ""
@@ -132,11 +134,8 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     )
 
 
-def _without_tp_shards(
-    tag_dir: Path, bit16: dict[str, TensorSource], params: dict[str, Param]
-) -> dict[str, TensorSource]:
-    """A TP rank's module holds its shards of the weights, which the merged fp32 masters replace. Frozen params
-    exist there only as shards, which a universal folder does not merge: refused."""
+def _refuse_frozen_tp_shards(tag_dir: Path, bit16: dict[str, TensorSource], params: dict[str, Param]) -> None:
+    """Frozen params of a TP run exist only as the TP ranks' shards, which a universal folder does not merge."""
     frozen = sorted(n for n in bit16 if n not in params)
     if frozen:
         raise UnsupportedCheckpointError(
@@ -144,7 +143,6 @@ def _without_tp_shards(
             "...): they exist only as TP shards, which ckpttools does not merge from a universal folder; use the "
             "native checkpoint it was converted from"
         )
-    return {}
 
 
 def _model_files(tag_dir: Path, stage: int) -> list[RankFile]:
@@ -157,8 +155,13 @@ def _model_files(tag_dir: Path, stage: int) -> list[RankFile]:
         raise CheckpointNotFoundError(
             f"{tag_dir} has no {'zero_pp_rank_*_' if stage == 3 else ''}mp_rank_00_model_states.pt"
         )
+    if set(found) != set(range(len(found))):
+        raise CorruptCheckpointError(
+            f"{tag_dir}: model-state files for ranks {sorted(found)}; expected 0-{len(found) - 1}"
+        )
+    models = [RankFile(found[i], load_pickle(found[i]), "model-states") for i in range(len(found))]
     if stage != 3 and len(found) > 1:
-        first = load_pickle(found[min(found)])
+        first = models[0].obj
         pp = dict_at(first, "checkpoint_parallel_dimensions").get("pp_degree")
         kind = "pipeline" if isinstance(pp, int) and pp > 1 else None
         if kind is None and not isinstance(first.get("universal_checkpoint_info"), dict):
@@ -169,11 +172,6 @@ def _model_files(tag_dir: Path, stage: int) -> list[RankFile]:
                 "checkpoint, which ckpttools does not read back; use the native checkpoint it was converted from, "
                 'or load it in DeepSpeed with "checkpoint": {"load_universal": true}'
             )
-    if set(found) != set(range(len(found))):
-        raise CorruptCheckpointError(
-            f"{tag_dir}: model-state files for ranks {sorted(found)}; expected 0-{len(found) - 1}"
-        )
-    models = [RankFile(found[i], load_pickle(found[i]), "model-states") for i in range(len(found))]
     dp = models[0].obj.get("dp_world_size")
     if stage == 3 and dp != len(models):
         raise CheckpointNotFoundError(

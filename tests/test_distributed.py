@@ -17,8 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from ckpttools.consolidate import DTYPES, _plan_output, _records_to_verify
-from ckpttools.distributed import Launch, RankFailedError, describe_failure, launch_from_env, plan_by_bytes
+from ckpttools.consolidate import DTYPES, _plan_output, _tensor_records
+from ckpttools.distributed import (
+    Launch,
+    RankFailedError,
+    describe_failure,
+    launch_from_env,
+    plan_by_bytes,
+    records_to_verify,
+)
 from ckpttools.errors import CorruptCheckpointError, UsageError
 from ckpttools.sources import open_checkpoint
 
@@ -197,8 +204,7 @@ def _damage_a_record_checked_by(rank, world, ckpt_dir, max_shard_size):
     """Flip one byte of a tensor record whose CRC-32 check the planner gives to `rank`."""
     ckpt = open_checkpoint(ckpt_dir)
     plan = _plan_output(ckpt, DTYPES["fp32"], "safetensors", max_shard_size, None)
-    group = Launch(rank, world, "", 0)
-    record = max(_records_to_verify(plan.tensors, group), key=lambda r: r.nbytes)
+    record = max(records_to_verify(_tensor_records(plan.tensors), rank, world), key=lambda r: r.nbytes)
     with open(record.path, "r+b") as fh:
         fh.seek(record.offset + record.nbytes // 2)
         byte = fh.read(1)
@@ -294,7 +300,6 @@ def test_reshard_on_ranks_is_byte_identical_to_one_process(tmp_path, ckpt_dir, w
 
 
 def test_one_rank_failing_a_reshard_fails_every_rank_and_leaves_nothing_behind(tmp_path):
-    from ckpttools.distributed import records_to_verify
     from ckpttools.reshard import _records_read, _tag_files
 
     ckpt_dir = tmp_path / "ckpt"
