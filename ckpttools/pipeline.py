@@ -46,7 +46,7 @@ from .reader import (
     zero_stage_of,
 )
 from .torchfile import LazyTensor, RecordReader, load_pickle
-from .universal import MASTER, NAME_KEY, STEP, whole_tensor
+from .universal import MASTER, param_files
 
 LAYER_RE = re.compile(r"^layer_(?P<layer>\d+)-model_states\.pt$")
 LAYER_TP_RE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$")
@@ -537,13 +537,7 @@ def pipeline_universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
             "reshard natively instead"
         )
     _check_tied_copies_equal(ckpt)
-    files: dict[str, Any] = {}
-    for p in ckpt.params:
-        folder = f"zero/{p.file_name}"
-        for key, src in {MASTER: p.fp32, **p.states}.items():
-            files[f"{folder}/{key}.pt"] = {"param": whole_tensor(src, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
-        if STEP in opt.group_scalars[p.group]:
-            files[f"{folder}/{STEP}.pt"] = opt.group_scalars[p.group][STEP]
+    files = param_files(ckpt.params, opt.group_scalars)
     files["zero/optimizer_state.pt"] = dict(opt.common)
     for s, model in enumerate(ckpt.model_files):
         files[f"mp_rank_{s:02d}_model_states.pt"] = model

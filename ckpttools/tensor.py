@@ -42,7 +42,7 @@ from .reader import (
     zero_stage_of,
 )
 from .torchfile import RecordReader, load_pickle
-from .universal import MASTER, NAME_KEY, STEP, whole_tensor
+from .universal import NAME_KEY, param_files, whole_tensor
 
 AFFINE_MAP_VERSION = 1
 
@@ -707,14 +707,12 @@ def tensor_universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
             "reshard natively instead"
         )
     info = ckpt.model_files[0].get("universal_checkpoint_info") or {}
-    files: dict[str, Any] = {}
-    for p in ckpt.params:
-        markers = _universal_markers(info, p.file_name)
-        folder = f"zero/{p.file_name}"
-        for key, src in {MASTER: p.fp32, **p.states}.items():
-            files[f"{folder}/{key}.pt"] = {**markers, "param": whole_tensor(src, p.shape), NAME_KEY: p.file_name}
-        if STEP in opt.group_scalars[p.group]:
-            files[f"{folder}/{STEP}.pt"] = opt.group_scalars[p.group][STEP]
+    markers = {p.file_name: _universal_markers(info, p.file_name) for p in ckpt.params}
+
+    def state_file(p: Param, src: TensorSource) -> dict[str, Any]:
+        return {**markers[p.file_name], "param": whole_tensor(src, p.shape), NAME_KEY: p.file_name}
+
+    files = param_files(ckpt.params, opt.group_scalars, state_file)
     files["zero/optimizer_state.pt"] = dict(opt.common)
     # ds_to_universal copies every TP rank's model-states file: their maps describe the saved TP shards
     files.update(zip(ckpt.layout.details["model_files"], ckpt.model_files, strict=True))

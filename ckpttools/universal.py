@@ -11,6 +11,7 @@ Layout (`ds_to_universal`'s, and what `"checkpoint": {"load_universal": true}` r
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -285,6 +286,27 @@ def whole_tensor(src: TensorSource, shape: tuple[int, ...] | None = None, dtype:
     return NewTensor(dtype or src.dtype, pieces, shape)
 
 
+def _state_file(p: Param, src: TensorSource) -> dict[str, Any]:
+    # NAME_KEY lets a reader see a file moved to another parameter's folder (DeepSpeed ignores extra keys)
+    return {"param": whole_tensor(src, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
+
+
+StateFile = Callable[[Param, TensorSource], dict[str, Any]]  # one state's file object, from its param and source
+
+
+def param_files(params: Sequence[Param], group_scalars: Sequence[dict[str, Any]],
+                state_file: StateFile = _state_file) -> dict[str, Any]:  # fmt: skip
+    """`zero/<name>/{fp32,<state>}.pt` (each `state_file(param, source)`) and `step.pt`, for every param."""
+    files: dict[str, Any] = {}
+    for p in params:
+        folder = f"zero/{p.file_name}"
+        for key, src in {MASTER: p.fp32, **p.states}.items():
+            files[f"{folder}/{key}.pt"] = state_file(p, src)
+        if STEP in group_scalars[p.group]:
+            files[f"{folder}/{STEP}.pt"] = group_scalars[p.group][STEP]
+    return files
+
+
 def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     """Relative path -> object: the universal layout of a checkpoint, one folder per parameter.
 
@@ -306,15 +328,7 @@ def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         raise CorruptCheckpointError(
             "elastic ZeRO-1/2 checkpoints carry no param_groups for the universal format; reshard natively instead"
         )
-    files: dict[str, Any] = {}
-    for p in ckpt.params:
-        folder = f"zero/{p.file_name}"
-        # NAME_KEY lets a reader see a file moved to another parameter's folder (DeepSpeed ignores extra keys)
-        files[f"{folder}/{MASTER}.pt"] = {"param": whole_tensor(p.fp32, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
-        for key, src in p.states.items():
-            files[f"{folder}/{key}.pt"] = {"param": whole_tensor(src, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
-        if STEP in opt.group_scalars[p.group]:
-            files[f"{folder}/{STEP}.pt"] = opt.group_scalars[p.group][STEP]
+    files = param_files(ckpt.params, opt.group_scalars)
     common = dict(opt.common)
     if ckpt.zero_stage == 3:  # DeepSpeed reads the step from state[first sub-group]; keyed like its sub-groups
         state = {
