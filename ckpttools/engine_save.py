@@ -26,7 +26,7 @@ from . import dtypes, hf
 from .consolidate import plan_shards
 from .dtypes import DType
 from .errors import CkptError, OutputError, UnsupportedCheckpointError, UsageError
-from .staging import StagedFolder
+from .staging import StagedFolder, WriteBehind
 from .writer import CHUNK_BYTES, safetensors_header, written_dtype
 
 DEFAULT_MAX_GATHER_BYTES = 64 << 20  # 64 MiB: large enough to keep all-gathers efficient, small beside any real model
@@ -300,6 +300,7 @@ class _ShardWriter:
         self.shards = shards
         self.chunk_bytes = chunk_bytes
         self.fh: IO[bytes] | None = None
+        self.behind: WriteBehind | None = None
         self.fname: str | None = None
         self.expected = 0
         self.written = 0
@@ -321,6 +322,7 @@ class _ShardWriter:
         self.finish_file()
         header = safetensors_header(self.shards[fname], {"format": "pt"})
         self.fh = open(self.folder / fname, "wb")  # noqa: SIM115 - closed in finish_file
+        self.behind = WriteBehind(self.fh)
         self.fname = fname
         self.fh.write(header)
         self.expected = len(header) + sum(e.nbytes for e in self.shards[fname])
@@ -351,6 +353,8 @@ class _ShardWriter:
                 self.peak_buffer = max(self.peak_buffer, chunk.numel() * chunk.element_size())
             data = chunk.view(torch.uint8).numpy()
             self.fh.write(memoryview(data))
+            if self.behind is not None:
+                self.behind.wrote()
             self.written += data.nbytes
 
     def finish_file(self) -> None:

@@ -25,6 +25,7 @@ from . import dtypes
 from .dtypes import DType
 from .errors import CheckpointNotFoundError, CkptError, UnsupportedCheckpointError
 from .reader import TensorSource, ZeroCheckpoint
+from .staging import WriteBehind
 from .torchfile import RecordReader
 from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, safetensors_header, write_safetensors
 
@@ -487,6 +488,7 @@ def write_merged_safetensors(
     header = safetensors_header(tensors, {"format": "pt"})
     written = len(header)
     with open(path, "wb") as fh:
+        behind = WriteBehind(fh)
         fh.write(header)
         for t in tensors:
             value = merged_value(t, reader)
@@ -494,6 +496,7 @@ def write_merged_safetensors(
                 raise PeftError(f"{t.name} came out {list(value.shape)}, not {list(t.shape)}")
             raw = value.reshape(-1).view(torch.uint8).numpy()
             fh.write(memoryview(raw))
+            behind.wrote()
             written += t.nbytes
             if on_progress:
                 on_progress(t.nbytes)

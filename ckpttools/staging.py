@@ -2,20 +2,27 @@
 
 A failed, interrupted (SIGINT, SIGTERM) or refused run leaves nothing behind; two runs aimed at the same
 output never share a temp folder, and the loser of a race fails instead of mixing files with the winner.
+The folder is on the disk before it is renamed (`flush_to_disk`), so a crash or power loss after the rename
+cannot leave a published folder of empty or torn files; `WriteBehind` starts that write-back while the
+bytes are still being produced, so waiting for it at the end costs little.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import errno
+import functools
 import os
 import secrets
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import IO, TYPE_CHECKING
 
 from .errors import OutputError
 
@@ -94,6 +101,7 @@ class StagedFolder:
         self.path.mkdir()
 
     def commit(self) -> None:
+        flush_to_disk(self.path)
         publish(self.path, self.out, self.overwrite)
 
     def abort(self) -> None:
@@ -142,6 +150,7 @@ def shared_staged_folder(out: Path, *, overwrite: bool, needed_bytes: int = 0, g
             group.run_agreed(lambda: _check_visible(path))
             try:
                 yield path
+                flush_to_disk(path)  # each rank its own bytes: on shared storage only the writer can flush them
             except BaseException as e:
                 group.agree(e)
                 raise
@@ -184,5 +193,75 @@ def publish(tmp: Path, out: Path, overwrite: bool) -> None:
         if old is not None and not out.exists():
             old.rename(out)  # put the previous output back
         raise OutputError(f"cannot move the finished output into {out} ({e.strerror}); nothing replaced") from e
+    _fsync_dir(out.parent)  # the rename itself
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Bytes to the disk
+# --------------------------------------------------------------------------------------------------
+
+
+class WriteBehind:
+    """Hands written bytes to the disk a window behind the writer (POSIX_FADV_DONTNEED on written ranges).
+
+    Left alone, the kernel starts write-back only once a few GB are dirty and then throttles the writer;
+    asked early, the disk writes while the next bytes are still being read (355M ZeRO-2 -> DP 2, 5 GB
+    written: median 9.0 s instead of 10.5 s over 5 alternating cold runs), and `flush_to_disk` finds little
+    left to wait for. A hint: never fails.
+    """
+
+    WINDOW = 64 << 20
+
+    def __init__(self, fh: IO[bytes]) -> None:
+        self.fh, self.done = fh, 0  # bytes before `done` have been handed over
+
+    def wrote(self) -> None:
+        end = self.fh.tell() - self.WINDOW
+        if end - self.done >= self.WINDOW and hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self.fh.fileno(), self.done, end - self.done, os.POSIX_FADV_DONTNEED)
+            self.done = end
+
+
+def flush_to_disk(folder: Path) -> None:
+    """Wait until every byte this process wrote to `folder`'s filesystem is on the disk (syncfs, else sync).
+
+    One call per process, however many files it wrote; an I/O error the kernel kept for later (EIO, ENOSPC
+    on write-back) surfaces here, before anything is published.
+    """
+    syncfs = _libc_syncfs()
+    if syncfs is None:
+        os.sync()
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        if syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            if err not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                raise OutputError(
+                    f"writing the output in {folder} failed on the disk ({os.strerror(err)}); nothing was published"
+                )
+            os.sync()
+    finally:
+        os.close(fd)
+
+
+@functools.cache
+def _libc_syncfs() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    try:
+        return getattr(ctypes.CDLL(name, use_errno=True), "syncfs", None) if name else None
+    except OSError:
+        return None
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (a hint where the platform cannot open folders)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 from . import dtypes
 from .dtypes import DType
 from .reader import Segment, TensorSource
+from .staging import WriteBehind
 from .threads import Workers, resolve_workers
 from .torchfile import ReadAhead, Record, RecordReader
 
@@ -196,10 +197,12 @@ def write_safetensors(
     header = safetensors_header(tensors, metadata or {"format": "pt"})
     written = 0
     with open(path, "wb") as fh, Workers(resolve_workers(workers)) as pool:
+        behind = WriteBehind(fh)
         fh.write(header)
         written += len(header)
         for chunk in _ChunkPump(tensors, reader, chunk_bytes, pool):
             fh.write(chunk)
+            behind.wrote()
             written += len(chunk)
             if on_progress:
                 on_progress(len(chunk))

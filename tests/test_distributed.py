@@ -12,8 +12,6 @@ import os
 import shutil
 import subprocess
 import sys
-import zipfile
-from pathlib import Path
 
 import pytest
 
@@ -29,17 +27,7 @@ from ckpttools.distributed import (
 from ckpttools.errors import CorruptCheckpointError, UsageError
 from ckpttools.sources import open_checkpoint
 
-from .conftest import FIXTURES
-from .mutations import SERIALIZATION_ID
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import ds_launch  # noqa: E402
-
-CKPT = Path(sys.executable).with_name("ckpt")
-Z3 = FIXTURES / "z3_dp2_bf16" / "checkpoint"
-TRAINER = FIXTURES / "trainer_z3_gather_bf16" / "out" / "checkpoint-2"
-
+from .ranks import TRAINER, Z2, Z3, _env, _on_ranks, _one_process, _tree_sha256, ds_launch
 
 # --------------------------------------------------------------------------------------------------
 # The pure parts
@@ -124,35 +112,6 @@ def test_a_one_process_run_never_imports_torch_distributed(tmp_path, world):
 # --------------------------------------------------------------------------------------------------
 # Real runs on several processes
 # --------------------------------------------------------------------------------------------------
-
-
-def _env():
-    return ds_launch.worker_env(base={**os.environ, "PATH": f"{CKPT.parent}{os.pathsep}{os.environ['PATH']}"},
-                                CKPT_DIST_TIMEOUT="120")  # fmt: skip
-
-
-def _on_ranks(n, *args):
-    """Run `ckpt ARGS` as ranks 0..n-1 of one group; each rank's (exit code, stdout, stderr)."""
-    port = ds_launch.free_port()
-    procs = []
-    for rank in range(n):
-        env = {**_env(), "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
-        procs.append(subprocess.Popen([str(CKPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, env=env))  # fmt: skip
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=300)
-        results.append((p.returncode, out, err))
-    return results
-
-
-def _one_process(*args):
-    proc = subprocess.run(
-        [str(CKPT), *map(str, args)], capture_output=True, text=True, env=_env(), timeout=300, check=False
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout) if "--json" in args else proc.stdout
 
 
 def _digest(folder):
@@ -246,25 +205,6 @@ def test_a_refusal_every_rank_meets_is_the_one_process_line_from_rank_0(tmp_path
 # ckpt reshard on several processes
 # --------------------------------------------------------------------------------------------------
 
-Z2 = FIXTURES / "z2_dp2_bf16" / "checkpoint"
-
-
-def _tree_sha256(folder):
-    """sha256 of every file under `folder`; for a torch.save zip, of each member but the random
-    serialization_id torch writes anew in every save (two one-process runs differ there too)."""
-    digests = {}
-    for p in sorted(folder.rglob("*")):
-        if not p.is_file():
-            continue
-        if zipfile.is_zipfile(p):
-            with zipfile.ZipFile(p) as zf:
-                members = [(i.filename, i.header_offset, zf.read(i)) for i in zf.infolist()]
-            kept = [(n, off, data) for n, off, data in members if not n.endswith(SERIALIZATION_ID)]
-            assert len(kept) == len(members) - 1, p
-            digests[str(p.relative_to(folder))] = (p.stat().st_size, hashlib.sha256(repr(kept).encode()).hexdigest())
-        else:
-            digests[str(p.relative_to(folder))] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-    return digests
 
 
 @pytest.mark.parametrize(

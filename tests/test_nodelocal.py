@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from ckpttools.sources import open_checkpoint
 from ckpttools.torchfile import RecordReader
 
 from .conftest import FIXTURES
-from .test_distributed import CKPT, TRAINER, Z2, Z3, _env, _tree_sha256, ds_launch
+from .ranks import CKPT, TRAINER, Z2, Z3, _env, _tree_sha256, ds_launch
 
 RANK_FILE = re.compile(r"_pp_rank_(\d+)_")
 
@@ -291,3 +292,73 @@ def test_an_existing_output_is_refused_before_anything_moves(tmp_path):
     assert [rc for rc, _, _ in runs] == [1, 1], runs
     assert "already exists" in runs[0][2] and str(tmp_path / "out") in runs[0][2], runs[0]
     assert not list(tmp_path.glob(".ckpt-gather-*")) and not any((tmp_path / "out").iterdir())
+
+
+# --------------------------------------------------------------------------------------------------
+# Two launcher agents: what two nodes of `torchrun --nnodes 2 --nproc-per-node 2` do, on one machine
+# --------------------------------------------------------------------------------------------------
+
+
+def _two_node_torchrun(per_node_args, nproc=2):
+    """One torchrun agent per node (static rendezvous at 127.0.0.1), node n running `ckpt ARGS[n]`."""
+    port = ds_launch.free_port()
+    procs = []
+    for node, args in enumerate(per_node_args):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(per_node_args)), "--node-rank",
+               str(node), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+               "--no-python", str(CKPT), *map(str, args)]  # fmt: skip
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()))
+    return [_finish(p) for p in procs]
+
+
+def split_by_launch_node(ckpt: Path, dst: Path, nodes: int, per_node: int) -> list[Path]:
+    """What node-local disks hold after `--nnodes NODES --nproc-per-node PER_NODE`: DP rank r on node r // per_node."""
+    folders = [dst / f"node{n}" / ckpt.name for n in range(nodes)]
+    for path in sorted(ckpt.rglob("*")):
+        if not path.is_file():
+            continue
+        rel = path.relative_to(ckpt)
+        m = RANK_FILE.search(path.name)
+        owners = [int(m.group(1)) // per_node] if m else list(range(nodes)) if path.name == "latest" else [0]
+        if path.name == "mp_rank_00_model_states.pt":
+            owners = list(range(nodes))
+        for n in owners:
+            (folders[n] / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, folders[n] / rel)
+    return folders
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("ckpt_dir", "command"),
+    [(FIXTURES / "z3_dp4_bf16" / "checkpoint", ["consolidate", "--max-shard-size", "2KB", "--dtype", "bf16"]),
+     (FIXTURES / "z2_dp4_bf16" / "checkpoint", ["reshard", "--dp", "2"])],
+    ids=["z3_dp4_consolidate", "z2_dp4_reshard_dp2"],
+)  # fmt: skip
+def test_two_nodes_with_local_folders_give_the_one_process_output(tmp_path, ckpt_dir, command):
+    """Two torchrun agents, two ranks each; node n's folder holds DP ranks 2n and 2n+1 only."""
+    single = one_process(*command, ckpt_dir, "--out", tmp_path / "one", "--json")
+    folders = split_by_launch_node(ckpt_dir, tmp_path / "nodes", nodes=2, per_node=2)
+    runs = _two_node_torchrun([[*command, f, "--out", tmp_path / "many", "--json"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    assert runs[1][0] == 0 and runs[1][1] == "", runs[1]  # node 1's ranks print nothing
+    data = json.loads(runs[0][1])
+    assert data["world_size"] == 4
+    assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")
+    assert data["files"] == single["files"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["many", "nodes", "one"]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_shared_storage_split_the_shards(tmp_path):
+    """The same launch on one shared folder: each of the 4 ranks writes shards, the output is the one process's."""
+    ckpt = FIXTURES / "z3_dp4_bf16" / "checkpoint"
+    args = ["consolidate", ckpt, "--max-shard-size", "1KB", "--json"]
+    single = one_process(*args, "--out", tmp_path / "one")
+    runs = _two_node_torchrun([[*args, "--out", tmp_path / "many"]] * 2)
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    data = json.loads(runs[0][1])
+    assert data["world_size"] == 4
+    shard_ranks = sorted(r for f, r in data["ranks"].items() if f.endswith(".safetensors"))
+    assert len(shard_ranks) == 3 and len(set(shard_ranks)) == 3 and max(shard_ranks) >= 2  # node 1 wrote one
+    assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")

@@ -457,7 +457,7 @@ def test_universal_refuses_tied_copies_that_differ(tmp_path: Path) -> None:
 def test_universal_on_two_ranks_is_byte_identical_to_one_process(tmp_path: Path) -> None:
     """Under a launcher the parameter folders are split over the ranks (each folder whole on one), the stage files
     and zero/optimizer_state.pt included: the same bytes as one process writes."""
-    from .test_distributed import _on_ranks, _one_process, _tree_sha256
+    from .ranks import _on_ranks, _one_process, _tree_sha256
 
     src = FIXTURES / "pp2_dp2_z1_bf16" / "checkpoint"
     single = _one_process("reshard", src, "--universal", "--json", "--out", tmp_path / "one")

@@ -76,3 +76,53 @@ def test_sigterm_while_writing_leaves_nothing(tmp_path):
     os.kill(proc.pid, signal.SIGTERM)
     proc.wait(timeout=20)
     assert proc.returncode != 0 and _siblings(tmp_path) == []
+
+
+def test_the_folder_reaches_the_disk_before_it_is_renamed(tmp_path, monkeypatch):
+    """A crash after the rename must not leave a published folder of unwritten files."""
+    from ckpttools import staging
+
+    events = []
+    monkeypatch.setattr(staging, "flush_to_disk", lambda folder: events.append(("flush", folder.name)))
+    real_publish = staging.publish
+    monkeypatch.setattr(staging, "publish", lambda *a: (events.append(("publish", a[0].name)), real_publish(*a)))
+    with staged_folder(tmp_path / "out", overwrite=False) as tmp:
+        (tmp / "a.txt").write_text("x")
+    assert events == [("flush", tmp.name), ("publish", tmp.name)]
+    assert (tmp_path / "out" / "a.txt").read_text() == "x"
+
+
+def test_a_write_back_error_fails_the_run_and_publishes_nothing(tmp_path, monkeypatch):
+    """EIO from syncfs: bytes the kernel accepted never reached the disk."""
+    import errno
+
+    from ckpttools import staging
+
+    def failing_syncfs(fd):
+        staging.ctypes.set_errno(errno.EIO)
+        return -1
+
+    monkeypatch.setattr(staging, "_libc_syncfs", lambda: failing_syncfs)
+    with pytest.raises(OutputError, match="failed on the disk") as info:
+        with staged_folder(tmp_path / "out", overwrite=False) as tmp:
+            (tmp / "a.txt").write_text("x")
+    assert "nothing was published" in str(info.value)
+    assert _siblings(tmp_path) == []
+
+
+def test_flush_falls_back_to_sync_without_syncfs(tmp_path, monkeypatch):
+    from ckpttools import staging
+
+    calls = []
+    monkeypatch.setattr(staging, "_libc_syncfs", lambda: None)
+    monkeypatch.setattr(staging.os, "sync", lambda: calls.append("sync"))
+    staging.flush_to_disk(tmp_path)
+    assert calls == ["sync"]
+
+
+def test_syncfs_is_found_on_linux():
+    from ckpttools import staging
+
+    if sys.platform.startswith("linux"):
+        assert staging._libc_syncfs() is not None
+        staging.flush_to_disk(staging.Path("."))  # a real call succeeds
