@@ -237,6 +237,18 @@ def floor_run(kind: str, ranges: list[tuple[Path, int, int]], out_bytes: int, wo
     return r
 
 
+def disk_counters(path: Path) -> dict[str, int] | None:
+    """Bytes read and written so far by the block device holding `path` (/proc/diskstats), or None."""
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    text = _read("/proc/diskstats") or ""
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) > 9 and int(f[0]) == major and int(f[1]) == minor:
+            return {"read": int(f[5]) * 512, "written": int(f[9]) * 512}
+    return None
+
+
 # ======================================================================================
 # the cases
 # ======================================================================================
@@ -254,10 +266,29 @@ def ckpt_shim(cache: Path) -> Path:
     return shim
 
 
-def torchrun_no_python(nproc: int, argv: list[str]) -> list[str]:
+# Each rank's own I/O counters, written when it exits: the wrapping sh's /proc/self/io once it has reaped the rank
+# counts the rank alone (the launcher's counters add every reaped rank once more). A builtin loop, so that "self"
+# is the sh; no `$$`: torchrun's macro substitution (string.Template) turns it into `$`.
+RANK_IO = 'io=$1; shift; "$@"; rc=$?; while read -r l; do echo "$l"; done < /proc/self/io > "$io.$RANK"; exit $rc'
+
+
+def torchrun_no_python(nproc: int, argv: list[str], io: Path | None = None) -> list[str]:
+    wrap = ["/bin/sh", "-c", RANK_IO, "sh", str(io)] if io is not None else []
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--nnodes", "1",
             "--master-addr", "127.0.0.1", "--master-port", str(ds_launch.free_port()),
-            "--no-python", *argv]  # fmt: skip
+            "--no-python", *wrap, *argv]  # fmt: skip
+
+
+def rank_io(io: Path) -> dict[str, Any]:
+    """Sum of the ranks' rchar / read_bytes (and each rank's rchar) from the files RANK_IO left."""
+    ranks = {}
+    for f in sorted(io.parent.glob(io.name + ".*")):
+        fields = dict(line.split(": ") for line in f.read_text().splitlines() if ": " in line)
+        ranks[f.suffix[1:]] = {k: int(v) for k, v in fields.items()}
+        f.unlink()
+    return {"ranks": len(ranks), "rchar": sum(r.get("rchar", 0) for r in ranks.values()),
+            "rank_read_bytes": sum(r.get("read_bytes", 0) for r in ranks.values()),
+            "rchar_by_rank": {k: r.get("rchar", 0) for k, r in ranks.items()}}  # fmt: skip
 
 
 def cases(ckpt: Path, work: Path, ckpt_bin: str, cores: int) -> list[dict[str, Any]]:
@@ -327,6 +358,10 @@ def cases(ckpt: Path, work: Path, ckpt_bin: str, cores: int) -> list[dict[str, A
                       "--num_extract_workers", "8", "--num_merge_workers", "4"]})  # fmt: skip
     c += [{"id": f"floor {kind} (reshard)", "group": "reshard", "floor": kind, "reads": "all", "dtype": "reshard"}
           for kind in ("read", "write", "overlapped")]  # fmt: skip
+    io = work / "io" / "rank"
+    for p in (1, 8):
+        c.append({"id": f"torchrun P={p} --no-python true (start-up alone)", "group": "processes", "procs": p,
+                  "out": work / "none", "cmd": torchrun_no_python(p, ["true"])})  # fmt: skip
     for p in (1, 2, 4, 8):
         out = work / f"procs{p}"
         c.append(
@@ -335,23 +370,33 @@ def cases(ckpt: Path, work: Path, ckpt_bin: str, cores: int) -> list[dict[str, A
                 "group": "processes",
                 "out": out,
                 "procs": p,
+                "io": io,
                 "keep": "scaling" if p == 1 else None,
                 "same_as": work / "procs1" if p > 1 else None,
                 "dtype": "bf16",
-                "cmd": torchrun_no_python(p, [*cons, str(out), "--dtype", "bf16", "--max-shard-size", SCALING_SHARD]),
+                "cmd": torchrun_no_python(
+                    p, [*cons, str(out), "--dtype", "bf16", "--max-shard-size", SCALING_SHARD], io
+                ),
             }
         )
-    for p in (1, 4):
-        out = work / f"rprocs{p}"
-        c.append({"id": f"torchrun P={p} ckpt reshard --dp 4", "group": "processes", "out": out, "procs": p,
-                  "cmd": torchrun_no_python(p, [ckpt_bin, "reshard", str(ckpt), "--dp", "4", "--out", str(out),
-                                                "--overwrite", "-q"])})  # fmt: skip
+    for p in (2, 4, 8):
+        out = work / f"uprocs{p}"
+        c.append({"id": f"torchrun P={p} ckpt reshard --universal", "group": "processes", "out": out, "procs": p,
+                  "io": io, "cmd": torchrun_no_python(p, [ckpt_bin, "reshard", str(ckpt), "--universal", "--out",
+                                                          str(out), "--overwrite", "-q"], io)})  # fmt: skip
+    out = work / "rprocs4"
+    c.append({"id": "torchrun P=4 ckpt reshard --dp 4", "group": "processes", "out": out, "procs": 4, "io": io,
+              "cmd": torchrun_no_python(4, [ckpt_bin, "reshard", str(ckpt), "--dp", "4", "--out", str(out),
+                                            "--overwrite", "-q"], io)})  # fmt: skip
     return c
 
 
 def durable_run(case: dict[str, Any], log: Path) -> dict[str, Any]:
     """The tool's measured run, then `sync`: time until it exits and until its output is on the disk."""
     out = case["out"]
+    if case.get("io") is not None:
+        case["io"].parent.mkdir(parents=True, exist_ok=True)
+    disk0 = disk_counters(log.parent)
     with open(log, "ab") as fh:
         fh.write(("\n$ " + " ".join(map(str, case["cmd"])) + "\n").encode())
         fh.flush()
@@ -360,6 +405,12 @@ def durable_run(case: dict[str, Any], log: Path) -> dict[str, Any]:
     os.sync()
     r["sync_after_s"] = time.perf_counter() - t0
     r["durable_s"] = r["wall_s"] + r["sync_after_s"]
+    disk1 = disk_counters(log.parent)
+    if disk0 and disk1:  # the device's own counters: what reached or left the disk, the sync included
+        r["disk_read_bytes"] = disk1["read"] - disk0["read"]
+        r["disk_written_bytes"] = disk1["written"] - disk0["written"]
+    if case.get("io") is not None:
+        r["rank_io"] = rank_io(case["io"])
     files = [p for p in out.rglob("*") if p.is_file()] if out.exists() else []
     r["out_bytes"] = sum(p.stat().st_size for p in files)
     r["out_files"] = len(files)
@@ -585,29 +636,44 @@ def _floor(results: dict[str, Any], name: str) -> float | None:
     return med(results["runs"].get(name, []), "wall_s")
 
 
-def table(results: dict[str, Any], ids: list[str], ref: str | None, floor: str | None, floor_label: str) -> list[str]:
+def table(results: dict[str, Any], ids: list[str], ref: str | None, floors: tuple[str, str, str]) -> list[str]:
+    """One row per tool: medians, and ratios to DeepSpeed's tool and to the two floors.
+
+    floors: the read floor, the write floor and the overlapped (read and write at once) floor's run ids; the
+    max floor is the slower of the first two (a perfectly overlapped tool on a disk whose reads and writes
+    do not share bandwidth), the concurrent floor what this disk does when both run at once.
+    """
     runs = results["runs"]
-    fl = _floor(results, floor) if floor else None
+    read_f, write_f, both_f = (_floor(results, f) for f in floors)
+    max_f = max(read_f, write_f) if read_f and write_f else None
     ref_t = med(runs.get(ref, []), "durable_s") if ref else None
-    lines = [(f"| tool | n | exits s | durable s | CPU s | peak RSS MB | read GB | written GB | vs DeepSpeed (durable) "
-             f"| x {floor_label} |"), "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| tool | n | exits s | durable s | CPU s | peak RSS MB | disk read GB | disk written GB | ranks' read() GB "
+             "| vs DeepSpeed | x max floor | x concurrent floor |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for i in ids:
         rs = runs.get(i)
         if not rs:
             continue
         ok = [r for r in rs if r.get("returncode") == 0]
         if not ok:
-            lines.append(f"| {i} | 0 | failed (rc {rs[0].get('returncode')}) | | | | | | | |")
+            lines.append(f"| {i} | 0 | failed (rc {rs[0].get('returncode')}) | | | | | | | | | |")
             continue
         d = med(rs, "durable_s")
         rss = med(rs, "peak_rss_tree")
         vs = d / ref_t if ref_t and i != ref else None
         cpu = statistics.median(r["user_s"] + r["sys_s"] for r in ok)
+        rchar = [r["rank_io"]["rchar"] for r in ok if r.get("rank_io", {}).get("ranks")]
         lines.append(f"| {i} | {len(ok)} | {_f(med(rs, 'wall_s'))} | {_f(d)} | {_f(cpu, '{:.1f}')} "
                      f"| {_f(rss and rss / 1e6, '{:,.0f}')} "
-                     f"| {_f((med(rs, 'read_bytes') or 0) / 1e9)} | {_f((med(rs, 'write_bytes') or 0) / 1e9)} "
-                     f"| {_f(vs)} | {_f(d / fl if fl and d else None)} |")  # fmt: skip
+                     f"| {_gb(med(rs, 'disk_read_bytes'))} | {_gb(med(rs, 'disk_written_bytes'))} "
+                     f"| {_gb(statistics.median(rchar) if rchar else None)} "
+                     f"| {_f(vs)} | {_f(d / max_f if max_f and d else None)} "
+                     f"| {_f(d / both_f if both_f and d else None)} |")  # fmt: skip
     return lines
+
+
+def _gb(v: float | None) -> str:
+    return "-" if v is None else f"{v / 1e9:.2f}"
 
 
 def floor_table(results: dict[str, Any], ids: list[str]) -> list[str]:
@@ -639,26 +705,28 @@ def render(results: dict[str, Any]) -> str:
              f"{(b.get('total_bytes') or 0) / 1e9:.2f} GB "
              f"in {b.get('num_files')} files; fp32 masters {by.get('fp32_masters', 0) / 1e9:.2f} GB."), "",
              ("Every run on a cold page cache (sync, settle, drop_caches, software read back in). *exits* = wall time "
-             "until the tool exits; *durable* = until a `sync` after it returns (the tools do not fsync; the floors "
-             "do). Ratios use durable medians. Floors: cold read with 8 threads of exactly the bytes needed "
+             "until the tool exits; *durable* = until a `sync` after it returns (ckpt flushes its output before it "
+             "publishes it, DeepSpeed's tools do not; the floors fsync). Ratios use durable medians. Floors: cold read with 8 threads of exactly the bytes needed "
              "(fp32 masters for consolidate, the whole tag folder for reshard), fsync'd write of the output size, and "
              "both at once (*overlapped*). CPU s = user + system time of the process tree."), ""]  # fmt: skip
     ids = list(results["runs"])
     lines += ["## Floors (the disk)", "", *floor_table(results, [i for i in ids if i.startswith("floor")]), ""]
     cons = [i for i in ids if i.startswith(("ckpt consolidate", "zero_to_fp32"))]
-    lines += ["## consolidate (bf16 floor: overlapped read of the fp32 masters + write of the bf16 size)", ""]
+    lines += ["## consolidate (floors: cold read of the fp32 masters; fsync'd write of the output size)", ""]
     z2f = "zero_to_fp32 --safe_serialization"
-    lines += [*table(results, [i for i in cons if "bf16" in i], z2f, "floor overlapped bf16", "bf16 floor"), ""]
-    lines += [*table(results, [i for i in cons if "bf16" not in i], z2f, "floor overlapped fp32", "fp32 floor"), ""]
+    bf16_floors = ("floor read", "floor write bf16", "floor overlapped bf16")
+    lines += [*table(results, [i for i in cons if "bf16" in i], z2f, bf16_floors), ""]
+    lines += [*table(results, [i for i in cons if "bf16" not in i], z2f,
+                     ("floor read", "floor write fp32", "floor overlapped fp32")), ""]  # fmt: skip
     resh = [i for i in ids if i.startswith(("ckpt reshard", "ds_to_universal"))]
     dsu = next((i for i in ids if i.startswith("ds_to_universal")), None)
-    lines += ["## reshard (floor: overlapped read of the tag folder + write of its size)", ""]
-    lines += [*table(results, resh, dsu, "floor overlapped (reshard)", "overlapped floor"), ""]
+    lines += ["## reshard (floors: cold read of the tag folder; fsync'd write of its size)", ""]
+    reshard_floors = ("floor read (reshard)", "floor write (reshard)", "floor overlapped (reshard)")
+    lines += [*table(results, resh, dsu, reshard_floors), ""]
     procs = [i for i in ids if i.startswith("torchrun")]
     lines += ["## processes on one node (torchrun --no-python)", ""]
-    lines += table(results, [i for i in procs if "consolidate" in i], None, "floor overlapped bf16", "bf16 floor")
-    reshard_procs = [i for i in procs if "reshard" in i]
-    lines += ["", *table(results, reshard_procs, None, "floor overlapped (reshard)", "overlapped floor"), ""]
+    lines += table(results, [i for i in procs if "reshard" not in i], None, bf16_floors)
+    lines += ["", *table(results, [i for i in procs if "reshard" in i], None, reshard_floors), ""]
     lines += ["## Checks", ""]
     for k, v in results.get("checks", {}).items():
         if k.startswith("digests"):
