@@ -22,7 +22,7 @@ from .reader import TensorSource, ZeroCheckpoint
 from .sources import checkpoint_root, open_checkpoint
 from .staging import check_output_dir, shared_staged_folder, staged_folder
 from .torchfile import Record, RecordReader
-from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, write_pt, write_safetensors
+from .writer import OutputTensor, ProgressFn, output_dtype, read_tensor, reused_buffers, write_pt, write_safetensors
 
 if TYPE_CHECKING:
     from .distributed import ProcessGroup
@@ -345,11 +345,12 @@ def source_summary(ckpt: ZeroCheckpoint) -> dict[str, Any]:
 def _write_shards(
     tmp: Path, shards: dict[str, list[OutputTensor]], to: str, reader: RecordReader, on_progress: ProgressFn | None
 ) -> list[str]:
-    for fname, group in shards.items():
-        if to == "safetensors":
-            write_safetensors(tmp / fname, group, reader, metadata={"format": "pt"}, on_progress=on_progress)
-        else:
-            write_pt(tmp / fname, group, reader, on_progress=on_progress)
+    with reused_buffers():
+        for fname, group in shards.items():
+            if to == "safetensors":
+                write_safetensors(tmp / fname, group, reader, metadata={"format": "pt"}, on_progress=on_progress)
+            else:
+                write_pt(tmp / fname, group, reader, on_progress=on_progress)
     return list(shards)
 
 

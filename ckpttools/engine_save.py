@@ -26,7 +26,7 @@ from . import dtypes, hf
 from .consolidate import plan_shards
 from .dtypes import DType
 from .errors import CkptError, OutputError, UnsupportedCheckpointError, UsageError
-from .staging import StagedFolder, WriteBehind
+from .staging import StagedFolder, WriteBehind, flush_to_disk
 from .writer import CHUNK_BYTES, safetensors_header, written_dtype
 
 DEFAULT_MAX_GATHER_BYTES = 64 << 20  # 64 MiB: large enough to keep all-gathers efficient, small beside any real model
@@ -361,11 +361,19 @@ class _ShardWriter:
         if self.fh is None:
             return
         fh, self.fh = self.fh, None
-        fh.close()
+        try:
+            if self.behind is not None:
+                self.behind.finish()
+        finally:
+            self.behind = None
+            fh.close()
         if self.written != self.expected:
             raise RuntimeError(f"{self.fname}: wrote {self.written} bytes, the header promises {self.expected}")
 
     def _close_quietly(self) -> None:
+        if self.behind is not None:
+            self.behind.settle()
+            self.behind = None
         if self.fh is not None:
             with contextlib.suppress(OSError):
                 self.fh.close()
@@ -628,7 +636,9 @@ def save_pretrained_from_engine(
             if not adapter:
                 names += _write_side_files(tmp, module, config, written_dtype, notes)
             if if_exists == "add" and out.is_dir():
+                staged[0].flush.wait()
                 _publish_into(tmp, out)
+                flush_to_disk(out)  # the moves into it
             else:
                 staged[0].commit()
             return names

@@ -500,6 +500,7 @@ def write_merged_safetensors(
             written += t.nbytes
             if on_progress:
                 on_progress(t.nbytes)
+        behind.finish()
     return written
 
 

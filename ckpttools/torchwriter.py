@@ -415,6 +415,7 @@ def _write_planned(plan: _PlannedFile, chunks: Iterator[memoryview], on_progress
             _write_record(zf, f"{stem}/data/{key}", nbytes, chunks, after_chunk)
         _write_record(zf, f"{stem}/version", 2, b"3\n")
         _write_record(zf, f"{stem}/.data/serialization_id", 16, os.urandom(8).hex().encode())
+        behind.finish()  # the central directory that close() adds is small
 
 
 def write_torch_file(path: Path, obj: Any, reader: RecordReader) -> int:

@@ -83,7 +83,7 @@ def test_the_folder_reaches_the_disk_before_it_is_renamed(tmp_path, monkeypatch)
     from ckpttools import staging
 
     events = []
-    monkeypatch.setattr(staging, "flush_to_disk", lambda folder: events.append(("flush", folder.name)))
+    monkeypatch.setattr(staging.DiskFlush, "wait", lambda self: events.append(("flush", self.folder.name)))
     real_publish = staging.publish
     monkeypatch.setattr(staging, "publish", lambda *a: (events.append(("publish", a[0].name)), real_publish(*a)))
     with staged_folder(tmp_path / "out", overwrite=False) as tmp:
@@ -126,3 +126,68 @@ def test_syncfs_is_found_on_linux():
     if sys.platform.startswith("linux"):
         assert staging._libc_syncfs() is not None
         staging.flush_to_disk(staging.Path("."))  # a real call succeeds
+
+
+def test_write_behind_hands_over_every_byte_by_the_end(tmp_path, monkeypatch):
+    """Ranges a window behind the writer while it writes, then the tail when the file is complete."""
+    from ckpttools import staging
+
+    calls = []
+    monkeypatch.setattr(staging.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)),
+                        raising=False)  # fmt: skip
+    window = staging.WriteBehind.WINDOW
+    with open(tmp_path / "f", "wb") as fh:
+        behind = staging.WriteBehind(fh)
+        for _ in range(5):
+            fh.write(bytes(window // 2 + 1))
+            behind.wrote()
+        behind.finish()
+        size = fh.tell()
+        staging.wait_for_hints()
+    assert calls[0][0] == 0 and all(a + n == b for (a, n, _), (b, _, _) in zip(calls, calls[1:]))
+    assert calls[-1][0] + calls[-1][1] == size and len(calls) >= 2
+    assert {advice for *_, advice in calls} == {os.POSIX_FADV_DONTNEED}
+
+
+def test_chunk_buffers_are_kept_for_the_next_file_only_inside_reused_buffers():
+    from ckpttools import writer
+
+    first = writer._spare_buffers(4, 1024)
+    writer._keep_buffers(first)
+    assert writer._spare_buffers(4, 1024) is not first  # outside the block nothing is kept
+    with writer.reused_buffers():
+        first = writer._spare_buffers(4, 1024)
+        writer._keep_buffers(first)
+        again = writer._spare_buffers(4, 1024)
+        assert again is first  # the same buffers, not new ones
+        assert writer._spare_buffers(4, 1024) is not first  # taken: a second pump at once gets its own
+        writer._keep_buffers(again)
+        assert all(len(b) == 2048 for b in writer._spare_buffers(4, 2048))  # another size: new ones
+        writer._keep_buffers(again)
+    assert writer._spare.buffers == []  # freed when the block ends
+
+
+def test_a_pump_run_to_the_end_leaves_its_buffers_for_the_next_file():
+    from ckpttools import writer
+
+    with writer.reused_buffers():
+        pump = writer._ChunkPump([], None, 1024)
+        assert list(pump) == []
+        assert writer._spare.buffers == pump.buffers
+
+
+def test_a_forked_child_gets_a_new_hint_thread(tmp_path):
+    """The parent's background thread does not exist in a child: the child must not wait on it forever."""
+    from ckpttools import staging
+
+    staging.wait_for_hints()  # the parent's thread exists
+    pid = os.fork()
+    if pid == 0:
+        try:
+            signal.alarm(20)  # a hang fails the test instead of stalling it
+            staging.wait_for_hints()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
