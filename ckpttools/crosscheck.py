@@ -89,6 +89,20 @@ def casts_equal(master: np.ndarray, copy: np.ndarray, dtype: DType) -> bool:
     return bool(np.array_equal(np.frombuffer(cast, dtype=copy.dtype), copy))
 
 
+def first_difference(a: TensorSource, b: TensorSource, files: OpenFiles) -> int | None:
+    """The first element where two sources' stored bytes differ (None: bit-identical), read chunk by chunk.
+
+    Bytes, not values: NaN payloads and the sign of zero count, as for any copy that must be bit-identical."""
+    if (a.dtype, a.numel()) != (b.dtype, b.numel()):
+        return 0
+    for start in range(0, a.numel(), CHUNK_ELEMS):
+        n = min(CHUNK_ELEMS, a.numel() - start)
+        x, y = (read_elements(t, start, n, files).view(np.uint8) for t in (a, b))
+        if not np.array_equal(x, y):
+            return start + int(np.flatnonzero(x != y)[0]) // a.dtype.itemsize
+    return None
+
+
 def _windows(master: TensorSource, full: bool) -> list[tuple[int, int]]:
     """Element ranges to compare: all of it, or both ends of every rank's piece of it.
 
@@ -160,10 +174,8 @@ def check_module_copies(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
     """
     if ckpt.replicas:  # replicated params must agree on every TP rank (ds_to_universal asserts it)
         from .tensor import check_replicas
-        from .torchfile import RecordReader
 
-        with RecordReader() as reader:
-            check_replicas(ckpt, reader, full=full)
+        check_replicas(ckpt, full=full)
     mismatch = module_matches_masters(ckpt, full=full)
     if mismatch is not None:
         raise CorruptCheckpointError(

@@ -23,9 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
-from .crosscheck import CHUNK_ELEMS, OpenFiles, read_elements
+from .crosscheck import OpenFiles, first_difference
 from .errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from .layout import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE, CheckpointLocation
 from .parallel import ParallelLayout
@@ -557,7 +555,7 @@ def _check_tied_copies_equal(ckpt: ZeroCheckpoint) -> None:
                     continue
                 s0, p0 = first[p.name]
                 for key, src in {MASTER: p.fp32, **p.states}.items():
-                    at = _first_difference(p0.fp32 if key == MASTER else p0.states[key], src, files)
+                    at = first_difference(p0.fp32 if key == MASTER else p0.states[key], src, files)
                     if at is not None:
                         raise UnsupportedCheckpointError(
                             f"{ckpt.location.tag_dir}: tied {p.name} differs between stage {s0} and stage {s} ({key}, "
@@ -566,15 +564,3 @@ def _check_tied_copies_equal(ckpt: ZeroCheckpoint) -> None:
                         )
     finally:
         files.close()
-
-
-def _first_difference(a: TensorSource, b: TensorSource, files: OpenFiles) -> int | None:
-    """The first element where two sources' stored bytes differ (None: bit-identical), read chunk by chunk."""
-    if (a.dtype, a.numel()) != (b.dtype, b.numel()):
-        return 0
-    for start in range(0, a.numel(), CHUNK_ELEMS):
-        n = min(CHUNK_ELEMS, a.numel() - start)
-        x, y = (read_elements(t, start, n, files).view(np.uint8) for t in (a, b))
-        if not np.array_equal(x, y):
-            return start + int(np.flatnonzero(x != y)[0]) // a.dtype.itemsize
-    return None

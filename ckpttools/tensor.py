@@ -617,19 +617,21 @@ def _replicas(plan: TensorPlan, kind: str, merged: TensorSource, shards: Sequenc
 REPLICA_SAMPLE = 4096  # elements compared at each end of every replica by default
 
 
-def replica_mismatch(ckpt: ZeroCheckpoint, reader: RecordReader, *, full: bool = False) -> str | None:
+def replica_mismatch(ckpt: ZeroCheckpoint, *, full: bool = False) -> str | None:
     """The first replicated tensor whose copy on another TP rank differs from the one written (the lowest TP
     rank's), or None. AutoTP keeps replicated parameters (norms, embeddings) identical on every TP rank, as
     ds_to_universal asserts; a copy that differs means a file from another save or run. Reads both ends of every
-    replica (a foreign file differs throughout), or every element with `full`."""
-    import torch
+    replica (a foreign file differs throughout), or every element with `full`; compares bytes, chunk by chunk."""
+    from .crosscheck import OpenFiles, first_difference
 
-    from .writer import read_tensor
-
-    for replica in ckpt.replicas:
-        for merged, copy in _samples(replica, None if full else REPLICA_SAMPLE):
-            if not torch.equal(read_tensor(merged, reader), read_tensor(copy, reader)):
-                return replica.what
+    files = OpenFiles()
+    try:
+        for replica in ckpt.replicas:
+            for merged, copy in _samples(replica, None if full else REPLICA_SAMPLE):
+                if first_difference(merged, copy, files) is not None:
+                    return replica.what
+    finally:
+        files.close()
     return None
 
 
@@ -644,9 +646,9 @@ def _part(src: TensorSource, start: int, count: int) -> TensorSource:
     return TensorSource(src.name, (count,), src.dtype, tuple(_slice(src, start, count)), src.kind)
 
 
-def check_replicas(ckpt: ZeroCheckpoint, reader: RecordReader, *, full: bool = False) -> None:
+def check_replicas(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
     """Raise CorruptCheckpointError when TP ranks hold different values for a replicated parameter."""
-    what = replica_mismatch(ckpt, reader, full=full)
+    what = replica_mismatch(ckpt, full=full)
     if what is not None:
         raise CorruptCheckpointError(
             f"{ckpt.location.tag_dir}: the replicated tensor {what} differs from TP rank 0's copy: the TP ranks' "
