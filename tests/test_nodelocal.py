@@ -27,8 +27,9 @@ from .ranks import CKPT, TRAINER, Z2, Z3, _env, _tree_sha256, ds_launch
 RANK_FILE = re.compile(r"_pp_rank_(\d+)_")
 
 
-def split_by_node(ckpt: Path, dst: Path, nodes: int) -> list[Path]:
-    """`nodes` folders as node-local storage leaves them: rank r's files on node r % nodes."""
+def split_by_node(ckpt: Path, dst: Path, nodes: int, per_node: int | None = None) -> list[Path]:
+    """`nodes` folders as node-local storage leaves them: rank r's files on node r % nodes, or, with
+    `per_node` (`--nnodes NODES --nproc-per-node PER_NODE`), on node r // per_node."""
     folders = [dst / f"node{n}" / ckpt.name for n in range(nodes)]
     for path in sorted(ckpt.rglob("*")):
         if not path.is_file():
@@ -36,7 +37,8 @@ def split_by_node(ckpt: Path, dst: Path, nodes: int) -> list[Path]:
         rel = path.relative_to(ckpt)
         m = RANK_FILE.search(path.name)
         if m:
-            owners = [int(m.group(1)) % nodes]
+            rank = int(m.group(1))
+            owners = [rank // per_node if per_node else rank % nodes]
         elif path.name in ("latest", "mp_rank_00_model_states.pt"):
             owners = list(range(nodes))  # each node's first process writes these
         else:
@@ -311,23 +313,6 @@ def _two_node_torchrun(per_node_args, nproc=2):
     return [_finish(p) for p in procs]
 
 
-def split_by_launch_node(ckpt: Path, dst: Path, nodes: int, per_node: int) -> list[Path]:
-    """What node-local disks hold after `--nnodes NODES --nproc-per-node PER_NODE`: DP rank r on node r // per_node."""
-    folders = [dst / f"node{n}" / ckpt.name for n in range(nodes)]
-    for path in sorted(ckpt.rglob("*")):
-        if not path.is_file():
-            continue
-        rel = path.relative_to(ckpt)
-        m = RANK_FILE.search(path.name)
-        owners = [int(m.group(1)) // per_node] if m else list(range(nodes)) if path.name == "latest" else [0]
-        if path.name == "mp_rank_00_model_states.pt":
-            owners = list(range(nodes))
-        for n in owners:
-            (folders[n] / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, folders[n] / rel)
-    return folders
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("ckpt_dir", "command"),
@@ -338,7 +323,7 @@ def split_by_launch_node(ckpt: Path, dst: Path, nodes: int, per_node: int) -> li
 def test_two_nodes_with_local_folders_give_the_one_process_output(tmp_path, ckpt_dir, command):
     """Two torchrun agents, two ranks each; node n's folder holds DP ranks 2n and 2n+1 only."""
     single = one_process(*command, ckpt_dir, "--out", tmp_path / "one", "--json")
-    folders = split_by_launch_node(ckpt_dir, tmp_path / "nodes", nodes=2, per_node=2)
+    folders = split_by_node(ckpt_dir, tmp_path / "nodes", nodes=2, per_node=2)
     runs = _two_node_torchrun([[*command, f, "--out", tmp_path / "many", "--json"] for f in folders])
     assert [rc for rc, _, _ in runs] == [0, 0], runs
     assert runs[1][0] == 0 and runs[1][1] == "", runs[1]  # node 1's ranks print nothing
@@ -362,3 +347,4 @@ def test_two_nodes_on_shared_storage_split_the_shards(tmp_path):
     shard_ranks = sorted(r for f, r in data["ranks"].items() if f.endswith(".safetensors"))
     assert len(shard_ranks) == 3 and len(set(shard_ranks)) == 3 and max(shard_ranks) >= 2  # node 1 wrote one
     assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")
+    assert data["files"] == single["files"]
