@@ -251,9 +251,7 @@ class WriteBehind:
     def finish(self) -> None:
         """Hand over the rest (15 shards of 200 MB left 1.5 GB for the final flush otherwise: 0.9 s); the file
         must stay open until this returns, since the background hint uses its descriptor."""
-        if self.pending is not None:
-            self.pending.result()
-            self.pending = None
+        self.settle()
         self.fh.flush()
         end = self.fh.tell()
         if end > self.done and _CAN_ADVISE:
