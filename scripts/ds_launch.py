@@ -11,15 +11,20 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 # A parent's rendezvous settings would make torchrun join the wrong group.
 RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 # Failures of the machine's plumbing, worth another attempt: a port taken between free_port() and the
-# bind, or two processes JIT-building the same DeepSpeed op in a shared extensions folder.
-RETRYABLE = ("eaddrinuse", "address already in use", "error building extension", "ninja: build stopped")
+# bind, two processes JIT-building the same DeepSpeed op in a shared extensions folder, or a rank aborting
+# in native teardown (seen in CI once the rank's work was done and the group destroyed; exit_worker avoids the
+# interpreter-exit case).
+RETRYABLE = ("eaddrinuse", "address already in use", "error building extension", "ninja: build stopped",
+             "terminate called without an active exception")  # fmt: skip
 
 
 def free_port() -> int:
@@ -62,6 +67,27 @@ def prebuild_ops(env: Mapping[str, str]) -> None:
     _prebuilt.add(key)
     subprocess.run([sys.executable, "-c", _PREBUILD], env=dict(env), stdout=subprocess.DEVNULL,
                    stderr=subprocess.DEVNULL, timeout=900, check=False)  # fmt: skip
+
+
+def exit_worker(main: Callable[[], int | None]) -> NoReturn:
+    """A torchrun worker's `if __name__ == "__main__"`: run `main`, then end the process without C++ teardown.
+
+    Once its work is done and the process group destroyed, a rank can still abort in interpreter shutdown
+    ("terminate called without an active exception", SIGABRT: a native thread torn down by a static destructor),
+    which torchrun reports as that rank's failure. Nothing is left to run by then, so the worker flushes its
+    output and leaves through os._exit with main's code (1, after the traceback, if it raised)."""
+    try:
+        code = main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int | None):
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the exit code says it
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code or 0)
 
 
 @dataclass

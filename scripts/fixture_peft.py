@@ -355,4 +355,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import ds_launch
+
+    ds_launch.exit_worker(main)

@@ -911,4 +911,6 @@ def finish_distributed() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    import ds_launch
+
+    ds_launch.exit_worker(main)

@@ -498,4 +498,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import ds_launch
+
+    ds_launch.exit_worker(main)
