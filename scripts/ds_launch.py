@@ -78,9 +78,9 @@ def exit_worker(main: Callable[[], int | None]) -> NoReturn:
     output and leaves through os._exit with main's code (1, after the traceback, if it raised)."""
     try:
         code = main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if not isinstance(e.code, int | None):
+    except SystemExit as e:  # sys.exit(message) prints it and exits 1, as the interpreter does
+        code = e.code if e.code is None or isinstance(e.code, int) else 1
+        if code != e.code:
             print(e.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the exit code says it
         traceback.print_exc()

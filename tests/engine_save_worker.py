@@ -238,7 +238,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    import ds_launch  # scripts/ is on sys.path (above)
 
     ds_launch.exit_worker(main)
