@@ -45,9 +45,15 @@ class VerificationError(CkptError):
 
 
 class RemoteError(CkptError):
-    """The Hub (or network, or auth) failed: retrying later may help, so CI gets its own exit code."""
+    """The Hub or the network failed in a way that retrying later may help: CI gets its own exit code."""
 
     exit_code = 3
+
+
+class AuthError(CkptError):
+    """No token, a rejected token, or no right to write the repo: retrying cannot help, logging in can."""
+
+    exit_code = 4
 
 
 def short(value: Any, n: int = 40) -> str:
