@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ._common import (
+    DTYPE,
     EPILOG,
+    SIZE,
     checkpoint_path,
     checkpoint_selection,
     config_option,
@@ -44,12 +46,14 @@ if TYPE_CHECKING:
 )
 @click.option(
     "--dtype",
-    type=click.Choice(["fp32", "bf16", "fp16"]),
+    type=DTYPE,
     default="fp32",
     show_default=True,
     help="Output dtype for floating tensors.",
 )
-@click.option("--max-shard-size", "--max_shard_size", default="5GB", show_default=True, help="Largest output file.")
+@click.option(
+    "--max-shard-size", "--max_shard_size", type=SIZE, default="5GB", show_default=True, help="Largest output file."
+)
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 @config_option
 @click.option(
@@ -76,7 +80,7 @@ def consolidate_cmd(
     to: str,
     out: Path | None,
     dtype: str,
-    max_shard_size: str,
+    max_shard_size: int,
     overwrite: bool,
     config: Path | None,
     check_keys: bool,

@@ -12,7 +12,18 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ._common import echo_error, echo_json, echo_notes, emit, human_size, json_option, progress_enabled, quiet_option
+from ._common import (
+    DTYPE,
+    SIZE,
+    echo_error,
+    echo_json,
+    echo_notes,
+    emit,
+    human_size,
+    json_option,
+    progress_enabled,
+    quiet_option,
+)
 
 if TYPE_CHECKING:
     from ..verify import VerifyReport
@@ -110,11 +121,12 @@ def _human_verify(r: VerifyReport) -> str:
 @click.option("--force", is_flag=True, help="Push even if verification finds problems.")
 @click.option("--source", type=click.Path(path_type=Path), metavar="CKPT",
               help="The ZeRO checkpoint PATH was consolidated from, recorded in the model card.")  # fmt: skip
-@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+@click.option("--dtype", type=DTYPE, default="fp32", show_default=True,
               help="When PATH is a checkpoint: dtype of the consolidated weights.")  # fmt: skip
 @click.option(
     "--max-shard-size",
     "--max_shard_size",
+    type=SIZE,
     default="5GB",
     show_default=True,
     help="When PATH is a checkpoint: largest file.",
@@ -129,7 +141,7 @@ def _human_verify(r: VerifyReport) -> str:
 def push_cmd(
     path: Path, repo_id: str, private: bool | None, revision: str | None, create_pr: bool,
     commit_message: str | None, endpoint: str | None, token: str | None, dry_run: bool, force: bool,
-    source: Path | None, dtype: str, max_shard_size: str, config: Path | None, tag: str | None, step: int | None,
+    source: Path | None, dtype: str, max_shard_size: int, config: Path | None, tag: str | None, step: int | None,
     best: bool,
     as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
