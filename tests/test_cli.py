@@ -40,7 +40,9 @@ def test_consolidate_json_reports_the_result(tmp_path):
     res = run("consolidate", FIXTURES / Z3 / "checkpoint", "--out", tmp_path / "o", "--json", "--dtype", "bf16")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["output_dir"] == str(tmp_path / "o") and data["dtype"] == "bf16" and data["files"] == ["model.safetensors"]
+    assert (
+        data["output_dir"] == str(tmp_path / "o") and data["dtype"] == "bf16" and data["files"] == ["model.safetensors"]
+    )
     assert data["source"]["zero_stage"] == 3 and data["source"]["dp_world_size"] == 3
 
 
@@ -66,7 +68,9 @@ def _break_missing_rank(ckpt):
 
 def _break_extra_rank(ckpt):
     tag = _tag_dir(ckpt)
-    shutil.copy(tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt")
+    shutil.copy(
+        tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", tag / "bf16_zero_pp_rank_3_mp_rank_00_optim_states.pt"
+    )
 
 
 def _break_world_size(ckpt):
@@ -183,8 +187,12 @@ def test_usage_errors_exit_2(z3):
 def test_real_process_prints_no_traceback_and_no_progress_in_ci(z3, tmp_path):
     _break_tensor_bytes(z3)
     env = {**os.environ, "CI": "true"}
-    proc = subprocess.run([sys.executable, "-m", "ckpttools.cli", "consolidate", str(z3), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckpttools.cli", "consolidate", str(z3), "--out", str(tmp_path / "o")],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().count("\n") == 0 and "CRC-32" in proc.stderr
 
@@ -207,7 +215,10 @@ def test_a_person_at_a_terminal_sees_a_progress_bar_that_ends_at_100_percent(com
     assert res.exit_code == 0, res.output
     last = res.stderr.split("\r")[-1]
     assert last.startswith(f"{command[0]}: ") and "(100%)" in last and last.endswith("MB/s\n")
-    assert "(100%)" not in run(command[0], FIXTURES / Z2 / "checkpoint", *command[1:], "--out", tmp_path / "q", "-q").stderr
+    assert (
+        "(100%)"
+        not in run(command[0], FIXTURES / Z2 / "checkpoint", *command[1:], "--out", tmp_path / "q", "-q").stderr
+    )
 
 
 def test_workers_change_nothing_in_the_output(tmp_path):
@@ -220,3 +231,29 @@ def test_workers_change_nothing_in_the_output(tmp_path):
     res = run("consolidate", FIXTURES / Z3 / "checkpoint", "--workers", "0")
     assert res.exit_code == 2 and "--workers" in res.output and "Traceback" not in res.output
     run("inspect", FIXTURES / Z3 / "checkpoint")
+
+
+@pytest.mark.parametrize("size", ["banana", "0", "-5GB", "5XB"])
+def test_a_bad_max_shard_size_is_a_usage_error_naming_the_accepted_forms(size, tmp_path):
+    from click.testing import CliRunner
+
+    from ckpttools.cli import main
+
+    result = CliRunner().invoke(
+        main, ["consolidate", str(tmp_path), "--max-shard-size", size, "--out", str(tmp_path / "o")]
+    )
+    assert result.exit_code == 2
+    assert "5GB, 500MB, 5GiB or a number of bytes" in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_sizes_and_dtype_aliases_parse():
+    from ckpttools.cli._common import DTYPE, parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("5GiB") == 5 * 2**30 and parse_size("1048576") == 1048576
+    assert [DTYPE.convert(d, None, None) for d in ("bfloat16", "float16", "float32", "BF16")] == [
+        "bf16",
+        "fp16",
+        "fp32",
+        "bf16",
+    ]
