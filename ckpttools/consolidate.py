@@ -46,9 +46,9 @@ SPACE_MARGIN = 64 << 20
 class ConsolidateResult:
     output_dir: str
     files: list[str]
-    dtype: str
+    dtype: str  # as passed (fp32 / bf16 / fp16); to_dict spells it float32 / bfloat16 / float16
     format: str
-    num_parameters: int
+    num_parameters: int  # elements of every tensor written (a tied alias left out of an HF folder is not)
     num_tensors: int
     total_size: int
     source: dict[str, Any]
@@ -58,6 +58,7 @@ class ConsolidateResult:
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["dtype"] = DTYPES[self.dtype].name if self.dtype in DTYPES else self.dtype  # float32, as torch spells it
         return d if self.world_size is not None else {k: v for k, v in d.items() if k not in ("world_size", "ranks")}
 
 
@@ -223,7 +224,7 @@ def consolidate(
     try:
         with RecordReader() as reader:
             check_module_copies(ckpt)  # before anything is written
-            with staged_folder(out, overwrite=overwrite, needed_bytes=total) as tmp:
+            with staged_folder(out, overwrite=overwrite, needed_bytes=total, notes=plan.notes) as tmp:
                 if on_start:
                     on_start(total)
                 files = _write_shards(tmp, shards, to, reader, on_progress)
@@ -291,7 +292,7 @@ class _Output:
             files=files,
             dtype=dtype,
             format=self.to,
-            num_parameters=_param_count(self.tensors, self.ckpt),
+            num_parameters=sum(t.source.numel() for t in self.tensors),  # every element written, as verify counts
             num_tensors=len(self.tensors),
             total_size=self.total,
             source=source_summary(self.ckpt),
@@ -452,7 +453,7 @@ class _PeftJob:
         notes += self._adapter_notes(run)
         with RecordReader() as reader:
             check_module_copies(self.ckpt)
-            with staged_folder(self.out, overwrite=self.overwrite, needed_bytes=total) as tmp:
+            with staged_folder(self.out, overwrite=self.overwrite, needed_bytes=total, notes=notes) as tmp:
                 if self.on_start:
                     self.on_start(total)
                 files = []
@@ -481,9 +482,12 @@ class _PeftJob:
         tensors = peft.plan_merge(ckpt, run, base_tensors, self.dtype, tied)
         shards = plan_shards(tensors, "safetensors", self.max_shard_size)
         total = sum(t.nbytes for t in tensors)
+        merged = ", ".join(a.name for a in run.adapters)
+        source = "--base" if base_dir is not None else "the checkpoint's frozen weights"
+        notes = [f"merged adapter(s) {merged} into the base weights from {source}"]
         with RecordReader() as reader:
             check_module_copies(ckpt)
-            with staged_folder(self.out, overwrite=self.overwrite, needed_bytes=total) as tmp:
+            with staged_folder(self.out, overwrite=self.overwrite, needed_bytes=total, notes=notes) as tmp:
                 if self.on_start:
                     self.on_start(total)
                 for fname, group in shards.items():
@@ -498,9 +502,6 @@ class _PeftJob:
                 files += hf.copy_side_files(model_config.folder, model_config.side_files, tmp)
                 files += self._side_files(tmp, exclude=files)
                 reader.finish()
-        merged = ", ".join(a.name for a in run.adapters)
-        source = "--base" if base_dir is not None else "the checkpoint's frozen weights"
-        notes = [f"merged adapter(s) {merged} into the base weights from {source}"]
         return self._result(files, tensors, total, notes, sum(math.prod(t.shape) for t in tensors))
 
     def _side_files(self, tmp: Path, exclude: list[str]) -> list[str]:
@@ -567,7 +568,8 @@ class _RanksJob:
         mine = {f: group for f, group in plan.shards.items() if owners[f] == self.group.rank}
         keycheck = plan.key_check(self.check_keys and self.group.rank == 0)
         try:
-            staging = shared_staged_folder(out, overwrite=self.overwrite, needed_bytes=plan.total, group=self.group)
+            staging = shared_staged_folder(out, overwrite=self.overwrite, needed_bytes=plan.total, group=self.group,
+                                           notes=plan.notes)  # fmt: skip
             with RecordReader(pieces=True) as reader, staging as tmp:
 
                 def write() -> list[str]:

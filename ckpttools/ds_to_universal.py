@@ -44,9 +44,9 @@ from .crosscheck import check_module_copies
 from .errors import CorruptCheckpointError, OutputError, UnsupportedCheckpointError, UsageError
 from .layout import check_tag_name
 from .reader import TensorSource, ZeroCheckpoint, strip_prefixes
-from .reshard import universal_tag_files
+from .reshard import files_bytes, universal_tag_files
 from .sources import open_checkpoint
-from .staging import staged_folder
+from .staging import check_output_dir, staged_folder, write_text_atomically
 from .torchfile import RecordReader
 from .torchwriter import ProgressFn, write_torch_files
 from .universal import LATEST, MASTER, STEP
@@ -69,8 +69,9 @@ class UniversalResult:
 def _output_folder(path: str | os.PathLike[str], tag_dir: Path) -> tuple[Path, bool]:
     """The absolute output tag folder, and whether an existing one is to be replaced.
 
-    DeepSpeed writes into the folder whatever it holds; here a previous universal conversion (or an empty
-    folder) is replaced as a whole, and anything else is refused rather than mixed with the new files.
+    DeepSpeed writes into the folder whatever it holds; here an earlier conversion by ckpt (its content matches
+    its manifest) or an empty folder is replaced as a whole, and anything else is refused rather than mixed with
+    the new files or deleted. A symlink is followed once: the output goes beside its target.
     """
     out = Path(os.path.abspath(path))  # also drops a trailing slash (DeepSpeed then names the tag "")
     check_tag_name(out.name)
@@ -79,15 +80,12 @@ def _output_folder(path: str | os.PathLike[str], tag_dir: Path) -> tuple[Path, b
         raise OutputError(f"--output_folder {out} lies inside the input {tag}; choose a folder beside it")
     if resolved in tag.parents:
         raise OutputError(f"--output_folder {out} contains the input {tag}; writing there could destroy the input")
-    if not out.exists():
+    if not os.path.lexists(out):
         return out, False
-    if not out.is_dir():
+    if os.path.lexists(out) and not out.is_symlink() and not out.is_dir():
         raise OutputError(f"--output_folder {out} exists and is not a folder")
-    if any(out.iterdir()) and not (out / "zero" / "optimizer_state.pt").is_file():
-        raise OutputError(
-            f"--output_folder {out} exists and is not a universal checkpoint folder; remove it or choose another"
-        )
-    return out, True
+    out = check_output_dir(out, tag_dir, overwrite=True)  # only an earlier ckpt conversion (or an empty folder)
+    return out, out.exists()
 
 
 def _module_fp32_files(ckpt: ZeroCheckpoint, written: dict[str, Any]) -> list[tuple[str, TensorSource]]:
@@ -134,11 +132,11 @@ def convert_to_universal(
     # DeepSpeed takes these from mp_rank_00's module first: for AutoTP, TP rank 0's (local) values
     module_owner = ckpt.slices[0] if ckpt.layout.kind == "tensor" else ckpt
     extra = _module_fp32_files(module_owner, files) if ckpt.zero_stage < 3 else []
-    tag_bytes = sum(p.stat().st_size for p in ckpt.location.tag_dir.rglob("*") if p.is_file())
-    needed = tag_bytes + sum(src.numel() * 4 for _, src in extra)
+    needed = files_bytes(files) + sum(src.numel() * 4 + 8192 for _, src in extra)  # 8192: one torch file's overhead
+    notes: list[str] = []
     with RecordReader() as reader:
         check_module_copies(ckpt)  # before anything is written
-        with staged_folder(out, overwrite=replace, needed_bytes=needed) as tmp:
+        with staged_folder(out, overwrite=replace, needed_bytes=needed, notes=notes) as tmp:
             for rel in [*files, *(rel for rel, _ in extra)]:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
             write_torch_files([(tmp / rel, obj) for rel, obj in files.items()], reader, on_start=on_start,
@@ -150,10 +148,8 @@ def convert_to_universal(
                     torch.save({"param": read_tensor(src, reader).float()}, tmp / rel)
             reader.finish()  # CRC-32 of every record read, before the folder is renamed into place
     latest = out.parent / LATEST
-    partial = out.parent / f".{LATEST}.partial-{os.getpid()}"
-    partial.write_text(out.name, encoding="utf-8")
-    partial.replace(latest)
-    notes = [f'load it with engine.load_checkpoint("{out.parent}") and "checkpoint": {{"load_universal": true}}']
+    write_text_atomically(latest, out.name)
+    notes.append(f'load it with engine.load_checkpoint("{out.parent}") and "checkpoint": {{"load_universal": true}}')
     return UniversalResult(str(out), str(latest), sorted([*files, *(rel for rel, _ in extra)]), notes)
 
 

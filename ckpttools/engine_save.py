@@ -14,7 +14,6 @@ import contextlib
 import copy
 import dataclasses
 import json
-import os
 import pickle
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -26,7 +25,7 @@ from . import dtypes, hf
 from .consolidate import plan_shards
 from .dtypes import DType
 from .errors import CkptError, OutputError, UnsupportedCheckpointError, UsageError
-from .staging import StagedFolder, WriteBehind, flush_to_disk
+from .staging import StagedFolder, WriteBehind, check_output_dir, move_files_into
 from .writer import CHUNK_BYTES, safetensors_header, written_dtype
 
 DEFAULT_MAX_GATHER_BYTES = 64 << 20  # 64 MiB: large enough to keep all-gathers efficient, small beside any real model
@@ -465,30 +464,24 @@ def _conversion_note(module: Any) -> str | None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _prepare(out: Path, if_exists: str, needed: int) -> StagedFolder:
-    """Rank 0: check the target and make an empty temporary sibling folder."""
+def _prepare(out: Path, if_exists: str, needed: int, notes: list[str]) -> StagedFolder:
+    """Rank 0: check the target and make an empty staging folder beside it."""
     if out.exists() and not out.is_dir():
         raise OutputError(f"{out} exists and is not a folder")
     if out.is_dir() and any(out.iterdir()) and if_exists == "error":
         raise OutputError(f"output folder {out} already exists and is not empty; pass if_exists='replace' or 'add'")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise OutputError(f"cannot create {out.parent}: {e}") from e
-    return StagedFolder(out, overwrite=True, needed_bytes=needed)  # the if_exists policy is checked above
+    if if_exists != "add" or not out.is_dir():  # replace: only a folder ckpt wrote, or an empty one
+        out = check_output_dir(out, None, overwrite=True)
+    return StagedFolder(out, overwrite=True, needed_bytes=needed, notes=notes)
 
 
 def _publish_into(tmp: Path, out: Path) -> None:
-    """`add` mode: drop stale safetensors weights (they would shadow the new ones), then move files in."""
-    out.mkdir(parents=True, exist_ok=True)
+    """`add` mode, as save_pretrained writes into a folder: drop stale safetensors weights (they would shadow the
+    new ones), then move the files in, the file from_pretrained looks for last."""
     for old in out.iterdir():
         if old.is_file() and SAFE_WEIGHTS.fullmatch(old.name):
             old.unlink()
-    names = sorted(p.name for p in tmp.iterdir())
-    last = [n for n in names if n in ("model.safetensors", "model.safetensors.index.json")]
-    for name in [n for n in names if n not in last] + last:  # the file from_pretrained looks for goes in last
-        os.replace(tmp / name, out / name)
-    tmp.rmdir()
+    move_files_into(tmp, out, last=("model.safetensors.index.json", "model.safetensors"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -610,7 +603,7 @@ def save_pretrained_from_engine(
     staged: list[StagedFolder] = []  # rank 0's temp folder
 
     def prepare() -> Path:
-        staged.append(_prepare(out, if_exists, sum(e.nbytes for e in entries)))
+        staged.append(_prepare(out, if_exists, sum(e.nbytes for e in entries), notes))
         for fname in shards:  # adapters other than `default` go to sub-folders
             (staged[0].path / fname).parent.mkdir(parents=True, exist_ok=True)
         return staged[0].path
@@ -635,10 +628,9 @@ def save_pretrained_from_engine(
                 names.append(hf.write_index(tmp, "model.safetensors.index.json", weight_map, total, num_parameters))
             if not adapter:
                 names += _write_side_files(tmp, module, config, written_dtype, notes)
-            if if_exists == "add" and out.is_dir():
-                staged[0].flush.wait()
-                _publish_into(tmp, out)
-                flush_to_disk(out)  # the moves into it
+            if if_exists == "add" and staged[0].out.is_dir():
+                staged[0].wait_for_disk()
+                _publish_into(tmp, staged[0].out)
             else:
                 staged[0].commit()
             return names

@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import stat
-import tempfile
 import zipfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -35,7 +34,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import threads, torchfile
+from . import staging, threads, torchfile
 from .errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError
 
 if TYPE_CHECKING:
@@ -47,6 +46,7 @@ if TYPE_CHECKING:
 SKELETON_RECORD_MAX = int(os.environ.get("CKPT_SKELETON_RECORD_MAX") or 1 << 20)
 HASHED_FILE_MAX = 64 << 20  # files up to this size are compared by their whole content
 CHUNK_BYTES = 16 << 20
+GATHER_NAME = "ckpt-gather"  # rank 0's copy: .ckpt-gather.ckpt-staging.<host>.<pid>.<start>.<hex>
 MAX_WINDOW = 32  # chunks in flight per rank while gathering (rank 0 holds this many buffers)
 
 
@@ -297,6 +297,7 @@ class Gather:
         self.view_parent = view_parent
         self.top: Path | None = None  # the temporary folder, removed by cleanup
         self.view: Path | None = None
+        self.notes: list[str] = []  # rank 0's, for the result
 
     def build_view(self) -> None:
         def make() -> Path | None:
@@ -354,7 +355,10 @@ class Gather:
         """Links to rank 0's own files and an empty file for each of the others (names are all that locating the
         checkpoint reads of them; an empty file read by mistake fails as damaged, it never reads as zeros)."""
         self.view_parent.mkdir(parents=True, exist_ok=True)
-        self.top = Path(tempfile.mkdtemp(prefix=".ckpt-gather-", dir=self.view_parent)).resolve()
+        self.notes += staging.sweep_stale(self.view_parent, GATHER_NAME)  # copies left by runs that were killed
+        top = self.view_parent / staging.staging_name(GATHER_NAME)  # owned: a later run removes it once stale
+        top.mkdir()
+        self.top = top.resolve()
         view = self.top / (self.root.resolve().name or "checkpoint")
         view.mkdir()
         for rel in self.holdings[0]:
@@ -405,8 +409,9 @@ class Gather:
 
     def cleanup(self) -> None:
         if self.top is not None:
-            torchfile.forget_absent(self.top)
-            shutil.rmtree(self.top, ignore_errors=True)
+            with staging.shielded():
+                torchfile.forget_absent(self.top)
+                shutil.rmtree(self.top, ignore_errors=True)
 
 
 def selected_files(holdings: Sequence[Holdings], root_rel: str, tag: str) -> list[str]:
@@ -424,7 +429,7 @@ def selected_files(holdings: Sequence[Holdings], root_rel: str, tag: str) -> lis
 
 @contextmanager
 def gathered(group: ProcessGroup, root: Path, holdings: list[Holdings], view_parent: Path, steps: GatherSteps, *,
-             optimizer_states: bool) -> Iterator[Path | None]:  # fmt: skip
+             optimizer_states: bool, notes: list[str] | None = None) -> Iterator[Path | None]:  # fmt: skip
     """Collective: rank 0's gathered copy of the listed folder `root` (None on the others), removed on leaving.
 
     Only the checkpoint `steps.locate` picks is gathered; `steps.check_output` refuses a bad output folder before
@@ -435,6 +440,8 @@ def gathered(group: ProcessGroup, root: Path, holdings: list[Holdings], view_par
         group.run_agreed(lambda: check_copies_agree(holdings))
         gather.build_view()
         view = gather.view
+        if notes is not None:
+            notes += gather.notes
 
         def select() -> str:
             if view is None:
@@ -477,13 +484,15 @@ def convert_on_rank0(group: ProcessGroup, path: Path, holdings: list[Holdings], 
     """Collective: gather the checkpoint at the user's `path` on rank 0, run `steps.convert` on the copy there, and
     return its result (naming the user's paths) on every rank; a failure anywhere fails every rank."""
     root, sub = listing_root(path)
-    with gathered(group, root, holdings, view_parent, steps, optimizer_states=optimizer_states) as view:
+    notes: list[str] = []
+    with gathered(group, root, holdings, view_parent, steps, optimizer_states=optimizer_states, notes=notes) as view:
 
         def run() -> dict[str, Any] | None:
             if view is None:
                 return None
             with user_paths_in_errors(view, root), threads.whole_node():  # the node's other ranks only wait
-                return steps.convert(view / sub if sub else view, lambda p: map_path(p, view, root))
+                result = steps.convert(view / sub if sub else view, lambda p: map_path(p, view, root))
+            return {**result, "notes": notes + list(result.get("notes") or [])} if notes else result
 
         result = group.run_agreed(run)
         text = group.share(map_paths(json.dumps(result), view, root) if result is not None else "")

@@ -500,12 +500,12 @@ def _write(
     progress: _ProgressFns,
 ) -> ReshardResult:
     loc = ckpt.location
-    out, needed, result = _plan_output(ckpt, dp, stage, out_dir, overwrite)
+    out, files, needed, result = _plan_output(ckpt, dp, stage, out_dir, overwrite)
     with RecordReader() as reader:
         check_module_copies(ckpt)  # before anything is written
-        with staged_folder(out, overwrite=overwrite, needed_bytes=needed) as tmp:
+        with staged_folder(out, overwrite=overwrite, needed_bytes=needed, notes=result.notes) as tmp:
             (tmp / loc.tag).mkdir()
-            result.files = _write_tag(ckpt, dp, stage, tmp / loc.tag, reader, progress)
+            result.files = _write_tag(files, tmp / loc.tag, reader, progress)
             _finish_folder(ckpt, dp, stage, tmp, model_config, result)
     result.output_dir = str(out)
     return result
@@ -513,18 +513,37 @@ def _write(
 
 def _plan_output(
     ckpt: ZeroCheckpoint, dp: int | None, stage: int, out_dir: Any, overwrite: bool
-) -> tuple[Path, int, ReshardResult]:
-    """The checked output folder, the disk space it needs and the result to fill in."""
+) -> tuple[Path, dict[str, Any], int, ReshardResult]:
+    """The checked output folder, the tag's files, the disk space the whole output needs and the result to fill in."""
     loc = ckpt.location
     old_dp = ckpt.dp_world_size if ckpt.source_format == "native" else None
     new_stage = stage if stage != ckpt.zero_stage else None
     out = check_output_dir(Path(out_dir) if out_dir else _default_out(loc.root, dp, new_stage), loc.root, overwrite)
-    needed = sum(p.stat().st_size for p in loc.tag_dir.rglob("*") if p.is_file())
-    return (
-        out,
-        needed,
-        ReshardResult(None, loc.tag, stage, old_dp, dp, [], zero_stage_from=new_stage and ckpt.zero_stage),
-    )
+    files = _tag_files(ckpt, dp, stage)
+    result = ReshardResult(None, loc.tag, stage, old_dp, dp, [], zero_stage_from=new_stage and ckpt.zero_stage)
+    return out, files, _output_bytes(files, loc.root), result
+
+
+_FILE_OVERHEAD = 8192  # a torch file's zip records and pickle, and the last block it fills only in part
+
+
+def _output_bytes(files: dict[str, Any], root: Path) -> int:
+    """What the output takes on the disk: every tensor of the tag's files with each file's overhead, and the files
+    copied from beside the tag (for a universal output, thousands of small files: the tag folder's size is no
+    guide)."""
+    tag = files_bytes(files)
+    beside = 0
+    for item in root.iterdir():
+        if item.is_file():
+            beside += item.stat().st_size + _FILE_OVERHEAD
+        elif item.is_dir() and not any(item.glob("*_model_states.pt")):  # other tags are not copied
+            beside += sum(p.stat().st_size + _FILE_OVERHEAD for p in item.rglob("*") if p.is_file())
+    return tag + beside
+
+
+def files_bytes(files: dict[str, Any]) -> int:
+    """What torch files (relative path -> object) take on the disk: their tensors and each file's overhead."""
+    return sum(_tensor_bytes(obj) + _FILE_OVERHEAD for obj in files.values())
 
 
 def _finish_folder(
@@ -562,12 +581,11 @@ def _write_on_ranks(
 ) -> ReshardResult:
     """`_write` shared by a launcher's ranks: each writes its own files of the tag, rank 0 the rest, one commit."""
     ckpt, loc = job.ckpt, job.ckpt.location
-    out, needed, result = group.run_agreed(lambda: _plan_output(ckpt, job.dp, job.stage, out_dir, overwrite))
-    files = group.run_agreed(lambda: _tag_files(ckpt, job.dp, job.stage))
+    out, files, needed, result = group.run_agreed(lambda: _plan_output(ckpt, job.dp, job.stage, out_dir, overwrite))
     owners = _plan_file_ranks(files, ckpt, group.world_size)
     group.run_agreed(lambda: check_module_copies(ckpt) if group.rank == 0 else None)  # one whole-model pass
     mine = {name: obj for name, obj in files.items() if owners[name] == group.rank}
-    staging = shared_staged_folder(out, overwrite=overwrite, needed_bytes=needed, group=group)
+    staging = shared_staged_folder(out, overwrite=overwrite, needed_bytes=needed, group=group, notes=result.notes)
     with RecordReader(pieces=True) as reader, staging as tmp:
         (tmp / loc.tag).mkdir(exist_ok=True)
         group.run_agreed(lambda: _write_files(tmp / loc.tag, mine, reader, progress))
@@ -690,10 +708,7 @@ def _write_files(tag_dir: Path, files: dict[str, Any], reader: RecordReader, pro
                       on_progress=on_progress)  # fmt: skip
 
 
-def _write_tag(
-    ckpt: ZeroCheckpoint, dp: int | None, stage: int, tag_dir: Path, reader: RecordReader, progress: _ProgressFns
-) -> list[str]:
-    files = _tag_files(ckpt, dp, stage)
+def _write_tag(files: dict[str, Any], tag_dir: Path, reader: RecordReader, progress: _ProgressFns) -> list[str]:
     _write_files(tag_dir, files, reader, progress)
     reader.finish()  # CRC-32 of every source record read
     return [f"{tag_dir.name}/{n}" for n in files]

@@ -34,9 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import weakref
 from collections import OrderedDict
@@ -48,10 +46,10 @@ from typing import Any, NoReturn
 from . import dtypes
 from .crosscheck import check_module_copies
 from .dtypes import DType
-from .errors import UsageError
+from .errors import OutputError, UsageError
 from .reader import TensorSource, ZeroCheckpoint, strip_prefixes
 from .sources import open_checkpoint
-from .staging import check_free_space
+from .staging import check_files_replaceable, staged_files
 from .torchfile import RecordReader
 from .writer import OutputTensor, ProgressFn, read_tensor, write_safetensors
 
@@ -397,8 +395,16 @@ def _convert(
                 f"-> {split.tensor_to_filename[name]}"
             )
     check_module_copies(ckpt)  # before anything is written
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    out = Path(output_dir).absolute()
+    if out.is_symlink() and not out.exists():
+        raise OutputError(
+            f"output_dir {out} is a symlink to {out.resolve()}, which does not exist; nothing was written"
+        )
+    if os.path.lexists(out) and not out.is_dir():
+        raise OutputError(f"output_dir {out} exists and is not a folder")
+    files = list(split.filename_to_tensors)
+    index_name = f"{weights_name}.index.json"
+    check_files_replaceable(out, files + ([index_name] if split.is_sharded else []))  # DeepSpeed's would replace them
     unique = {id(e): e for e in entries.values()}
     if safe_serialization:  # every name is its own tensor
         written_bytes = sum(entries[n].file_nbytes for names in split.filename_to_tensors.values() for n in names)
@@ -407,9 +413,8 @@ def _convert(
         written_bytes = sum(
             e.file_nbytes for names in shards for e in {id(entries[n]): entries[n] for n in names}.values()
         )
-    check_free_space(out, written_bytes)
-    tmp = Path(tempfile.mkdtemp(prefix=".zero_to_fp32.partial-", dir=out))
-    try:
+    last = (index_name, weights_name)  # the file a loader looks for goes in once the rest is there
+    with staged_files(out, needed_bytes=written_bytes, notes=notes, last=last) as tmp:
         if on_start:
             on_start(written_bytes)
         with RecordReader() as reader:
@@ -420,16 +425,10 @@ def _convert(
                 else:
                     _write_bin(tmp / fname, names, entries, reader, on_progress)
             reader.finish()  # CRC-32 of every record read: nothing is moved into place before this passes
-        files = list(split.filename_to_tensors)
         if split.is_sharded:
-            index_name = f"{weights_name}.index.json"
             index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
             (tmp / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
             files.append(index_name)
-        for fname in files:
-            (tmp / fname).replace(out / fname)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return _Written(out, files, len(entries), sum(e.file_nbytes for e in unique.values()), notes)
 
 

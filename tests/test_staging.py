@@ -18,9 +18,10 @@ def _siblings(folder):
 
 def test_success_renames_the_complete_folder_into_place(tmp_path):
     with staged_folder(tmp_path / "out", overwrite=False) as tmp:
-        assert tmp.parent == tmp_path and tmp.name.startswith(".out.partial-")
+        assert tmp.parent == tmp_path and tmp.name.startswith(".out.ckpt-staging.")
         (tmp / "a.txt").write_text("x")
     assert _siblings(tmp_path) == ["out"] and (tmp_path / "out" / "a.txt").read_text() == "x"
+    assert _siblings(tmp_path / "out") == [".ckpt-manifest.json", "a.txt"]
 
 
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
@@ -34,11 +35,11 @@ def test_a_failure_removes_the_temp_folder_and_keeps_an_old_output(tmp_path, exc
 
 
 def test_overwrite_replaces_and_leaves_no_aside_folder(tmp_path):
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "old.txt").write_text("old")
+    with staged_folder(tmp_path / "out", overwrite=False) as tmp:
+        (tmp / "old.txt").write_text("old")
     with staged_folder(tmp_path / "out", overwrite=True) as tmp:
         (tmp / "new.txt").write_text("new")
-    assert _siblings(tmp_path) == ["out"] and _siblings(tmp_path / "out") == ["new.txt"]
+    assert _siblings(tmp_path) == ["out"] and _siblings(tmp_path / "out") == [".ckpt-manifest.json", "new.txt"]
 
 
 def test_two_runs_never_share_a_temp_folder_and_the_late_one_fails(tmp_path):
