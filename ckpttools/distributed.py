@@ -1,10 +1,14 @@
 """One command on many processes: the launcher's group, work balanced by bytes, and failures agreed by all.
 
-Under `torchrun` (or any launcher that sets WORLD_SIZE, RANK, MASTER_ADDR and MASTER_PORT) every rank runs the
-same command, plans the same output, writes its own share of the files and meets the others at a few
-agreement points: if any rank failed, every rank raises the same `RankFailedError`, naming the first rank that
-failed and its message. The group is gloo, so no GPU is needed. Only `join_group` imports torch.distributed:
-a one-process run never loads it. Messages travel as UTF-8 bytes in tensors, never as pickles.
+Asked for with `--distributed` (or CKPT_DISTRIBUTED=1) under `torchrun` (or any launcher that sets WORLD_SIZE,
+RANK, MASTER_ADDR and MASTER_PORT): every rank runs the same command, plans the same output, writes its own
+share of the files and meets the others at a few agreement points: if any rank failed, every rank raises the
+same `RankFailedError`, naming the first rank that failed and its message. Without it the launcher's variables
+are ignored: a `ckpt` that a training rank starts inherits them, and no variable proves the launch was for
+`ckpt`. The ranks meet under their own `ckpt/` keys of the store (never a training job's), within
+CKPT_RENDEZVOUS_TIMEOUT, polling so a signal stops the wait. The group is gloo, so no GPU is needed. Only
+`join_group` imports torch.distributed: a one-process run never loads it. Messages travel as UTF-8 bytes in
+tensors, never as pickles.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ import collections
 import contextlib
 import json
 import os
+import socket
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,6 +30,10 @@ if TYPE_CHECKING:
     from .torchfile import Record, RecordReader
 
 DEFAULT_TIMEOUT_S = 3600  # a rank waits this long at an agreement point for the slowest one
+DEFAULT_RENDEZVOUS_S = 300  # a rank waits this long for the others to join (CKPT_RENDEZVOUS_TIMEOUT)
+POLL_S = 0.1  # the rendezvous checks this often (and a signal stops it within this)
+STORE_PREFIX = "ckpt"  # every key ckpt sets in the launcher's store lies under it
+LAUNCHER_VARS = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
 EXIT_INTERRUPTED = 130
 MOVE_WINDOW = 4  # transfers in flight per rank in ProcessGroup.move (each a buffer of its size)
 _T = TypeVar("_T")
@@ -37,6 +47,18 @@ class Launch:
     world_size: int
     master_addr: str
     master_port: int
+
+
+def ignored_launcher_note(env: Mapping[str, str] | None = None) -> str | None:
+    """The note for a one-process run that found a launcher's variables (a `ckpt` started by a training rank
+    inherits them), or None when there are none."""
+    env = os.environ if env is None else env
+    found = [name for name in LAUNCHER_VARS if env.get(name)]
+    found += sorted(name for name in env if name.startswith("TORCHELASTIC_"))
+    if not found:
+        return None
+    shown = f"WORLD_SIZE={env['WORLD_SIZE']}" if env.get("WORLD_SIZE") else ", ".join(found[:3])
+    return f"launcher variables found ({shown}); running as one process, pass --distributed to share the work"
 
 
 def launch_from_env(env: Mapping[str, str] | None = None) -> Launch | None:
@@ -131,7 +153,12 @@ def describe_failure(error: BaseException) -> tuple[int, str]:
     if isinstance(error, CkptError):
         return error.exit_code, " ".join(str(error).split())
     if isinstance(error, KeyboardInterrupt):
-        return EXIT_INTERRUPTED, "interrupted"
+        signum = getattr(error, "signum", None)
+        if signum is None:
+            return EXIT_INTERRUPTED, "interrupted"
+        from .signals import exit_code, signal_name
+
+        return exit_code(signum), f"interrupted ({signal_name(signum)})"
     if isinstance(error, OSError):
         return 1, f"{error.strerror or error}{f': {error.filename}' if error.filename else ''}"
     text = " ".join(str(error).split())
@@ -254,31 +281,128 @@ def _byte_tensor(data: bytes, size: int) -> Any:
     return tensor
 
 
-def join_group(launch: Launch, timeout_s: float | None = None) -> ProcessGroup:
-    """Join the launcher's ranks in a gloo group (the env:// rendezvous at MASTER_ADDR:MASTER_PORT).
+def join_group(launch: Launch, timeout_s: float | None = None, rendezvous_s: float | None = None) -> ProcessGroup:
+    """Join the launcher's ranks in a gloo group, through the store at MASTER_ADDR:MASTER_PORT.
 
-    The rendezvous reads the launcher's variables from the environment; `launch` is what they said.
+    Under torchrun the store is its agent's; otherwise rank 0 opens it. Every rank sets its own key under
+    `ckpt/` and waits, in short polls, until every rank's key is there: a rank that never comes ends the wait
+    after `rendezvous_s` with one line naming it, and a signal ends it at once.
 
     Args:
         launch: from `launch_from_env`.
         timeout_s: how long a collective waits for the other ranks; default CKPT_DIST_TIMEOUT or an hour.
+        rendezvous_s: how long to wait for every rank to join; default CKPT_RENDEZVOUS_TIMEOUT or 300 s.
     """
     import torch.distributed as dist
 
     if timeout_s is None:
-        timeout_s = float(os.environ.get("CKPT_DIST_TIMEOUT") or DEFAULT_TIMEOUT_S)
+        timeout_s = _env_seconds("CKPT_DIST_TIMEOUT", DEFAULT_TIMEOUT_S)
+    if rendezvous_s is None:
+        rendezvous_s = _env_seconds("CKPT_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_S)
+    store = _rendezvous(launch, rendezvous_s)
     try:
         dist.init_process_group(
             "gloo",
-            init_method="env://",  # under torchrun this joins its agent's store instead of opening a port
+            store=dist.PrefixStore("group", store),
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=timedelta(seconds=timeout_s),
         )
-    except Exception as e:  # the rendezvous failed: one line, not a traceback
+    except Exception as e:  # every rank joined, yet the group failed: one line, not a traceback
         raise CkptError(
-            f"rank {launch.rank} cannot join the group at {launch.master_addr}:{launch.master_port} "
-            f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); check MASTER_ADDR/MASTER_PORT and that every "
-            "rank was started"
+            f"rank {launch.rank} cannot join the group at {_where(launch)} ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]})"
         ) from e
     return ProcessGroup(launch, dist)
+
+
+def _env_seconds(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if not value:
+        return float(default)
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise UsageError(f"{name}={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise UsageError(f"{name}={value!r} must be more than 0 seconds")
+    return seconds
+
+
+def _where(launch: Launch) -> str:
+    return f"{launch.master_addr}:{launch.master_port}"
+
+
+def _seconds(s: float) -> str:
+    return f"{s:g} s"
+
+
+def _agent_store() -> bool:
+    """torchrun's workers share their agent's store (it listens at MASTER_ADDR:MASTER_PORT) instead of rank 0's."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
+def _rendezvous(launch: Launch, limit_s: float) -> Any:
+    """The launcher's store, once every rank has joined, as a store whose keys lie under `ckpt/`."""
+    import torch.distributed as dist
+
+    deadline = time.monotonic() + limit_s
+    store = _open_store(launch, limit_s, deadline)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or "0"  # a restarted launch meets under fresh keys
+    ours = dist.PrefixStore(f"{STORE_PREFIX}/{attempt}", store)
+    ours.set(f"joined/{launch.rank}", str(os.getpid()))
+    everyone = [f"joined/{r}" for r in range(launch.world_size)]
+    while not ours.check(everyone):
+        if time.monotonic() >= deadline:
+            missing = [r for r in range(launch.world_size) if not ours.check([f"joined/{r}"])]
+            raise RendezvousError(
+                f"rank {launch.rank} waited {_seconds(limit_s)} for {len(missing)} of {launch.world_size} ranks to "
+                f"join at {_where(launch)} (missing: {', '.join(f'rank {r}' for r in missing)}); start every rank "
+                "with --distributed"
+            )
+        time.sleep(POLL_S)  # a signal interrupts the sleep and its handler raises
+    return ours
+
+
+def _open_store(launch: Launch, limit_s: float, deadline: float) -> Any:
+    """Rank 0 opens the store (unless torchrun's agent holds it); the others connect once it listens.
+
+    Whether it listens is probed with a plain socket first: a TCPStore client retries inside C++ (a signal
+    waits for it, and each failed try logs a warning), a Python connect returns at once.
+    """
+    import torch.distributed as dist
+
+    if launch.rank == 0 and not _agent_store():
+        try:
+            return dist.TCPStore(launch.master_addr, launch.master_port, None, True, timedelta(seconds=limit_s),
+                                 wait_for_workers=False)  # fmt: skip
+        except Exception as e:  # the port is taken (a training job's store?) or the address is not this host's
+            raise RendezvousError(
+                f"rank 0 cannot open the rendezvous at {_where(launch)} ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:160]}); choose a free MASTER_PORT"
+            ) from e
+    reason = "nothing listens there"
+    while True:
+        try:
+            with socket.create_connection((launch.master_addr, launch.master_port), timeout=1):
+                break
+        except OSError as e:
+            reason = e.strerror or type(e).__name__
+        if time.monotonic() >= deadline:
+            raise RendezvousError(
+                f"rank {launch.rank} waited {_seconds(limit_s)} for rank 0's rendezvous at {_where(launch)} "
+                f"({reason}); start every rank with --distributed"
+            )
+        time.sleep(POLL_S)
+    try:
+        return dist.TCPStore(launch.master_addr, launch.master_port, None, False,
+                             timedelta(seconds=max(1.0, deadline - time.monotonic())))  # fmt: skip
+    except Exception as e:
+        raise RendezvousError(
+            f"rank {launch.rank} cannot reach the rendezvous at {_where(launch)} ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:160]}); start every rank with --distributed"
+        ) from e
+
+
+class RendezvousError(CkptError):
+    """The ranks did not all join within CKPT_RENDEZVOUS_TIMEOUT, or the store could not be reached."""

@@ -1,8 +1,9 @@
 """Threads for the CPU-bound steps of a conversion (16-bit casts, cross-checks): how many, and how work splits.
 
 numpy's ufuncs release the GIL, so a cast split over threads runs on as many cores. The default is the cores
-this process may use, shared among the processes a launcher started on this node (LOCAL_WORLD_SIZE), and
-at most `MAX_DEFAULT`: beyond that the disk, not the CPU, is the limit.
+this process may use, shared among the processes a launcher started on this node (LOCAL_WORLD_SIZE; the
+`ckpt` command reads it only with --distributed, see `share_cores_with_local_ranks`), and at most
+`MAX_DEFAULT`: beyond that the disk, not the CPU, is the limit.
 """
 
 from __future__ import annotations
@@ -21,12 +22,22 @@ if TYPE_CHECKING:
 MAX_DEFAULT = 8
 MAX_WORKERS = 1024
 _chosen: dict[str, int] = {}  # set_workers: the process-wide choice, as torch.set_num_threads
+_local_ranks: dict[str, bool] = {}  # share_cores_with_local_ranks: whether LOCAL_WORLD_SIZE counts
 
 
 def usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
+
+
+def share_cores_with_local_ranks(enabled: bool | None) -> None:
+    """Whether the default shares the cores among LOCAL_WORLD_SIZE processes: the `ckpt` command says True only
+    with --distributed (a `ckpt` started by a training rank inherits the variable but runs alone); None: back to
+    reading it (a program using the library under its own launcher)."""
+    _local_ranks.pop("enabled", None)
+    if enabled is not None:
+        _local_ranks["enabled"] = enabled
 
 
 def set_workers(n: int | None) -> None:
@@ -56,6 +67,8 @@ def default_workers(env: Mapping[str, str] | None = None) -> int:
     if "workers" in _chosen:
         return _chosen["workers"]
     env = os.environ if env is None else env
+    if not _local_ranks.get("enabled", True):
+        env = {}
     try:
         local = max(1, int(env.get("LOCAL_WORLD_SIZE") or 1))
     except ValueError:

@@ -27,12 +27,13 @@ def _env():
 
 
 def _on_ranks(n, *args):
-    """Run `ckpt ARGS` as ranks 0..n-1 of one group; each rank's (exit code, stdout, stderr)."""
+    """Run `ckpt ARGS` as ranks 0..n-1 of one group (CKPT_DISTRIBUTED=1, as `--distributed`); each rank's (exit
+    code, stdout, stderr)."""
     port = ds_launch.free_port()
     procs = []
     for rank in range(n):
         env = {**_env(), "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CKPT_DISTRIBUTED": "1"}  # fmt: skip
         procs.append(subprocess.Popen([str(CKPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=env))  # fmt: skip
     results = []

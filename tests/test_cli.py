@@ -41,7 +41,7 @@ def test_consolidate_json_reports_the_result(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert (
-        data["output_dir"] == str(tmp_path / "o") and data["dtype"] == "bf16" and data["files"] == ["model.safetensors"]
+        data["output_dir"] == str(tmp_path / "o") and data["dtype"] == "bfloat16" and data["files"] == ["model.safetensors"]
     )
     assert data["source"]["zero_stage"] == 3 and data["source"]["dp_world_size"] == 3
 

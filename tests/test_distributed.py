@@ -2,8 +2,9 @@
 runs on this machine.
 
 Each run starts every rank as its own `ckpt` process with the variables a launcher sets (WORLD_SIZE, RANK,
-MASTER_ADDR, MASTER_PORT), so every rank's exit code and output can be checked; one run goes through torchrun
-itself (`--no-python ckpt ...`). Outputs are compared file by file (sha256) with a one-process run.
+MASTER_ADDR, MASTER_PORT) and CKPT_DISTRIBUTED=1 (the multi-process mode is asked for, never guessed), so every
+rank's exit code and output can be checked; one run goes through torchrun itself (`--no-python ckpt ...
+--distributed`). Outputs are compared file by file (sha256) with a one-process run.
 """
 
 import hashlib
@@ -145,7 +146,7 @@ def test_torchrun_no_python_ckpt_writes_a_trainer_folder_byte_identical_to_one_p
     single = _one_process(*args, "--out", tmp_path / "one")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1", "--master_addr",
            "127.0.0.1", "--master_port", str(ds_launch.free_port()), "--no-python", "ckpt", *map(str, args),
-           "--out", str(tmp_path / "two")]  # fmt: skip
+           "--out", str(tmp_path / "two"), "--distributed"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)  # one JSON object: rank 1 printed nothing

@@ -56,7 +56,8 @@ def on_ranks(per_rank_args, extra_env=None):
     procs = []
     for rank, args in enumerate(per_rank_args):
         env = {**_env(), "WORLD_SIZE": str(n), "RANK": str(rank), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": str(port), "CKPT_SKELETON_RECORD_MAX": "256", **(extra_env or {})}  # fmt: skip
+               "MASTER_PORT": str(port), "CKPT_SKELETON_RECORD_MAX": "256", "CKPT_DISTRIBUTED": "1",
+               **(extra_env or {})}  # fmt: skip
         procs.append(subprocess.Popen([str(CKPT), *map(str, args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, env=env))  # fmt: skip
     return [_finish(p) for p in procs]
@@ -308,7 +309,7 @@ def _two_node_torchrun(per_node_args, nproc=2):
     for node, args in enumerate(per_node_args):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(per_node_args)), "--node-rank",
                str(node), "--nproc-per-node", str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
-               "--no-python", str(CKPT), *map(str, args)]  # fmt: skip
+               "--no-python", str(CKPT), *map(str, args), "--distributed"]  # fmt: skip
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()))
     return [_finish(p) for p in procs]
 

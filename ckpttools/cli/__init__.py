@@ -1,17 +1,27 @@
 """The `ckpt` command line: parse, call the library, print.
 
-Exit codes: 0 success, 1 bad checkpoint or failed check, 2 usage error, 3 remote/auth/network failure,
-130 interrupted.
+Exit codes: 0 success, 1 bad checkpoint or failed check, 2 usage error, 3 remote or network failure, 4
+authentication refused, 130 SIGINT, 143 SIGTERM, 129 SIGHUP.
 
-`_common` holds the one error boundary (`CkptGroup`) and what the commands share; `convert` holds
-consolidate, reshard and inspect; `hub` holds verify and push. The command modules import `_common` only,
-never this package, and import the library inside each command, so `ckpt consolidate` does not load
-huggingface_hub, transformers or torch.
+The signal handler is installed first, before click loads (see `ckpttools.signals`). `_common` holds the one
+error boundary (`CkptGroup`) and what the commands share; `convert` holds consolidate, reshard and inspect;
+`hub` holds verify and push. The command modules import `_common` only, never this package, and import the
+library inside each command, so `ckpt consolidate` does not load huggingface_hub, transformers or torch.
 """
 
 from __future__ import annotations
 
-import click
+import sys
+
+from ..signals import install as _install_signal_handler
+
+# `ckpt` itself (the console script, or `python -m ckpttools.cli`, whose argv[0] is "-m" while this package
+# loads): from here on a signal is one line and an exit code, never a traceback. A program importing the CLI
+# (tests, scripts) keeps its own handlers; run_guarded installs them around each command's body.
+if sys.argv and (sys.argv[0] == "-m" or sys.argv[0].rsplit("/", 1)[-1] in ("ckpt", "ckpt.exe")):
+    _install_signal_handler()
+
+import click  # after the signal handler
 
 from .. import __version__
 from ._common import EPILOG, CkptGroup

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -19,13 +20,21 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import click
 
+from .. import signals
 from ..errors import CkptError
-from ..staging import sigterm_as_interrupt as _sigterm_as_interrupt
 
 if TYPE_CHECKING:
     from ..distributed import Launch, ProcessGroup
 
-EPILOG = """\b
+EXIT_CODES = """\b
+Exit codes: 0 success (also when a signal comes after the output was published),
+            1 bad checkpoint, failed check or unusable output folder,
+            2 usage error, 3 remote or network failure (a retry may help),
+            4 authentication refused (a retry cannot help),
+            130 SIGINT, 143 SIGTERM, 129 SIGHUP (nothing was published).
+Set CKPT_DEBUG=1 to see tracebacks."""
+
+EPILOG = f"""\b
 Examples:
   ckpt inspect out/checkpoint-500
   ckpt consolidate out/checkpoint-500 --to safetensors --dtype bf16 --out out/model
@@ -34,14 +43,12 @@ Examples:
   ckpt reshard out/checkpoint-500 --universal
   ckpt verify out/model --against out/checkpoint-500
   ckpt push out/model --repo my-org/my-model
+  torchrun --nproc-per-node 8 --no-python ckpt consolidate out/checkpoint-500 --distributed
 
-\b
-Exit codes: 0 success, 1 bad checkpoint or failed check, 2 usage error
-            (or HF_HUB_OFFLINE set for push), 3 remote/auth/network failure.
-Set CKPT_DEBUG=1 to see tracebacks."""
+{EXIT_CODES}"""
 
-EXIT_INTERRUPTED = 130
 INTERNAL_ERROR = "internal error ({what}); please report it, rerun with CKPT_DEBUG=1 for the traceback"
+TEST_DELAY_VAR = "CKPT_TEST_SLOW_WRITE_MS"  # tests only: see test_delay
 
 
 # --------------------------------------------------------------------------------------------------
@@ -66,80 +73,216 @@ def _one_line(text: str) -> str:
 class CkptGroup(click.Group):
     """The one place where exceptions become a message and an exit code.
 
-    CkptError: its message (after its `problems`, one per line) and its exit code (1, 2 or 3). OSError: the
-    system's reason and the file, exit 1. KeyboardInterrupt: exit 130. Anything else is a bug: one line
-    naming the exception, exit 1. click's own exceptions (usage errors, `ctx.exit`) pass through to click.
-    With CKPT_DEBUG set, everything but KeyboardInterrupt is re-raised for the traceback.
+    CkptError: its message (after its `problems`, one per line) and its exit code (1, 2, 3 or 4).
+    ModuleNotFoundError of an optional dependency: the pip extra to install, exit 1. OSError: the system's
+    reason and the file, exit 1. A signal (KeyboardInterrupt): one line, exit 128 + its number, or 0 with a
+    line saying so when the output was already published. Anything else is a bug: one line naming the
+    exception, exit 1. click's own exceptions (usage errors, `ctx.exit`) pass through to click. With
+    CKPT_DEBUG set, everything but a signal is re-raised for the traceback.
     """
 
     def invoke(self, ctx: click.Context) -> Any:
         result: list[Any] = []
-        code = run_guarded(lambda: result.append(super(CkptGroup, self).invoke(ctx)))
+        code = run_guarded(
+            lambda: result.append(super(CkptGroup, self).invoke(ctx)), command=lambda: ctx.invoked_subcommand
+        )
         if code:
             ctx.exit(code)
         return result[0] if result else None
 
+    def main(self, *args: Any, **kwargs: Any) -> Any:
+        """As the `ckpt` process (signals.install() ran): a signal at any moment, also during start-up, while
+        click parses or after the command printed, ends the run with its line and code; a run a signal ended
+        leaves through a flushed os._exit (see signals.exit_now). Elsewhere (CliRunner, a program calling
+        main), click's own main."""
+        if not signals.installed():
+            return super().main(*args, **kwargs)
+        published_before = len(_published_outputs())
+        try:
+            super().main(*args, **kwargs)
+            code: Any = 0
+        except SystemExit as e:
+            code = e.code
+        code = code if isinstance(code, int) else (0 if code is None else 1)
+        signum = signals.received()
+        if signum is None:
+            sys.exit(code)
+        if not signals.reported():  # came outside the command's body: before it began, or after it ended
+            code = _interrupted(signum, published_before, silent=False) if code == 0 else code
+        signals.exit_now(code)
 
-def run_guarded(body: Callable[[], object], *, debug: bool = False, silent: bool = False) -> int:
+
+def _published_outputs() -> list[Path]:
+    """The output folders this process published that are still there (staging.published_outputs()); a
+    temporary folder that was published and removed again (push's) does not count. Never imports staging:
+    unloaded, it published nothing."""
+    staging = sys.modules.get("ckpttools.staging")
+    listed = getattr(staging, "published_outputs", None)
+    return [Path(p) for p in listed() if Path(p).exists()] if listed is not None else []
+
+
+def _interrupted(signum: int | None, published_before: int, *, silent: bool) -> int:
+    """The one line for a run a signal ended, and its exit code: 128 + the signal's number, or 0 when the
+    output had been published (it is complete and stays)."""
+    signals.mark_reported()
+    published = _published_outputs()[published_before:]
+    if published:
+        if not silent:
+            outs = ", ".join(map(str, published))
+            click.echo(f"Interrupted after publishing {outs}; the output is complete.", err=True)
+        return 0
+    if not silent:
+        what = f" ({signals.signal_name(signum)})" if signum is not None else ""
+        click.echo(f"Interrupted{what}; nothing was published.", err=True)
+    return signals.exit_code(signum) if signum is not None else signals.exit_code(signal.SIGINT)
+
+
+def _was_interrupted(error: BaseException) -> int | bool | None:
+    """Whether `error` means this process was interrupted: a KeyboardInterrupt, or a rank failure agreed on
+    after this rank's own interrupt. Returns False, or the signal's number (None: not known)."""
+    from ..distributed import RankFailedError
+
+    cause = error.__cause__ if isinstance(error, RankFailedError) else error
+    if isinstance(cause, KeyboardInterrupt):
+        return getattr(cause, "signum", None) or signals.received()
+    return False
+
+
+def _missing_extra(error: ModuleNotFoundError, command: str | None) -> str | None:
+    """The line naming the pip extra that provides the missing module (ckpttools.extras), or None."""
+    try:
+        from ..extras import describe_missing
+    except ImportError:  # pragma: no cover - extras.py ships with the package
+        return None
+    return describe_missing(error, command)
+
+
+def run_guarded(
+    body: Callable[[], object],
+    *,
+    debug: bool = False,
+    silent: bool = False,
+    command: Callable[[], str | None] | None = None,
+) -> int:
     """Run a command body; the one place exceptions become a message and an exit code (see CkptGroup).
 
-    Used by `ckpt` and by the argparse entry points that mirror DeepSpeed's scripts. SIGTERM is handled
-    like Ctrl-C, so staged outputs are removed either way. `silent`: the same exit code, nothing printed
-    (the ranks other than 0 of a run on many processes).
+    Used by `ckpt` and by the argparse entry points that mirror DeepSpeed's scripts. SIGINT, SIGTERM and
+    SIGHUP raise `signals.Interrupted` inside the body, so staged outputs are removed. `silent`: the same
+    exit code, nothing printed (the ranks other than 0 of a run on many processes). `command`: the
+    subcommand's name, for the pip extra a missing module needs.
     """
     show = debug or _debug()
     say = (lambda message: None) if silent else echo_error
-    with _sigterm_as_interrupt():
-        try:
+    published_before = len(_published_outputs())
+    try:
+        with signals.handling():
             body()
-        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            signals.raise_if_received()  # a signal whose exception was swallowed (a finalizer) still ends the run
+    except (click.ClickException, click.exceptions.Exit, click.Abort):
+        raise
+    except BaseException as e:  # every exception becomes one line and a code (_report_failure)
+        interrupted = _was_interrupted(e)
+        if interrupted is not False:
+            return _interrupted(interrupted or None, published_before, silent=silent)
+        if not isinstance(e, Exception):  # SystemExit and the like: not ours to turn into a message
             raise
-        except CkptError as e:
-            for problem in e.problems:
-                say(problem)
-            if show:
-                raise
-            say(str(e))
-            return e.exit_code
-        except KeyboardInterrupt:
-            if not silent:
-                click.echo("Interrupted; nothing was published.", err=True)
-            return EXIT_INTERRUPTED
-        except OSError as e:  # disk full, permissions: the user's environment, not a bug
-            if show:
-                raise
-            say(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
-            return 1
-        except Exception as e:  # a bug: one line that says so instead of a traceback
-            if show:
-                raise
-            message = _one_line(str(e))
-            say(INTERNAL_ERROR.format(what=f"{type(e).__name__}: {message}" if message else type(e).__name__))
-            return 1
+        return _report_failure(e, show, say, command)
     return 0
 
 
-def run_on_ranks(launch: Launch, body: Callable[[ProcessGroup], object]) -> None:
-    """A command on every rank of a launcher's group (torchrun): errors agreed by all, printed by rank 0 only.
+def _report_failure(e: Exception, show: bool, say: Callable[[str], None], command: Callable[[], str | None] | None
+                    ) -> int:  # fmt: skip
+    """An exception from a command body: its line(s) and exit code (re-raised with CKPT_DEBUG)."""
+    if isinstance(e, CkptError):
+        for problem in e.problems:
+            say(problem)
+        if show:
+            raise e
+        say(str(e))
+        return e.exit_code
+    if show:
+        raise e
+    if isinstance(e, ModuleNotFoundError):
+        line = _missing_extra(e, command() if command else None)
+        if line is not None:
+            say(line)
+            return 1
+    if isinstance(e, OSError):  # disk full, permissions: the user's environment, not a bug
+        say(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
+        return 1
+    message = _one_line(str(e))  # a bug: one line that says so instead of a traceback
+    say(INTERNAL_ERROR.format(what=f"{type(e).__name__}: {message}" if message else type(e).__name__))
+    return 1
 
-    Every rank exits with the same code (a `RankFailedError` names the rank that failed), and none leaves
-    before rank 0 has cleaned up and printed: a launcher stops the remaining ranks once one has exited.
+
+def run_on_ranks(launch: Launch, body: Callable[[ProcessGroup], object]) -> None:
+    """A command on every rank of a launcher's group (torchrun --distributed): errors agreed by all, printed by
+    rank 0 only.
+
+    Joining is bounded (CKPT_RENDEZVOUS_TIMEOUT) and every rank says why it could not join: the group that would
+    agree on one line does not exist yet. Then every rank exits with the same code (a `RankFailedError` names
+    the rank that failed), and none leaves before rank 0 has cleaned up and printed: a launcher stops the
+    remaining ranks once one has exited. A rank lost after rank 0 published the output does not make the run
+    a failure: the output is complete, rank 0 says so in a note and exits 0.
     """
     from ..distributed import join_group
 
     joined: list[ProcessGroup] = []
-
-    def run() -> None:
-        joined.append(join_group(launch))
-        body(joined[0])
-
-    try:
-        code = run_guarded(run, silent=launch.rank != 0)
-    finally:
-        if joined:
-            joined[0].close()
+    code = run_guarded(lambda: joined.append(join_group(launch)))
     if code:
         raise click.exceptions.Exit(code)
+    group = joined[0]
+    try:
+        code = run_guarded(lambda: _published_despite_lost_rank(group, body), silent=launch.rank != 0)
+    finally:
+        group.close()
+    if code:
+        raise click.exceptions.Exit(code)
+
+
+def _published_despite_lost_rank(group: ProcessGroup, body: Callable[[ProcessGroup], object]) -> None:
+    """`body(group)`; a failure after this rank published the output (a peer lost after the rename) becomes a
+    note, since the output is complete."""
+    from ..distributed import RankFailedError
+
+    before = len(_published_outputs())
+    try:
+        body(group)
+    except Exception as e:
+        published = _published_outputs()[before:]
+        if not published:
+            raise
+        who = f"rank {e.rank}" if isinstance(e, RankFailedError) and e.rank is not None else "a rank"
+        reason = e.failed_message if isinstance(e, RankFailedError) else f"{type(e).__name__}: {_one_line(str(e))}"
+        outs = ", ".join(map(str, published))
+        echo_notes([f"published {outs}; the output is complete; {who} was lost after ({reason})"])
+
+
+def launch_for(distributed: bool, quiet: bool) -> Launch | None:
+    """The launcher's group to join with --distributed, else None: one process, whatever the environment says.
+
+    A `ckpt` started by a training rank inherits RANK, WORLD_SIZE and MASTER_*: without --distributed they are
+    ignored (one note), and nothing of torch.distributed is imported. The threads' share of the cores follows
+    LOCAL_WORLD_SIZE only with --distributed, too.
+    """
+    from ..distributed import ignored_launcher_note, launch_from_env
+    from ..threads import share_cores_with_local_ranks
+
+    share_cores_with_local_ranks(distributed)
+    if distributed:
+        return launch_from_env()
+    note = ignored_launcher_note()
+    if note and not quiet:
+        echo_notes([note])
+    return None
+
+
+def test_delay() -> None:
+    """Tests only: sleep CKPT_TEST_SLOW_WRITE_MS milliseconds (after each chunk written, and once the command's
+    work is done, before its result is printed), so a test's signal can land mid-run or after publishing."""
+    ms = os.environ.get(TEST_DELAY_VAR)
+    if ms:
+        time.sleep(float(ms) / 1000)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,6 +300,15 @@ workers_option = click.option(
     type=click.IntRange(min=1, max=1024),
     metavar="N",
     help="Threads for 16-bit casts and CRC-32 checks (default: this process's share of the cores, at most 8).",
+)
+distributed_option = click.option(
+    "--distributed",
+    is_flag=True,
+    envvar="CKPT_DISTRIBUTED",
+    show_envvar=True,
+    help="Share the work among the ranks a launcher started (torchrun: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). "
+    "Each rank waits up to CKPT_RENDEZVOUS_TIMEOUT seconds (default 300) for the others to join, then "
+    "CKPT_DIST_TIMEOUT (default 3600) at each step. Without it those variables are ignored: one process.",
 )
 config_option = click.option(
     "--config",
@@ -221,12 +373,18 @@ class ProgressArgs(TypedDict):
 @contextlib.contextmanager
 def progress_callbacks(label: str, quiet: bool) -> Iterator[ProgressArgs]:
     """Arguments that draw a bar on stderr, or None for both when no one watches."""
+    slow = bool(os.environ.get(TEST_DELAY_VAR))
     if not progress_enabled(quiet):
-        yield {"on_start": None, "on_progress": None}
+        yield {"on_start": None, "on_progress": (lambda n: test_delay()) if slow else None}
         return
     bar = _Progress(label)
+
+    def advance(n: int) -> None:
+        bar.advance(n)
+        test_delay()
+
     try:
-        yield {"on_start": bar.begin, "on_progress": bar.advance}
+        yield {"on_start": bar.begin, "on_progress": advance if slow else bar.advance}
     finally:
         bar.end()
 
@@ -263,6 +421,7 @@ def echo_notes(notes: Iterable[str], prefix: str = "Note: ") -> None:
 
 def report(data: dict[str, Any], as_json: bool, quiet: bool, human: Callable[[dict[str, Any]], str]) -> None:
     """Notes on stderr (unless quiet), then the result on stdout."""
+    test_delay()
     if not quiet:
         echo_notes(data.get("notes", []))
     emit(data, as_json, human)

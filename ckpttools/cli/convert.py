@@ -17,9 +17,11 @@ from ._common import (
     checkpoint_path,
     checkpoint_selection,
     config_option,
+    distributed_option,
     emit,
     human_size,
     json_option,
+    launch_for,
     progress_callbacks,
     quiet_option,
     report,
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     help="With --merge: the base model's folder (weights and config.json), for runs saved without frozen weights.",
 )
 @workers_option
+@distributed_option
 @checkpoint_selection
 @json_option
 @quiet_option
@@ -87,6 +90,7 @@ def consolidate_cmd(
     merge: bool,
     base: Path | None,
     workers: int | None,
+    distributed: bool,
     tag: str | None,
     step: int | None,
     best: bool,
@@ -96,11 +100,10 @@ def consolidate_cmd(
     """Write consolidated weights from a ZeRO checkpoint as a folder from_pretrained loads.
 
     A PEFT (LoRA) run gives the adapter folder PEFT's save_pretrained writes; with --merge, the full
-    model with the adapters merged into the base weights. Under torchrun (WORLD_SIZE > 1) the ranks
+    model with the adapters merged into the base weights. With --distributed under torchrun the ranks
     share the shards, balanced by bytes, into one folder on a filesystem they all see; only rank 0 prints.
     """
     from ..consolidate import consolidate
-    from ..distributed import launch_from_env
     from ..threads import set_workers
 
     set_workers(workers)
@@ -114,7 +117,7 @@ def consolidate_cmd(
         if rank0:
             report(result.to_dict(), as_json, quiet, _human_consolidate)
 
-    launch = launch_from_env()  # torchrun's WORLD_SIZE > 1: the ranks share the work
+    launch = launch_for(distributed, quiet)
     if launch is None:
         run()
     else:
@@ -145,6 +148,7 @@ def _human_consolidate(d: dict[str, Any]) -> str:
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 @config_option
 @workers_option
+@distributed_option
 @checkpoint_selection
 @json_option
 @quiet_option
@@ -157,6 +161,7 @@ def reshard_cmd(
     overwrite: bool,
     config: Path | None,
     workers: int | None,
+    distributed: bool,
     tag: str | None,
     step: int | None,
     best: bool,
@@ -170,10 +175,9 @@ def reshard_cmd(
     optionally --dp M) it holds what DeepSpeed saves at ZeRO stage S: resume with
     zero_optimization.stage S. With --universal it is DeepSpeed's universal format (load with
     "checkpoint": {"load_universal": true}); a universal checkpoint given as PATH with --dp M
-    becomes native shards again. Under torchrun (WORLD_SIZE > 1) the ranks share the rank files (or
+    becomes native shards again. With --distributed under torchrun the ranks share the rank files (or
     universal parameter folders), balanced by bytes, into one folder they all see; only rank 0 prints.
     """
-    from ..distributed import launch_from_env
     from ..reshard import reshard
     from ..threads import set_workers
 
@@ -187,7 +191,7 @@ def reshard_cmd(
         if rank0:
             report(result.to_dict(), as_json, quiet, _human_reshard)
 
-    launch = launch_from_env()  # torchrun's WORLD_SIZE > 1: the ranks share the work
+    launch = launch_for(distributed, quiet)
     if launch is None:
         run()
     else:
