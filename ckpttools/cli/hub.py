@@ -35,7 +35,8 @@ Examples:
 
 \b
 Exit codes: 0 the folder is sound, 1 problems found (each on its own stderr
-            line, or under "problems" with --json), 2 usage error.
+            line, or under "problems" with --json), 2 usage error,
+            130 SIGINT, 143 SIGTERM, 129 SIGHUP.
 Set CKPT_DEBUG=1 to see tracebacks."""
 
 PUSH_EPILOG = """\b
