@@ -43,6 +43,7 @@ import secrets
 import shutil
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -106,7 +107,8 @@ class shielded:  # used like a function: `with shielded():`
             return
         signum = _Shield.deferred[0]
         _Shield.deferred.clear()
-        if exc_type is None and threading.current_thread() is threading.main_thread():
+        ending = exc_type is not None or sys.exc_info()[0] is not None  # raised, or cleaning up in an `except`
+        if not ending and threading.current_thread() is threading.main_thread():
             signal.raise_signal(signum)  # the run was to stop: it stops now
 
 
@@ -402,17 +404,24 @@ def check_output_dir(out: Path, input_root: Path | None, overwrite: bool) -> Pat
 # --------------------------------------------------------------------------------------------------
 
 
-def check_free_space(folder: Path, needed: int, hint: str = "free some space or pass --out on another disk") -> None:
+def check_free_space(
+    folder: Path, needed: int, hint: str = "free some space or pass --out on another disk", output: Path | None = None
+) -> None:
+    """Refuse before writing when `folder`'s disk has less than `needed` plus the margin free (the message says
+    both, and names `output` when given)."""
     free = shutil.disk_usage(folder).free
     if free < needed + SPACE_MARGIN:
+        where = f"for {output}" if output is not None else f"in {folder}"
         raise OutputError(
-            f"not enough free disk space in {folder}: the output needs {_gb(needed)} plus a {_gb(SPACE_MARGIN)} "
-            f"safety margin, {_gb(free)} is free; {hint}"
+            f"not enough free disk space {where}: the output needs {_size(needed)} plus a {_size(SPACE_MARGIN)} "
+            f"safety margin, {_size(free)} is free; {hint}"
         )
 
 
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+def _size(n: int) -> str:
+    if n >= 1e8:
+        return f"{n / 1e9:.2f} GB"
+    return f"{n / 1e6:.1f} MB" if n >= 1e5 else f"{n / 1e3:.1f} KB"
 
 
 def _space_error(error: BaseException) -> OSError | None:
@@ -448,8 +457,8 @@ def out_of_space(
         free = shutil.disk_usage(out.parent).free
     except OSError:
         free = 0
-    need = f"it needs {_gb(needed)} plus a {_gb(SPACE_MARGIN)} safety margin, " if needed else ""
-    what = "no free inodes (files) were left" if not inodes else f"{_gb(free)} is free"
+    need = f"it needs {_size(needed)} plus a {_size(SPACE_MARGIN)} safety margin, " if needed else ""
+    what = "no free inodes (files) were left" if not inodes else f"{_size(free)} is free"
     kind = "quota" if cause.errno == errno.EDQUOT else "disk"
     return OutputError(
         f"the {kind} holding {out} ran out of space while the output was written ({need}{what}); nothing was published"
@@ -523,7 +532,7 @@ class StagedFolder:
             if notes is not None:
                 notes += found
             if needed_bytes:
-                check_free_space(self.out.parent, needed_bytes)
+                check_free_space(self.out.parent, needed_bytes, output=self.out)
             self.path.mkdir()
             self.flush = DiskFlush(self.path, self.out)
         except BaseException:
@@ -792,7 +801,7 @@ def staged_files(
     with _interrupts_deferred_in_cleanup(), sigterm_as_interrupt():
         try:
             if needed_bytes:
-                check_free_space(out, needed_bytes)
+                check_free_space(out, needed_bytes, output=out)
             tmp = out / staging_name("ckpt-files")
             tmp.mkdir()
             flush = DiskFlush(tmp, out)

@@ -1,4 +1,4 @@
-"""--overwrite replaces only what ckpt wrote (its manifest), never the user's files, a checkpoint, `.`, $HOME or a root."""
+"""--overwrite replaces only what ckpt wrote (its manifest): never the user's files, a checkpoint, `.`, $HOME."""
 
 import json
 import os
@@ -20,8 +20,8 @@ SRC = FIXTURES / "z2_dp2_fp32" / "checkpoint"
 
 def _ckpt(*args, cwd=None):
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    return subprocess.run([sys.executable, "-m", "ckpttools.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env=env, timeout=300)  # fmt: skip
+    cmd = [sys.executable, "-m", "ckpttools.cli", *map(str, args)]
+    return subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=cwd, env=env, timeout=300)
 
 
 def _earlier_output(out):
@@ -49,7 +49,7 @@ def test_an_earlier_ckpt_output_is_replaced(tmp_path):
     out = tmp_path / "out"
     consolidate(SRC, out)
     (out / "model.safetensors").write_bytes(b"mark")  # proves the old folder went: the size differs from the manifest
-    with pytest.raises(OutputError, match="model.safetensors, whose size differs"):
+    with pytest.raises(OutputError, match=r"model.safetensors, whose size differs"):
         consolidate(SRC, out, overwrite=True)
     consolidate(SRC, tmp_path / "first")
     shutil.rmtree(out)
@@ -79,11 +79,11 @@ def test_a_foreign_file_beside_an_earlier_output_is_refused(tmp_path):
         check_output_dir(out, SRC, True)
     (out / "sub" / "mine.txt").unlink()
     (out / "empty").mkdir()  # a folder the manifest does not imply
-    with pytest.raises(OutputError, match="empty, which ckpt did not write"):
+    with pytest.raises(OutputError, match=r"empty, which ckpt did not write"):
         check_output_dir(out, SRC, True)
     (out / "empty").rmdir()
     os.symlink("/etc", out / "link")
-    with pytest.raises(OutputError, match="link, which ckpt did not write"):
+    with pytest.raises(OutputError, match=r"link, which ckpt did not write"):
         check_output_dir(out, SRC, True)
     (out / "link").unlink()
     assert check_output_dir(out, SRC, True) == out
@@ -97,11 +97,11 @@ def test_a_checkpoint_copy_is_never_replaced(tmp_path):
     assert run.returncode == 1 and "DeepSpeed/Trainer checkpoint" in run.stderr, run.stderr
     assert tree_digest(copy) == before
     (copy / MANIFEST).write_text(json.dumps({"tool": "ckpttools", "files": {}}))  # a manifest does not excuse it
-    with pytest.raises(OutputError, match="DeepSpeed/Trainer checkpoint"):
+    with pytest.raises(OutputError, match=r"DeepSpeed/Trainer checkpoint"):
         check_output_dir(copy, SRC, True)
     nested = tmp_path / "runs"
     shutil.copytree(SRC, nested / "checkpoint-2")
-    with pytest.raises(OutputError, match="DeepSpeed/Trainer checkpoint"):
+    with pytest.raises(OutputError, match=r"DeepSpeed/Trainer checkpoint"):
         check_output_dir(nested, SRC, True)
 
 
@@ -115,9 +115,9 @@ def test_the_working_directory_is_never_replaced(tmp_path, monkeypatch):
     empty = tmp_path / "empty"
     empty.mkdir()
     monkeypatch.chdir(empty)
-    with pytest.raises(OutputError, match="is the working directory"):  # even empty
+    with pytest.raises(OutputError, match=r"is the working directory"):  # even empty
         check_output_dir(Path("."), SRC, True)
-    with pytest.raises(OutputError, match="contains the working directory"):
+    with pytest.raises(OutputError, match=r"contains the working directory"):
         check_output_dir(tmp_path, SRC, True)
 
 
@@ -125,33 +125,32 @@ def test_home_and_roots_and_mount_points_are_never_replaced(tmp_path, monkeypatc
     home = tmp_path / "home"
     home.mkdir()
     monkeypatch.setenv("HOME", str(home))
-    with pytest.raises(OutputError, match="is the home directory"):
+    with pytest.raises(OutputError, match=r"is the home directory"):
         check_output_dir(home, SRC, True)
-    with pytest.raises(OutputError, match="nothing was deleted"):
+    with pytest.raises(OutputError, match=r"nothing was deleted"):
         check_output_dir(Path("/"), None, True)
     monkeypatch.chdir(home)
     monkeypatch.setenv("HOME", str(tmp_path / "home2"))
-    with pytest.raises(OutputError, match="contains the working directory"):
+    with pytest.raises(OutputError, match=r"contains the working directory"):
         check_output_dir(Path("/"), None, True)
-
 
     def gone():
         raise FileNotFoundError("the working directory was removed")
 
     monkeypatch.setattr(Path, "cwd", gone)  # nothing to compare with: the root is still refused
     monkeypatch.setattr(Path, "home", gone)
-    with pytest.raises(OutputError, match="is a filesystem root"):
+    with pytest.raises(OutputError, match=r"is a filesystem root"):
         check_output_dir(Path("/"), None, True)
     mounted = tmp_path / "mnt"
     mounted.mkdir()
     monkeypatch.setattr(os.path, "ismount", lambda p: str(p) == str(mounted))
-    with pytest.raises(OutputError, match="is a mount point"):
+    with pytest.raises(OutputError, match=r"is a mount point"):
         check_output_dir(mounted, SRC, True)
 
 
 def test_an_empty_folder_may_be_used(tmp_path):
     (tmp_path / "out").mkdir()
-    with pytest.raises(OutputError, match="already exists"):
+    with pytest.raises(OutputError, match=r"already exists"):
         consolidate(SRC, tmp_path / "out")
     consolidate(SRC, tmp_path / "out", overwrite=True)
     assert (tmp_path / "out" / MANIFEST).is_file()
@@ -164,7 +163,7 @@ def test_a_symlink_to_elsewhere_is_followed_once_and_stays(tmp_path):
     (target / "notes.txt").write_text("mine")
     link = tmp_path / "model"
     link.symlink_to(target)
-    with pytest.raises(OutputError, match="notes.txt, which ckpt did not write"):
+    with pytest.raises(OutputError, match=r"notes.txt, which ckpt did not write"):
         consolidate(SRC, link, overwrite=True)
     assert os.listdir(target) == ["notes.txt"] and link.is_symlink()
     (target / "notes.txt").unlink()
@@ -190,7 +189,7 @@ def test_the_folder_is_checked_again_just_before_the_exchange(tmp_path):
     staged = StagedFolder(out, overwrite=True)
     (staged.path / "new.txt").write_text("new")
     (out / "added-meanwhile.txt").write_text("mine")  # the user wrote into it during the run
-    with pytest.raises(OutputError, match="added-meanwhile.txt.*nothing was deleted or published"):
+    with pytest.raises(OutputError, match=r"added-meanwhile.txt.*nothing was deleted or published"):
         staged.commit()
     staged.abort()
     assert sorted(os.listdir(out)) == [MANIFEST, "added-meanwhile.txt", "model.safetensors", "sub"]
@@ -201,7 +200,7 @@ def test_reshard_overwrite_follows_the_same_rule(tmp_path):
     out = tmp_path / "dp3"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(OutputError, match="keep.txt, which ckpt did not write"):
+    with pytest.raises(OutputError, match=r"keep.txt, which ckpt did not write"):
         reshard(SRC, out, dp=3, overwrite=True)
     assert os.listdir(out) == ["keep.txt"]
     (out / "keep.txt").unlink()
@@ -218,7 +217,7 @@ def test_ds_to_universal_replaces_only_its_own_conversion(tmp_path):
     out = root / "global_step2_universal"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(OutputError, match="notes.txt, which ckpt did not write"):
+    with pytest.raises(OutputError, match=r"notes.txt, which ckpt did not write"):
         convert_to_universal(root / "global_step2", out)
     (out / "notes.txt").unlink()
     convert_to_universal(root / "global_step2", out)  # empty: used
@@ -235,7 +234,7 @@ def test_zero_to_fp32_never_replaces_a_file_it_did_not_write(tmp_path):
     out.mkdir()
     (out / "model.safetensors").write_text("the user's own weights")
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(OutputError, match="model.safetensors, which ckpt did not write"):
+    with pytest.raises(OutputError, match=r"model.safetensors, which ckpt did not write"):
         _convert(SRC, out, "5GB", True, None, False)
     (out / "model.safetensors").unlink()
     _convert(SRC, out, "5GB", True, None, False)
@@ -254,7 +253,7 @@ def test_engine_save_replace_follows_the_same_rule(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("x")
-    with pytest.raises(OutputError, match="keep.txt, which ckpt did not write"):
+    with pytest.raises(OutputError, match=r"keep.txt, which ckpt did not write"):
         save_pretrained_from_engine(model, out, if_exists="replace")
     assert os.listdir(out) == ["keep.txt"]
     save_pretrained_from_engine(model, out, if_exists="add")  # writes into it, as save_pretrained does
