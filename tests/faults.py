@@ -160,6 +160,10 @@ def fingerprint(folder: Path) -> dict[str, str]:
 
 def _file_fingerprint(path: Path) -> str:
     try:
+        if path.name == MANIFEST:  # its "created" time differs from run to run; what it lists must not
+            data = json.loads(path.read_text())
+            data.pop("created", None)
+            return "manifest:" + hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
         if path.suffix == ".safetensors":
             return "tensors:" + _tensors_digest(path)
         if path.suffix in (".pt", ".bin", ".pth") and zipfile.is_zipfile(path):
@@ -423,7 +427,8 @@ class Trial:
                 if "\n" not in text
                 else f"  {key}:\n    " + text[-1500:].replace("\n", "\n    ")
             )
-        lines.append(f"  reproduce: {reproduce_line(self.category, self.seed)}")
+        delay = f"CKPT_FAULT_DELAY_MS={self.details['delay_ms']} " if "delay_ms" in self.details else ""
+        lines.append(f"  reproduce: {delay}{reproduce_line(self.category, self.seed)}")
         return "\n".join(lines)
 
 
@@ -603,10 +608,15 @@ def signal_categories() -> list[str]:
 
 
 def _draw_delay(rng: random.Random, duration: float) -> float:
-    """Start-up (0-300 ms, while imports run) a third of the time, else anywhere up to 1.2x an undisturbed run."""
-    if rng.random() < 0.3:
-        return rng.uniform(0.0, 0.3)
-    return rng.uniform(0.0, 1.2 * duration)
+    """Start-up (0-300 ms, while imports run) a third of the time, else anywhere up to 1.2x an undisturbed run.
+
+    The draw scales with this session's undisturbed run, so a seed's delay varies a little from machine to
+    machine; CKPT_FAULT_DELAY_MS pins it (the failure report prints the one that was used)."""
+    start_up, fraction = rng.random() < 0.3, rng.random()
+    pinned = os.environ.get("CKPT_FAULT_DELAY_MS")
+    if pinned:
+        return float(pinned) / 1000
+    return 0.3 * fraction if start_up else 1.2 * duration * fraction
 
 
 def signal_trial(campaign: Campaign, category: str, seed: int) -> Trial:
@@ -929,6 +939,8 @@ def enospc_trial(campaign: Campaign, category: str, seed: int) -> Trial:
         left = sorted(set(os.listdir(mnt)) - {"filler", "model"})
         trial.outcome = f"{variant}/{run.returncode}/{state}"
         trial.details["stderr"] = run.stderr
+        if fault is not None:
+            trial.details["delay_ms"] = round(fault.delay * 1000)
         judge_enospc(trial, run, state, out, left)
     campaign.check_inputs(trial)
     return campaign.record(trial)
@@ -1005,7 +1017,7 @@ def input_change_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     run = run_ckpt(argv, logs=campaign.logs(category), fault=fault, timeout=60 + 10 * new.seconds)
     state = campaign.state(out, new)
     trial.outcome = f"{run.returncode}/{state}" + ("" if run.fault_sent else " (finished first)")
-    trial.details["stderr"] = run.stderr
+    trial.details.update(stderr=run.stderr, delay_ms=round(fault.delay * 1000))
     check_stderr(trial, run)
     if run.returncode == 0 and state != "new":
         trial.bad("wrong-output", f"exit 0 with the output {state}")
