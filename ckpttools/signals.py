@@ -28,6 +28,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 TYPE_CHECKING = False  # not from typing: the handler goes in before anything that is not needed loads
 if TYPE_CHECKING:
@@ -72,6 +73,7 @@ class _State:
     armed = 0  # depth of armed() blocks
     process = False  # install(): the handler belongs to this process (the `ckpt` command) for good
     reported = False  # the boundary has told the user about the signal
+    in_hook = False  # _unraisable is running: raise nothing there
     installs = 0  # depth of handling() blocks that installed the handler (outside the `ckpt` process)
     previous_hook: Callable[[Any], Any] = sys.unraisablehook
 
@@ -98,23 +100,30 @@ def _cleanup_in_progress() -> bool:
 def _raise_pending() -> None:
     """Raise the first recorded signal if this is a place to raise it (armed, no cleanup running, not raised
     yet)."""
-    if _State.received and _State.armed and not _State.live and not _cleanup_in_progress():
+    if _State.received and _State.armed and not _State.live and not _State.in_hook and not _cleanup_in_progress():
         _State.live = True
         raise Interrupted(_State.received[0])
 
 
 def _unraisable(args: Any) -> None:
-    """An Interrupted raised inside a finalizer is printed and dropped by Python: deliver the signal again, so
-    that it lands in the code the finalizer interrupted, and print nothing."""
-    if isinstance(args.exc_value, Interrupted):
-        _State.live = False
-        with contextlib.suppress(RuntimeError):  # the interpreter is shutting down: the boundary's check remains
-            threading.Thread(target=_redeliver, args=(args.exc_value.signum,), daemon=True).start()
+    """An Interrupted raised inside a finalizer is printed and dropped by Python: deliver the signal again, once
+    this hook has returned, so that it lands in the code the finalizer interrupted; print nothing."""
+    if not isinstance(args.exc_value, Interrupted):
+        _State.previous_hook(args)
         return
-    _State.previous_hook(args)
+    _State.in_hook, _State.live = True, False  # the handler records but does not raise inside this hook
+    try:
+        threading.Thread(target=_redeliver, args=(args.exc_value.signum,), daemon=True).start()
+    except RuntimeError:  # the interpreter is shutting down: the boundary's check at the end remains
+        pass
+    finally:
+        _State.in_hook = False
 
 
 def _redeliver(signum: int) -> None:
+    while _State.in_hook:
+        time.sleep(0.001)
+    time.sleep(0.001)  # the hook's last instructions
     with contextlib.suppress(OSError, ValueError):
         signal.pthread_kill(threading.main_thread().ident or 0, signum)
 
