@@ -639,6 +639,7 @@ def signal_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     judge_signal_run(campaign, trial, run, fault, out, new, old)
     leftovers = judge_leftovers(trial, here, out, before, allow_staging=run.returncode == -signal.SIGKILL)
     if leftovers:
+        trial.outcome += " left " + "+".join(sorted(leftovers))
         follow_up(campaign, trial, here, out, new, before, leftovers)
     campaign.check_inputs(trial)
     return campaign.record(trial)
@@ -913,6 +914,17 @@ def _bytes(number: str, unit: str) -> float:
     return float(number.replace(",", "")) * _UNIT[unit.upper()]
 
 
+def _space_claims(line: str) -> tuple[float | None, float | None]:
+    """A free-space refusal's claims: (bytes it says it needs, margin included; bytes it says are free)."""
+    free = re.search(_SIZE + r"\s+(?:is\s+|are\s+)?(?:free|available)", line)
+    need_at = re.search(r"\bneeds?\b", line)
+    if not need_at:
+        return None, _bytes(*free.groups()) if free else None
+    stop = free.start() if free and free.start() > need_at.end() else len(line)
+    needed = sum(_bytes(*m.groups()) for m in re.finditer(_SIZE, line[need_at.end() : stop]))
+    return needed, _bytes(*free.groups()) if free else None
+
+
 def enospc_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     """--out on a small tmpfs: too few bytes for the pre-check, too few inodes for the files, or a filler that
     takes the space while ckpt writes. A success is complete; a failure is one line naming --out (or its folder)
@@ -970,10 +982,11 @@ def judge_enospc(trial: Trial, run: Run, state: str, out: Path, left: list[str])
             trial.bad("message-without-out-path", line[:200])
         if re.search(r"ckpt-staging|\.partial-", line):
             trial.bad("message-names-staging", line[:200])
-        if "nothing was published" not in line:
+        need, free = _space_claims(line)
+        up_front = "not enough free" in line  # the pre-check: nothing was written, nothing to publish
+        if not up_front and "nothing was published" not in line:
             trial.bad("message-without-nothing-published", line[:200])
-        need, free = re.search(r"needs?\s+(?:about\s+)?" + _SIZE, line), re.search(_SIZE + r"\s+(?:is\s+)?free", line)
-        if need and free and _bytes(*need.groups()) <= _bytes(*free.groups()):
+        if need is not None and free is not None and need <= free:
             trial.bad("precheck-contradiction", line[:200])
     if left:
         trial.bad("debris", str(left[:3]))
