@@ -257,7 +257,7 @@ def _resolve_root(path: Path, step: int | None, best: bool) -> tuple[Path, Path 
     )
 
 
-def _resolve_tag(root: Path, tag: str | None) -> str:
+def _resolve_tag(root: Path, tag: str | None, advice: str = "pass --tag") -> str:
     if tag is not None:
         return check_tag_name(tag)
     latest = root / "latest"
@@ -265,11 +265,22 @@ def _resolve_tag(root: Path, tag: str | None) -> str:
         try:
             return check_tag_name(latest.read_text(encoding="utf-8", errors="strict"))
         except UnicodeDecodeError as e:
-            raise CheckpointNotFoundError(f"{latest} is not a text file naming a tag; pass --tag") from e
+            raise CheckpointNotFoundError(f"{latest} is not a text file naming a tag; {advice}") from e
     tags = _tag_dirs(root)
     raise CheckpointNotFoundError(
-        f"{root} has no `latest` file; pass --tag (found: {', '.join(tags) or 'no tag folders'})"
+        f"{root} has no `latest` file; {advice} (found: {', '.join(tags) or 'no tag folders'})"
     )
+
+
+def _advice(root: Path, output_dir: Path | None) -> str:
+    """What helps when the tag cannot be found: --tag in a checkpoint, --step in a Trainer output_dir whose other
+    checkpoint-N folders may be complete."""
+    if output_dir is None:
+        return "pass --tag"
+    others = sorted(step for step, p in _trainer_checkpoints(output_dir).items() if p != root)
+    if not others:
+        return "pass --tag"
+    return f"pass --step to read another checkpoint (steps {', '.join(map(str, others))}), or --tag"
 
 
 def locate(path: Path, *, tag: str | None = None, step: int | None = None, best: bool = False) -> CheckpointLocation:
@@ -283,12 +294,13 @@ def locate(path: Path, *, tag: str | None = None, step: int | None = None, best:
     """
     path = Path(path)
     root, output_dir, implied_tag = _resolve_root(path, step, best)
-    tag = _resolve_tag(root, tag if tag is not None else implied_tag)
+    advice = _advice(root, output_dir)
+    tag = _resolve_tag(root, tag if tag is not None else implied_tag, advice)
     tag_dir = root / tag
     if not tag_dir.is_dir():
         available = _tag_dirs(root)
         raise CheckpointNotFoundError(
-            f"tag {short(tag)} has no folder in {root} (available: {', '.join(available) or 'none'}); pass --tag"
+            f"tag {short(tag)} has no folder in {root} (available: {', '.join(available) or 'none'}); {advice}"
         )
     files = classify_tag_files(sorted(p.name for p in tag_dir.iterdir()), where=str(tag_dir))
     side = [name for name in ("config.json", *HF_SIDE_FILES) if (root / name).is_file()]

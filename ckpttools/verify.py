@@ -4,6 +4,9 @@ Cheap checks read only file headers and config.json: safetensors headers are sou
 the shard files, dtypes agree with config.json, and the keys and shapes are those of the model built from
 config.json on the meta device (as `from_pretrained` would build it). With `against=CKPT`, every tensor is
 also compared bit for bit with the one reconstructed from the ZeRO shards, one tensor at a time.
+
+A PEFT adapter folder (adapter_config.json) is checked as PEFT will read it: the config, the adapter weights'
+headers, PEFT's key layout, and with a base model, the keys and shapes of the PeftModel built on the meta device.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import math
 import re
 import struct
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -21,6 +24,10 @@ from typing import Any
 from . import dtypes, hf
 from .errors import CheckpointNotFoundError, CorruptCheckpointError
 
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # in the order PEFT looks for them
+# PEFT types whose weights are virtual-token embeddings, not tensors beside the base model's modules
+PROMPT_LEARNING = {"PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING", "MULTITASK_PROMPT_TUNING", "CPT"}
 SAFE_INDEX = "model.safetensors.index.json"
 BIN_INDEX = "pytorch_model.bin.index.json"
 # In the order from_pretrained looks for them: the first present wins.
@@ -66,12 +73,14 @@ class VerifyReport:
 
     folder: str
     problems: list[str] = field(default_factory=list)
-    files: list[str] = field(default_factory=list)  # the weight files from_pretrained reads
+    kind: str = "model"  # "model", or "adapter" for a PEFT adapter folder
+    files: list[str] = field(default_factory=list)  # the weight files from_pretrained (or PEFT) reads
     num_tensors: int = 0
-    num_parameters: int = 0
+    num_parameters: int = 0  # elements of every tensor stored, a tie the model makes counted once
     total_size: int = 0  # tensor bytes
-    dtype: str | None = None  # floating dtype of the weights; "mixed (a, b)" when several
+    dtype: str | None = None  # floating dtype of the weights (float32, bfloat16, ...); "mixed (a, b)" when several
     architecture: str | None = None
+    base_model: str | None = None  # an adapter's base model (adapter_config.json, or --base)
     checks: list[str] = field(default_factory=list)  # what was checked, in words
     notes: list[str] = field(default_factory=list)  # what could not be checked, and why
     against: str | None = None
@@ -322,9 +331,14 @@ def _check_dtype(config: dict[str, Any], tensors: list[TensorInfo], keep_fp32: l
     )
 
 
-def _summarise(tensors: dict[str, TensorInfo], params: list[TensorInfo], report: VerifyReport) -> None:
+def _summarise(
+    tensors: dict[str, TensorInfo], params: list[TensorInfo], report: VerifyReport, duplicates: Iterable[str] = ()
+) -> None:
+    """Counts and dtype. num_parameters: elements of every stored tensor (buffers too, as consolidate counts what
+    it writes), less the stored copies of weights the model ties (`duplicates`: a tie is one parameter)."""
+    skip = set(duplicates)
     report.num_tensors = len(tensors)
-    report.num_parameters = sum(t.numel for t in params)
+    report.num_parameters = sum(t.numel for t in tensors.values() if t.name not in skip)
     report.total_size = sum((t.numel * _bits(t.dtype) + 7) // 8 for t in tensors.values())
     floats = sorted({t.dtype for t in params if t.is_floating})
     report.dtype = floats[0] if len(floats) == 1 else (f"mixed ({', '.join(floats)})" if floats else None)
@@ -360,8 +374,13 @@ def check_against(
     *,
     tag: str | None = None,
     step: int | None = None,
+    on_start: Callable[[int], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Compare every tensor with the one rebuilt from the ZeRO shards, one at a time (bounded memory)."""
+    """Compare every tensor with the one rebuilt from the ZeRO shards, one at a time (bounded memory).
+
+    `on_start(total bytes)` and `on_progress(bytes)` after each tensor, for a progress bar.
+    """
     from .consolidate import plan_tensors
     from .crosscheck import check_module_copies
     from .sources import open_checkpoint
@@ -384,6 +403,8 @@ def check_against(
         except CorruptCheckpointError as e:
             report.problems.append(f"the checkpoint itself is inconsistent: {e}")
             return
+        if on_start:
+            on_start(sum((t.numel * _bits(t.dtype) + 7) // 8 for t in tensors.values() if t.name in plan))
         for fname in report.files:
             for name, ours in _iter_file_tensors(
                 folder / fname, [t.name for t in tensors.values() if t.file == fname and t.name in plan]
@@ -393,6 +414,8 @@ def check_against(
                     wrong_dtype.append(f"{name} is {str(ours.dtype).removeprefix('torch.')}, expected {out.dtype.name}")
                 elif tuple(ours.shape) != out.shape or not _bit_equal(ours, read_tensor(out.source, reader, out.dtype)):
                     differing.append(name)
+                if on_progress:
+                    on_progress(ours.numel() * ours.element_size())
         try:
             reader.finish()
         except CorruptCheckpointError as e:
@@ -425,11 +448,158 @@ def _iter_file_tensors(path: Path, names: list[str]) -> Iterable[tuple[str, Any]
             yield name, state[name]
 
 
+# --- PEFT adapter folders ---------------------------------------------------------------------------------
+
+
+def _verify_adapters(folder: Path, base: Path | str | None, report: VerifyReport) -> dict[str, TensorInfo]:
+    """The adapter at the top of `folder` and those PEFT saves in sub-folders named after them."""
+    report.kind = "adapter"
+    every: dict[str, TensorInfo] = {}
+    subs = sorted(p for p in folder.iterdir() if p.is_dir() and (p / ADAPTER_CONFIG).is_file())
+    for where in [folder, *subs]:
+        prefix = "" if where == folder else f"{where.name}/"
+        config = _adapter_config(where / ADAPTER_CONFIG, prefix, report)
+        tensors = _adapter_tensors(where, prefix, report)
+        if config is None or not tensors:
+            continue
+        if where == folder:
+            named = config.get("base_model_name_or_path")
+            report.base_model = str(base) if base is not None else (named if isinstance(named, str) and named else None)
+        _check_peft_layout(config, tensors, prefix, report)
+        if base is not None:
+            _check_against_base(Path(base) if Path(base).exists() else str(base), where, tensors, prefix, report)
+        every.update({prefix + k: v for k, v in tensors.items()})
+    if report.files:
+        report.checks.insert(0, f"adapter_config.json and the headers of {len(report.files)} adapter weight file(s)")
+    return every
+
+
+def _adapter_config(path: Path, prefix: str, report: VerifyReport) -> dict[str, Any] | None:
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        report.problems.append(f"{prefix}{ADAPTER_CONFIG} is not valid JSON ({e})")
+        return None
+    if not isinstance(config, dict) or not isinstance(config.get("peft_type"), str):
+        report.problems.append(f"{prefix}{ADAPTER_CONFIG} is not a PEFT config: no peft_type in a JSON object")
+        return None
+    return config
+
+
+def _adapter_tensors(folder: Path, prefix: str, report: VerifyReport) -> dict[str, TensorInfo]:
+    name = next((n for n in ADAPTER_WEIGHTS if (folder / n).is_file()), None)
+    if name is None:
+        report.problems.append(f"{prefix or 'the folder'}: no adapter weights ({' or '.join(ADAPTER_WEIGHTS)})")
+        return {}
+    if name.endswith(".safetensors"):
+        infos, _, problems = read_safetensors_header(folder / name)
+    else:
+        infos, problems = _read_bin(folder / name)
+    report.problems += [prefix + p for p in problems]
+    report.files.append(prefix + name)
+    if not infos and not problems:
+        report.problems.append(f"{prefix}{name} holds no tensors")
+    return {t.name: t for t in infos}
+
+
+def _check_peft_layout(
+    config: dict[str, Any], tensors: dict[str, TensorInfo], prefix: str, report: VerifyReport
+) -> None:
+    """The names PEFT's save_pretrained writes: `base_model.model.<module>.lora_A.weight`, adapter name removed."""
+    where = f"{prefix}{next(n for n in ADAPTER_WEIGHTS if n.endswith(tensors[next(iter(tensors))].file))}"
+    peft_type = config["peft_type"]
+    if peft_type in PROMPT_LEARNING:
+        if "prompt_embeddings" not in tensors:
+            report.problems.append(f"{where}: a {peft_type} adapter without prompt_embeddings")
+        return
+    outside = [k for k in tensors if not k.startswith("base_model.model.")]
+    if outside:
+        report.problems.append(
+            f"{where}: keys outside PEFT's layout (base_model.model.<module>...): {hf.names(outside)}; "
+            "PEFT would not load them"
+        )
+    named = [k for k in tensors if _keeps_adapter_name(k)]
+    if named:
+        report.problems.append(
+            f"{where}: keys still carry an adapter name ({hf.names(named)}); PEFT's saved names leave it out, "
+            "so PEFT would not load them (save with save_pretrained, or `ckpt consolidate`)"
+        )
+    if peft_type == "LORA" and not any(".lora_" in k for k in tensors):
+        report.problems.append(f"{where}: a LORA adapter without any lora_A / lora_B tensor")
+    _check_placeholders(tensors, report)
+    report.checks.append(f"PEFT key layout ({peft_type})" + (f" in {prefix}" if prefix else ""))
+
+
+def _keeps_adapter_name(key: str) -> bool:
+    """`...lora_A.default.weight` (a live state_dict key) rather than `...lora_A.weight` (what PEFT saves)."""
+    parts = key.split(".")
+    return any(p.startswith("lora_") and i + 2 <= len(parts) - 1 for i, p in enumerate(parts)) or any(
+        p.startswith("lora_embedding_") and i + 1 == len(parts) - 1 for i, p in enumerate(parts)
+    )
+
+
+def _check_against_base(
+    base: Path | str, folder: Path, tensors: dict[str, TensorInfo], prefix: str, report: VerifyReport
+) -> None:
+    """Build the base model on the meta device, wrap it in a PeftModel with this adapter's config, and compare
+    the keys and shapes PEFT would save (and so load) with the file's."""
+    expected = _peft_meta_state(base, folder)
+    if isinstance(expected, str):
+        report.notes.append(f"{prefix}adapter not checked against the base model: {expected}")
+        return
+    missing = [k for k in expected if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected]
+    wrong = [
+        f"{k} {list(t.shape)} (the model has {list(expected[k])})"
+        for k, t in tensors.items()
+        if k in expected and tuple(t.shape) != expected[k]
+    ]
+    for label, items in (("missing", missing), ("not in the PeftModel", unexpected), ("of the wrong shape", wrong)):
+        if items:
+            report.problems.append(f"{prefix}adapter keys {label} (built on {base}): {hf.names(items)}")
+    if not (missing or unexpected or wrong):
+        where = f" ({prefix})" if prefix else ""
+        report.checks.append(f"adapter keys and shapes{where} against a PeftModel of {base} on the meta device")
+
+
+def _peft_meta_state(base: Path | str, folder: Path) -> dict[str, tuple[int, ...]] | str:
+    """What PeftModel(base, adapter_config) would save, as key -> shape; a one-line reason when it cannot be built."""
+    import logging
+
+    try:
+        import torch
+        import transformers
+        from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
+    except ImportError as e:
+        return f"{e.name} is not installed (pip install peft)"
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    transformers.logging.set_verbosity_error()
+    try:
+        config = transformers.AutoConfig.from_pretrained(base)
+        archs = getattr(config, "architectures", None) or []
+        cls: Any = getattr(transformers, archs[0], None) if archs else None
+        if cls is None:
+            return f"architecture {archs[0] if archs else '(none in config.json)'} is not a transformers class"
+        with torch.device("meta"):
+            peft_model = get_peft_model(cls(config), PeftConfig.from_pretrained(str(folder)))
+        state = get_peft_model_state_dict(peft_model)
+    except Exception as e:  # noqa: BLE001 - the reason is reported, the check skipped
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
 # --- entry point ---------------------------------------------------------------------------------------
 
 
 def verify_folder(
-    folder: Path | str, *, against: Path | str | None = None, tag: str | None = None, step: int | None = None
+    folder: Path | str,
+    *,
+    against: Path | str | None = None,
+    tag: str | None = None,
+    step: int | None = None,
+    base: Path | str | None = None,
+    on_start: Callable[[int], None] | None = None,
+    on_progress: Callable[[int], None] | None = None,
 ) -> VerifyReport:
     """Check a consolidated folder as from_pretrained will read it.
 
@@ -437,6 +607,9 @@ def verify_folder(
         folder: the folder holding model.safetensors (or shards and their index) and config.json.
         against: a ZeRO checkpoint; every tensor must then be bit-identical to the one rebuilt from its shards.
         tag, step: which tag / checkpoint-N of `against` to read (default: `latest` / the newest).
+        base: for a PEFT adapter folder, the base model (folder or Hub id): the PeftModel is built on the meta
+            device and its keys and shapes compared with the adapter's.
+        on_start, on_progress: with `against`, called with the bytes to compare, then with each tensor's bytes.
 
     Returns:
         A VerifyReport; `report.ok` is True when nothing is wrong. Problems are reported, not raised;
@@ -451,18 +624,24 @@ def verify_folder(
     if not folder.is_dir():
         raise CheckpointNotFoundError(f"{folder} is not a folder")
     report = VerifyReport(folder=str(folder))
+    if (folder / ADAPTER_CONFIG).is_file():
+        tensors = _verify_adapters(folder, base, report)
+        _summarise(tensors, list(tensors.values()), report)
+        if against is not None:
+            report.notes.append("--against compares model folders; an adapter folder is checked on its own")
+        return report
+    if base is not None:
+        report.notes.append("--base applies to PEFT adapter folders; this one has no adapter_config.json")
     tensors = collect_tensors(folder, report)
     if report.files:
         indexed = any((folder / n).is_file() for n in (SAFE_INDEX, BIN_INDEX))
         report.checks.append(f"headers of {len(report.files)} weight file(s)" + (" and their index" if indexed else ""))
     config = hf.read_config(folder / "config.json") if (folder / "config.json").is_file() else None
     params = list(tensors.values())
+    duplicates: list[str] = []
     keep_fp32: list[str] = []
     if config is None:
         report.notes.append("no readable config.json: keys and dtype not checked against a model")
-        _check_placeholders(tensors, report)
-    elif (folder / "adapter_config.json").is_file():
-        report.notes.append("adapter_config.json present (a PEFT adapter): keys not checked against the base model")
         _check_placeholders(tensors, report)
     elif tensors:
         model = hf.build_meta_model(folder)
@@ -473,14 +652,12 @@ def verify_folder(
             report.architecture, keep_fp32 = model.architecture, model.keep_fp32
             loaded = _check_keys(model, tensors, report)
             present = set(loaded.values())
-            params = [
-                tensors[k] for k, target in loaded.items()
-                if target in model.parameters and not (target in model.tied and model.tied[target] in present)
-            ]  # fmt: skip
+            duplicates = [k for k, target in loaded.items() if target in model.tied and model.tied[target] in present]
+            params = [tensors[k] for k, target in loaded.items() if target in model.parameters and k not in duplicates]
             report.checks.append(f"keys and shapes against {model.architecture} built on the meta device")
     if config is not None and tensors:
         _check_dtype(config, params, keep_fp32, report)
-    _summarise(tensors, params, report)
+    _summarise(tensors, params, report, duplicates)
     if against is not None and tensors:
-        check_against(folder, tensors, against, report, tag=tag, step=step)
+        check_against(folder, tensors, against, report, tag=tag, step=step, on_start=on_start, on_progress=on_progress)
     return report

@@ -19,6 +19,7 @@ import json
 import re
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -59,13 +60,28 @@ class Fault:
     times: int
     message: str
     code: str | None
+    after: bool = False  # serve the request first (it takes effect), then answer with the fault
+    hold: float = 0.0  # wait this long before the faulty answer or the drop (a test signals the client meanwhile)
 
 
 class LocalHub:
     """Start with `with LocalHub(token=...) as hub:`; `hub.url` is the endpoint to pass to HfApi/`ckpt push`."""
 
-    def __init__(self, token: str | None = "hf_local_test_token", writable: tuple[str, ...] | None = None) -> None:
+    def __init__(
+        self,
+        token: str | None = "hf_local_test_token",
+        writable: tuple[str, ...] | None = None,
+        *,
+        role: str = "write",
+        orgs: dict[str, str] | None = None,
+        scopes: list[str] | None = None,
+    ) -> None:
+        """`token`: the one accepted (None: any). `writable`: namespaces where repos may be created (None: all).
+        whoami answers for user `local-user` with the token's `role` ("write", "read" or "fineGrained" with
+        `scopes` as its permissions), and lists `orgs` (name -> roleInOrg) when given."""
         self.token, self.writable = token, writable
+        self.role, self.orgs, self.scopes = role, orgs, scopes
+        self.served_after_fault = threading.Event()  # set once a request with an `after` fault took effect
         self.repos: dict[str, Repo] = {}
         self.log: list[dict[str, Any]] = []  # every request: method, path, query, status
         self.lfs_puts: list[str] = []  # sha256 of every LFS object PUT that was stored
@@ -94,10 +110,25 @@ class LocalHub:
         times: int = 1,
         message: str = "injected failure",
         code: str | None = None,
+        after: bool = False,
+        hold: float = 0.0,
     ) -> None:
         """Answer the next `times` requests matching `method` and the `path` regex with `status` (0: drop the
-        connection without answering), `message` in X-Error-Message and `code` in X-Error-Code."""
-        self.faults.append(Fault(method, re.compile(path), status, times, message, code))
+        connection without answering), `message` in X-Error-Message and `code` in X-Error-Code, `hold` seconds
+        late. With `after`, the request is served first (a commit lands) and only its answer is lost."""
+        self.faults.append(Fault(method, re.compile(path), status, times, message, code, after, hold))
+
+    def whoami(self) -> dict[str, Any]:
+        token: dict[str, Any] = {"displayName": "local", "role": self.role}
+        if self.role == "fineGrained":
+            token["fineGrained"] = {"global": [], "scoped": [
+                {"entity": {"type": "user", "name": "local-user"}, "permissions": list(self.scopes or [])}
+            ]}  # fmt: skip
+        info: dict[str, Any] = {"type": "user", "name": "local-user", "auth": {"type": "access_token",
+                                                                               "accessToken": token}}  # fmt: skip
+        if self.orgs is not None:
+            info["orgs"] = [{"name": n, "roleInOrg": r} for n, r in self.orgs.items()]
+        return info
 
     def requests(self, method: str, pattern: str = "") -> list[dict[str, Any]]:
         return [r for r in self.log if r["method"] == method and re.search(pattern, r["path"])]
@@ -159,11 +190,20 @@ class _Handler(BaseHTTPRequestHandler):
             )
             if fault:
                 fault.times -= 1
-        if fault and fault.status == 0:
+        if fault and fault.status == 0 and not fault.after:
+            time.sleep(fault.hold)  # the client waits on a request the Hub never serves
             entry["status"] = "dropped"
             self.close_connection = True
             return
         try:
+            if fault and fault.after:
+                self._route(parts.path, body)  # it takes effect; the answer is what fails
+                self.hub.served_after_fault.set()
+                time.sleep(fault.hold)
+                if fault.status == 0:
+                    entry["status"] = "served, then dropped"
+                    self.close_connection = True
+                    return
             if fault:
                 raise HubError(fault.status, fault.message, fault.code)
             status, payload, headers = self._route(parts.path, body)
@@ -192,7 +232,7 @@ class _Handler(BaseHTTPRequestHandler):
         if c == "POST" and path == "/api/validate-yaml":
             return 200, {"errors": [], "warnings": []}, {}
         if c == "GET" and path == "/api/whoami-v2":
-            return 200, {"type": "user", "name": "local-user", "auth": {"accessToken": {"role": "write"}}}, {}
+            return 200, self.hub.whoami(), {}
         if g := m(rf"/api/models/{SEG}/{SEG}(?:/(\w[\w-]*)(?:/(.*))?)?"):
             repo_id = f"{unquote(g[1])}/{unquote(g[2])}"
             return self._api(repo_id, self._repo(repo_id), g[3], unquote(g[4] or ""), body)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
+from .. import signals
 from ._common import (
     DTYPE,
     SIZE,
@@ -21,6 +22,7 @@ from ._common import (
     emit,
     human_size,
     json_option,
+    progress_callbacks,
     progress_enabled,
     quiet_option,
 )
@@ -32,6 +34,12 @@ VERIFY_EPILOG = """\b
 Examples:
   ckpt verify out/model
   ckpt verify out/model --against out/checkpoint-500 --json
+  ckpt verify out/adapter --base meta-llama/Llama-3.2-1B
+
+\b
+A folder with adapter_config.json is checked as a PEFT adapter: the config,
+the adapter weights' headers, PEFT's key layout; with --base, the keys and
+shapes of the PeftModel built on the meta device.
 
 \b
 Exit codes: 0 the folder is sound, 1 problems found (each on its own stderr
@@ -47,14 +55,24 @@ Examples:
   ckpt push out/model --repo my-org/my-model --dry-run
 
 \b
-The token comes from --token, HF_TOKEN or `hf auth login` (never printed).
+Only the files a model repo holds are uploaded, at any depth: weights and their
+index, config.json, generation_config.json, tokenizer and chat template files,
+README.md, adapter files, processor configs. --include adds more (patterns as
+for `hf upload`); training state, global_step*/, checkpoint-*/, zero/ and
+other ckpt outputs are never uploaded. --dry-run lists the files and sizes.
+
+\b
+The token comes from --token, HF_TOKEN or `hf auth login` (never printed); it
+and the right to write the repo are checked before anything is consolidated.
 Repos are created private unless --public; an existing public repo needs --public.
 Re-running after a failure resumes: files already on the Hub are not sent again.
 
 \b
 Exit codes: 0 pushed (or dry run done), 1 the folder failed verification or the
             checkpoint is bad (nothing sent), 2 usage error or HF_HUB_OFFLINE set,
-            3 Hub, auth or network failure (retrying may help).
+            3 Hub or network failure (retrying may help), 4 no token, token
+            rejected or no write access (log in: retrying cannot help),
+            130 SIGINT, 143 SIGTERM, 129 SIGHUP.
 Set CKPT_DEBUG=1 to see tracebacks."""
 
 
@@ -68,6 +86,11 @@ Set CKPT_DEBUG=1 to see tracebacks."""
 )
 @click.option("--tag", help="With --against: tag folder to read (default: the content of `latest`).")
 @click.option("--step", type=int, help="With --against and a Trainer output_dir: use checkpoint-STEP.")
+@click.option(
+    "--base",
+    metavar="PATH|ORG/NAME",
+    help="For a PEFT adapter folder: the base model; the PeftModel is built on the meta device and its keys checked.",
+)
 @json_option
 @quiet_option
 @click.pass_context
@@ -77,16 +100,18 @@ def verify_cmd(
     against: Path | None,
     tag: str | None,
     step: int | None,
+    base: str | None,
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Check a consolidated folder the way from_pretrained will read it: headers, index, dtype, keys, shapes."""
+    """Check a consolidated folder (or a PEFT adapter folder) the way from_pretrained / PEFT will read it."""
     from ..errors import UsageError
     from ..verify import verify_folder
 
     if against is None and (tag is not None or step is not None):
         raise UsageError("--tag and --step choose the checkpoint for --against; pass --against too")
-    result = verify_folder(folder, against=against, tag=tag, step=step)
+    with progress_callbacks("verify", quiet or against is None) as progress:
+        result = verify_folder(folder, against=against, tag=tag, step=step, base=base, **progress)
     if as_json:
         echo_json(result.to_dict())
     else:
@@ -102,6 +127,8 @@ def verify_cmd(
 def _human_verify(r: VerifyReport) -> str:
     files = ", ".join(r.files) or "no weight file"
     what = f"{r.num_tensors} tensors, {r.num_parameters:,} parameters, {r.dtype or 'no floating'} weights in {files}"
+    if r.kind == "adapter":
+        what = f"PEFT adapter for {r.base_model or 'an unnamed base model'}: {what}"
     if not r.ok:
         return f"{r.folder}: {len(r.problems)} problem(s) ({what})"
     return f"{r.folder}: sound ({what}); checked " + "; ".join(r.checks)
@@ -118,7 +145,13 @@ def _human_verify(r: VerifyReport) -> str:
 @click.option("--commit-message", "--commit_message", help="Commit title (default: names the model and step).")
 @click.option("--endpoint", metavar="URL", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co).")
 @click.option("--token", help="Hub token (default: HF_TOKEN or the stored `hf auth login`).")
-@click.option("--dry-run", is_flag=True, help="Verify and list the files and bytes that would be sent; send nothing.")
+@click.option("--dry-run", is_flag=True, help="Verify and list the files and sizes that would be sent; send nothing.")
+@click.option("--include", multiple=True, metavar="PATTERN",
+              help="Also upload files matching PATTERN (as `hf upload --include`; repeatable).")  # fmt: skip
+@click.option("--exclude", multiple=True, metavar="PATTERN",
+              help="Do not upload files matching PATTERN (as `hf upload --exclude`; repeatable).")  # fmt: skip
+@click.option("--base-model", metavar="ORG/NAME",
+              help="Adapter folders: the base model for the card, when adapter_config.json names none.")  # fmt: skip
 @click.option("--force", is_flag=True, help="Push even if verification finds problems.")
 @click.option("--source", type=click.Path(path_type=Path), metavar="CKPT",
               help="The ZeRO checkpoint PATH was consolidated from, recorded in the model card.")  # fmt: skip
@@ -141,24 +174,50 @@ def _human_verify(r: VerifyReport) -> str:
 @quiet_option
 def push_cmd(
     path: Path, repo_id: str, private: bool | None, revision: str | None, create_pr: bool,
-    commit_message: str | None, endpoint: str | None, token: str | None, dry_run: bool, force: bool,
+    commit_message: str | None, endpoint: str | None, token: str | None, dry_run: bool,
+    include: tuple[str, ...], exclude: tuple[str, ...], base_model: str | None, force: bool,
     source: Path | None, dtype: str, max_shard_size: int, config: Path | None, tag: str | None, step: int | None,
     best: bool,
     as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
-    """Verify a model folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub."""
-    from ..hub import push
+    """Verify a model or adapter folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub."""
+    from ..hub import COMMIT_STATE, push
 
     _quiet_hub(quiet, bars=progress_enabled(quiet))
-    result = push(
-        path, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
-        endpoint=endpoint, token=token, dry_run=dry_run, force=force, source=source, dtype=dtype,
-        max_shard_size=max_shard_size, tag=tag, step=step, best=best, config=config,
-    )  # fmt: skip
+    try:
+        result = push(
+            path, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
+            endpoint=endpoint, token=token, dry_run=dry_run, force=force, source=source, dtype=dtype,
+            max_shard_size=max_shard_size, tag=tag, step=step, best=best, config=config, include=include,
+            exclude=exclude, base_model=base_model,
+        )  # fmt: skip
+    except KeyboardInterrupt as e:
+        if getattr(e, COMMIT_STATE, None) not in ("unknown", "other"):
+            raise  # not sent, or the Hub's head shows the commit did not land: "nothing was published" is true
+        echo_error(
+            "interrupted while the commit request was in flight; whether it landed could not be checked: look at "
+            "the repo's commits before relying on it (a re-run is safe: it sends only what is missing)"
+        )
+        signals.mark_reported()  # this line replaces the boundary's "nothing was published"
+        raise click.exceptions.Exit(_interrupt_code(e)) from None
     if not quiet:
         echo_notes(result.problems, prefix="Warning: pushed despite: ")
         echo_notes(result.notes)
     emit(result.to_dict(), as_json, _human_push)
+    if result.commit_recovered and signals.received() is not None:
+        # The signal came while the commit was in flight and the Hub has the commit: the push is complete, as
+        # the note says; end here (exit 0) rather than let the boundary call the run interrupted.
+        signals.mark_reported()
+        if signals.installed():
+            signals.exit_now(0)
+
+
+def _interrupt_code(e: KeyboardInterrupt) -> int:
+    """130 for SIGINT, 143 for SIGTERM (which ckpt raises as a KeyboardInterrupt subclass)."""
+    code = getattr(e, "exit_code", None)
+    if isinstance(code, int):
+        return code
+    return 143 if "Terminat" in type(e).__name__ else 130
 
 
 def _quiet_hub(quiet: bool, *, bars: bool) -> None:
@@ -179,6 +238,8 @@ def _human_push(d: dict[str, Any]) -> str:
             f"Dry run, nothing sent: would upload {n} files ({size}) to {d['repo_id']} at {d['revision']} "
             f"({d['visibility']} if created) on {d['endpoint']}"
         )
+        if d["kind"] == "adapter":
+            head += f"; a PEFT adapter for {d['base_model'] or 'a base model it does not name'}"
         lines = [head]
         width = max(len(f["path"]) for f in d["files"])
         lines += [
