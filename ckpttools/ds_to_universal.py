@@ -46,7 +46,7 @@ from .layout import check_tag_name
 from .reader import TensorSource, ZeroCheckpoint, strip_prefixes
 from .reshard import files_bytes, universal_tag_files
 from .sources import open_checkpoint
-from .staging import check_output_dir, staged_folder, write_text_atomically
+from .staging import staged_folder, why_not_replaceable, write_text_atomically
 from .torchfile import RecordReader
 from .torchwriter import ProgressFn, write_torch_files
 from .universal import LATEST, MASTER, STEP
@@ -82,10 +82,18 @@ def _output_folder(path: str | os.PathLike[str], tag_dir: Path) -> tuple[Path, b
         raise OutputError(f"--output_folder {out} contains the input {tag}; writing there could destroy the input")
     if not os.path.lexists(out):
         return out, False
-    if os.path.lexists(out) and not out.is_symlink() and not out.is_dir():
+    if out.is_symlink() and not out.exists():
+        raise OutputError(f"--output_folder {out} is a symlink to {out.resolve()}, which does not exist")
+    if not out.is_dir():
         raise OutputError(f"--output_folder {out} exists and is not a folder")
-    out = check_output_dir(out, tag_dir, overwrite=True)  # only an earlier ckpt conversion (or an empty folder)
-    return out, out.exists()
+    out = out.resolve() if out.is_symlink() else out  # the link stays; the output goes beside its target
+    why = why_not_replaceable(out)
+    if why is not None:  # only an earlier conversion by ckpt, or an empty folder
+        raise OutputError(
+            f"--output_folder {out} exists and is not a universal checkpoint folder ckpt wrote (it {why}); nothing "
+            "was deleted: remove it or choose another"
+        )
+    return out, True
 
 
 def _module_fp32_files(ckpt: ZeroCheckpoint, written: dict[str, Any]) -> list[tuple[str, TensorSource]]:

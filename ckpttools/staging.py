@@ -352,15 +352,22 @@ def first_foreign(folder: Path) -> str | None:
     return first
 
 
-def check_replaceable(out: Path, *, published: bool = False) -> None:
-    """Refuse to replace `out` unless it is an earlier ckpt output (or empty) in a place that is safe to replace."""
-    outcome = "nothing was deleted or published" if published else "nothing was deleted"
+def why_not_replaceable(out: Path) -> str | None:
+    """Why `out` must not be replaced as a whole (the end of a sentence: "it holds X, which ckpt did not write"),
+    or None when it is an earlier ckpt output or empty, in a place that is safe to replace."""
     if os.path.islink(out) or (os.path.lexists(out) and not out.is_dir()):
-        raise OutputError(f"output folder {out} is not a folder ckpt wrote; refusing to replace it, {outcome}")
+        return "is not a folder ckpt wrote"
     why = _protected(out)
     if why is None and out.is_dir():
         why = first_foreign(out)
+    return why
+
+
+def check_replaceable(out: Path, *, published: bool = False) -> None:
+    """Refuse to replace `out` unless it is an earlier ckpt output (or empty) in a place that is safe to replace."""
+    why = why_not_replaceable(out)
     if why is not None:
+        outcome = "nothing was deleted or published" if published else "nothing was deleted"
         raise OutputError(
             f"refusing to replace output folder {out}: it {why}; {outcome} (only a folder ckpt wrote is replaced; "
             "choose another output folder)"
