@@ -17,9 +17,10 @@ import collections
 import contextlib
 import json
 import os
+import re
 import socket
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -148,6 +149,15 @@ class RankFailedError(CkptError):
         self.rank, self.failed_message, self.exit_code = rank, message, exit_code
 
 
+class RankLostError(CkptError):
+    """This rank lost the others in a collective: a peer ended or was killed, or did not answer in time."""
+
+    def __init__(self, rank: int, world_size: int, error: BaseException) -> None:
+        reason = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(error).split())).split(". ")[0][:200]
+        super().__init__(f"rank {rank} of {world_size} lost contact with the other ranks ({reason}); one of them ended "
+                         "or was killed, or did not answer within CKPT_DIST_TIMEOUT")  # fmt: skip
+
+
 def describe_failure(error: BaseException) -> tuple[int, str]:
     """The exit code and one line a rank reports for its own failure (what the CLI would have printed)."""
     if isinstance(error, CkptError):
@@ -178,10 +188,12 @@ class ProcessGroup:
 
         length = torch.tensor([len(data)], dtype=torch.int64)
         lengths = [torch.zeros_like(length) for _ in range(self.world_size)]
-        self._dist.all_gather(lengths, length)
+        with self._peers():
+            self._dist.all_gather(lengths, length)
         payload = _byte_tensor(data, max(int(n.item()) for n in lengths))
         payloads = [torch.zeros_like(payload) for _ in range(self.world_size)]
-        self._dist.all_gather(payloads, payload)
+        with self._peers():
+            self._dist.all_gather(payloads, payload)
         return [p[: int(n.item())].numpy().tobytes() for p, n in zip(payloads, lengths, strict=True)]
 
     def share(self, text: str) -> str:
@@ -190,9 +202,11 @@ class ProcessGroup:
 
         data = text.encode() if self.rank == 0 else b""
         length = torch.tensor([len(data)], dtype=torch.int64)
-        self._dist.broadcast(length, 0)
+        with self._peers():
+            self._dist.broadcast(length, 0)
         payload = _byte_tensor(data, int(length.item()))
-        self._dist.broadcast(payload, 0)
+        with self._peers():
+            self._dist.broadcast(payload, 0)
         return str(payload[: int(length.item())].numpy().tobytes().decode())
 
     def agree(self, error: BaseException | None) -> None:
@@ -234,7 +248,8 @@ class ProcessGroup:
 
         def settle() -> None:
             work, i, tensor, is_recv = inflight.popleft()
-            work.wait()
+            with self._peers():
+                work.wait()
             if is_recv and not errors:
                 try:
                     write(i, tensor.numpy().data)
@@ -251,9 +266,11 @@ class ProcessGroup:
                         read(i, tensor.numpy().data)
                     except Exception as e:  # noqa: BLE001 - raised after the walk
                         errors.append(e)
-                inflight.append((self._dist.isend(tensor, dst), i, tensor, False))
+                with self._peers():
+                    inflight.append((self._dist.isend(tensor, dst), i, tensor, False))
             else:
-                inflight.append((self._dist.irecv(tensor, src), i, tensor, True))
+                with self._peers():
+                    inflight.append((self._dist.irecv(tensor, src), i, tensor, True))
             if len(inflight) >= window:
                 settle()
         while inflight:
@@ -262,7 +279,17 @@ class ProcessGroup:
             raise errors[0]
 
     def barrier(self) -> None:
-        self._dist.barrier()
+        with self._peers():
+            self._dist.barrier()
+
+    @contextlib.contextmanager
+    def _peers(self) -> Iterator[None]:
+        """A failure of the group itself (a peer ended or was killed: gloo's "Connection closed by peer"; a
+        timeout) as RankLostError: one line that says so, not an internal error."""
+        try:
+            yield
+        except RuntimeError as e:  # torch.distributed's DistError and gloo's errors are RuntimeErrors
+            raise RankLostError(self.rank, self.world_size, e) from e
 
     def close(self) -> None:
         """Wait for every rank (so nobody exits while rank 0 still cleans up or prints), then leave the group."""

@@ -41,7 +41,9 @@ def test_consolidate_json_reports_the_result(tmp_path):
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
     assert (
-        data["output_dir"] == str(tmp_path / "o") and data["dtype"] == "bfloat16" and data["files"] == ["model.safetensors"]
+        data["output_dir"] == str(tmp_path / "o")
+        and data["dtype"] == "bfloat16"
+        and data["files"] == ["model.safetensors"]
     )
     assert data["source"]["zero_stage"] == 3 and data["source"]["dp_world_size"] == 3
 
@@ -257,3 +259,52 @@ def test_sizes_and_dtype_aliases_parse():
         "fp32",
         "bf16",
     ]
+
+
+# --------------------------------------------------------------------------------------------------
+# The boundary: exit codes listed, a missing optional module, a rank lost after publishing
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["consolidate", "reshard", "inspect", "verify", "push"])
+def test_every_epilog_lists_the_signal_exit_codes(command):
+    text = " ".join(run(command, "--help").stdout.split())
+    assert "130 SIGINT, 143 SIGTERM, 129 SIGHUP" in text
+
+
+def test_a_missing_optional_module_names_its_extra(capsys):
+    from ckpttools.cli._common import run_guarded
+
+    def body():
+        raise ModuleNotFoundError("No module named 'peft'", name="peft")
+
+    code = run_guarded(body, command=lambda: "consolidate")
+    err = capsys.readouterr().err
+    assert code == 1
+    assert err.startswith("Error: this command needs peft, which is not installed: pip install 'ckpttools[")
+    assert len(err.splitlines()) == 1
+
+
+def test_a_rank_lost_after_publishing_is_a_note_and_exit_0(tmp_path, monkeypatch, capsys):
+    from ckpttools import staging
+    from ckpttools.cli._common import _published_despite_lost_rank, run_guarded
+    from ckpttools.distributed import RankFailedError
+
+    published = []
+    monkeypatch.setattr(staging, "published_outputs", lambda: list(published))
+
+    def body(group):
+        (tmp_path / "out").mkdir()
+        published.append(tmp_path / "out")
+        raise RankFailedError(1, 2, "interrupted (SIGKILL)")
+
+    assert run_guarded(lambda: _published_despite_lost_rank(None, body)) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"Note: published {tmp_path / 'out'}; the output is complete; rank 1 was lost after (interrupted (SIGKILL))"
+    ]
+
+    def before(group):
+        raise RankFailedError(1, 2, "bad record")
+
+    assert run_guarded(lambda: _published_despite_lost_rank(None, before)) == 1  # nothing new published: a failure
+    assert capsys.readouterr().err.splitlines() == ["Error: rank 1 of 2 failed: bad record"]

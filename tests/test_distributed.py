@@ -11,8 +11,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -21,14 +24,16 @@ from ckpttools.distributed import (
     Launch,
     RankFailedError,
     describe_failure,
+    ignored_launcher_note,
     launch_from_env,
     plan_by_bytes,
     records_to_verify,
 )
 from ckpttools.errors import CorruptCheckpointError, UsageError
+from ckpttools.signals import Interrupted
 from ckpttools.sources import open_checkpoint
 
-from .ranks import TRAINER, Z2, Z3, _env, _on_ranks, _one_process, _tree_sha256, ds_launch
+from .ranks import CKPT, TRAINER, Z2, Z3, _env, _on_ranks, _one_process, _tree_sha256, ds_launch
 
 # --------------------------------------------------------------------------------------------------
 # The pure parts
@@ -93,10 +98,23 @@ def test_a_failure_is_described_as_the_cli_would_print_it():
     assert describe_failure(RankFailedError(1, 2, "bad record", 3)) == (3, "rank 1 of 2 failed: bad record")
     assert describe_failure(RankFailedError(None, 2, "bad record", 1)) == (1, "bad record")
     assert describe_failure(KeyError("k")) == (1, "internal error (KeyError: 'k')")
+    assert describe_failure(Interrupted(signal.SIGTERM)) == (143, "interrupted (SIGTERM)")
+    assert describe_failure(Interrupted(signal.SIGHUP)) == (129, "interrupted (SIGHUP)")
 
 
-@pytest.mark.parametrize("world", [None, "1"])
+def test_launcher_variables_without_distributed_are_named_in_one_note():
+    assert ignored_launcher_note({}) is None
+    assert ignored_launcher_note({"PATH": "/bin"}) is None
+    env = {"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "1", "TORCHELASTIC_RUN_ID": "x"}
+    assert ignored_launcher_note(env) == (
+        "launcher variables found (WORLD_SIZE=2); running as one process, pass --distributed to share the work"
+    )
+    assert "(TORCHELASTIC_RUN_ID)" in ignored_launcher_note({"TORCHELASTIC_RUN_ID": "x"})
+
+
+@pytest.mark.parametrize("world", [None, "1", "2"])
 def test_a_one_process_run_never_imports_torch_distributed(tmp_path, world):
+    """Also with a launcher's variables but without --distributed (a `ckpt` a training rank started)."""
     code = (
         "import sys\n"
         "from ckpttools.cli import main\n"
@@ -105,9 +123,13 @@ def test_a_one_process_run_never_imports_torch_distributed(tmp_path, world):
     )
     env = {k: v for k, v in os.environ.items() if k not in ds_launch.RENDEZVOUS_VARS}
     env.update({"WORLD_SIZE": world} if world else {})
+    if world == "2":
+        env.update({"RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
     assert proc.returncode == 0, proc.stderr
     assert "world_size" not in json.loads(proc.stdout)
+    assert ("launcher variables found (WORLD_SIZE=2)" in proc.stderr) == (world == "2"), proc.stderr
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,7 +229,6 @@ def test_a_refusal_every_rank_meets_is_the_one_process_line_from_rank_0(tmp_path
 # --------------------------------------------------------------------------------------------------
 
 
-
 @pytest.mark.parametrize(
     ("ckpt_dir", "world", "target"),
     [(Z2, 3, ["--dp", "3"]), (Z3, 2, ["--universal"]), (TRAINER, 2, ["--dp", "3"]), (Z2, 2, ["--stage", "3"])],
@@ -275,3 +296,81 @@ def test_a_reshard_refusal_every_rank_meets_is_the_one_process_line_from_rank_0(
     )
     assert runs[0][2].splitlines() == [f"Error: {message}"]
     assert not any((tmp_path / "out").iterdir())
+
+
+# --------------------------------------------------------------------------------------------------
+# A rank lost: before publishing (nothing published, every rank stops) and after (the output stands)
+# --------------------------------------------------------------------------------------------------
+
+
+def _rank_pid(port, rank):
+    """The pid of the `ckpt` process that is rank `rank` of the group at MASTER_PORT=`port`."""
+    for proc in Path("/proc").iterdir():
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+            cmd = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ours = f"MASTER_PORT={port}".encode() in env and f"RANK={rank}".encode() in env
+        if ours and b"ckpt" in cmd and b"torch.distributed.run" not in cmd:
+            return int(proc.name)
+    return None
+
+
+def _wait(predicate, timeout=120):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_rank_killed_before_publishing_stops_the_others_and_publishes_nothing(tmp_path):
+    """torchrun: rank 1 killed (SIGKILL) mid-write; the agent stops rank 0 (SIGTERM), which removes the staging."""
+    port = ds_launch.free_port()
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--nnodes", "1", "--master_addr",
+           "127.0.0.1", "--master_port", str(port), "--no-python", "ckpt", "consolidate", str(Z3), "--out", str(out),
+           "--max-shard-size", "1KB", "--distributed"]  # fmt: skip
+    env = {**_env(), "CKPT_TEST_SLOW_WRITE_MS": "300"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        _wait(lambda: any(".ckpt-staging." in p.name for p in tmp_path.iterdir()) or proc.poll() is not None)
+        pid = _rank_pid(port, 1)
+        assert pid is not None, proc.communicate()
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=120)
+        stopped = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0, err
+    assert stopped < 30, stopped  # the agent's SIGTERM, then rank 0's cleanup
+    ours = [line for line in err.splitlines() if line.startswith(("Error: ", "Interrupted"))]  # torchrun logs too
+    assert len(ours) == 1, err[-3000:]
+    assert ours[0] == "Interrupted (SIGTERM); nothing was published." or ours[0].startswith(
+        "Error: rank 0 of 2 lost contact with the other ranks ("
+    ), ours
+    assert "ckpttools" not in err, err[-3000:]  # no traceback of ours (torchrun prints its own ChildFailedError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing published, no staging left
+
+
+def test_a_rank_lost_after_publishing_leaves_exit_0_and_the_output(tmp_path):
+    """Rank 1 killed while rank 0, after publishing, is about to print (CKPT_TEST_SLOW_WRITE_MS holds it there)."""
+    out = tmp_path / "out"
+    port = ds_launch.free_port()
+    procs = []
+    for rank in range(2):
+        env = {**_env(), "WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "CKPT_DISTRIBUTED": "1", "CKPT_TEST_SLOW_WRITE_MS": "500"}  # fmt: skip
+        procs.append(subprocess.Popen([str(CKPT), "consolidate", str(Z3), "--out", str(out), "--json"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))  # fmt: skip
+    _wait(lambda: out.exists() or procs[0].poll() is not None, timeout=240)
+    procs[1].kill()
+    rc, stdout, err = procs[0].wait(timeout=120), *procs[0].communicate(timeout=120)
+    procs[1].communicate()
+    assert rc == 0, err
+    assert json.loads(stdout)["world_size"] == 2
+    assert "Traceback" not in err
+    manifest = json.loads((out / ".ckpt-manifest.json").read_text())
+    assert {p.name: p.stat().st_size for p in out.iterdir() if p.name != ".ckpt-manifest.json"} == manifest["files"]
