@@ -210,7 +210,7 @@ def _is_checkpoint(path: Path, opts: dict[str, Any]) -> bool:
     from .layout import locate
 
     explicit = any(opts.get(k) for k in ("tag", "step", "best"))
-    has_weights = any((path / n).is_file() for n in (*WEIGHT_NAMES, *ADAPTER_WEIGHTS))
+    has_weights = any((path / n).is_file() for n in (*WEIGHT_NAMES, *ADAPTER_WEIGHTS, ADAPTER_CONFIG))
     try:
         loc = locate(path, tag=opts.get("tag"), step=opts.get("step"), best=bool(opts.get("best")))
     except CkptError as e:
