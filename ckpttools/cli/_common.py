@@ -92,8 +92,10 @@ class CkptGroup(click.Group):
 
     def main(self, *args: Any, **kwargs: Any) -> Any:
         """As the `ckpt` process (signals.install() ran): a signal at any moment, also during start-up, while
-        click parses or after the command printed, ends the run with its line and code; a run a signal ended
-        leaves through a flushed os._exit (see signals.exit_now). Elsewhere (CliRunner, a program calling
+        click parses or after the command printed, ends the run with its line and code, and the process leaves
+        through a flushed os._exit (signals.exit_now). Interpreter shutdown would put the default handlers
+        back (a signal then kills the process, -15, after the output was published) and runs torch's native
+        teardown, which can abort; nothing is left to run by then. Elsewhere (CliRunner, a program calling
         main), click's own main."""
         if not signals.installed():
             return super().main(*args, **kwargs)
@@ -105,9 +107,7 @@ class CkptGroup(click.Group):
             code = e.code
         code = code if isinstance(code, int) else (0 if code is None else 1)
         signum = signals.received()
-        if signum is None:
-            sys.exit(code)
-        if not signals.reported():  # came outside the command's body: before it began, or after it ended
+        if signum is not None and not signals.reported():  # came before the command's body or after it ended
             code = _interrupted(signum, published_before, silent=False) if code == 0 else code
         signals.exit_now(code)
 
