@@ -841,10 +841,15 @@ def _commit_state(api: Any, result: PushResult, stage: Path, head: str | None, e
     LFS files, the git blob id otherwise): the push is complete, and `result` says so. "absent" when the head
     did not move, "other" when it moved to other files, "unknown" when looking failed. Recorded on `error`.
     """
+    status = _http_status(error)
+    if status is not None and status < 500:
+        setattr(error, COMMIT_STATE, "absent")  # the Hub answered and refused (401, 403, 409, 412, ...)
+        return "absent"
     setattr(error, COMMIT_STATE, "unknown")
+    waits = (0.0,) if status is not None else (0.0, 1.0)  # no answer: the request may still be committing
     try:
         now = head
-        for wait in (0.0, 1.0):  # a request already sent may still be committing when we first look
+        for wait in waits:
             time.sleep(wait)
             now = api.repo_info(result.repo_id, revision=result.revision).sha
             if now != head:
@@ -868,6 +873,13 @@ def _commit_state(api: Any, result: PushResult, stage: Path, head: str | None, e
             "file of this push"
         )
     return state
+
+
+def _http_status(error: BaseException) -> int | None:
+    """The HTTP status the Hub answered with, or None when no answer came (dropped, timed out, interrupted)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return next((ex.response.status_code for ex in _chain(error) if isinstance(ex, HfHubHTTPError)), None)
 
 
 def _remote_oids(api: Any, repo_id: str, revision: str | None) -> dict[str, str]:
