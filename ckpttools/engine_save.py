@@ -529,7 +529,8 @@ def save_pretrained_from_engine(
     Args:
         engine: a `DeepSpeedEngine` (e.g. `trainer.model_wrapped`), or its module (ZeRO-3 is then detected
             from the parameters' `ds_id`).
-        out_dir: output folder. Written as `.<name>.partial-<pid>` beside it, then renamed.
+        out_dir: output folder. Written into a staging folder beside it (`.<name>.ckpt-staging.<host>.<pid>...`)
+            and published whole, with `.ckpt-manifest.json` listing what was written.
         dtype: "bf16", "fp16", "fp32" or a torch dtype for floating parameters. Default: each keeps the
             dtype the engine trains it in, which is what `engine.save_16bit_model` writes. Integer and
             bool tensors always keep theirs; floating buffers keep theirs unless fp32 is asked for (or they
@@ -539,9 +540,10 @@ def save_pretrained_from_engine(
             No config.json is written for a module without one.
         max_gather_bytes: budget of full ZeRO-3 parameters gathered at once (default 64 MiB); a parameter
             larger than that is gathered alone. Smaller means less memory and more all-gather rounds.
-        if_exists: what to do when `out_dir` exists and is not empty: "error", "replace" (the whole
-            folder) or "add" (write the weights and config.json into it, removing stale
-            `model*.safetensors` files; used for a Trainer `checkpoint-N/`).
+        if_exists: what to do when `out_dir` exists and is not empty: "error", "replace" (the whole folder,
+            only when ckpt wrote it: its content matches its `.ckpt-manifest.json`; anything else is refused and
+            nothing deleted) or "add" (write the weights and config.json into it as save_pretrained does, removing
+            stale `model*.safetensors` files that would shadow the new ones; used for a Trainer `checkpoint-N/`).
         exclude_frozen_parameters: leave out parameters with requires_grad=False, as
             `save_16bit_model(exclude_frozen_parameters=True)` does (e.g. PEFT base weights).
         adapter: the module is a PEFT model (LoRA): write the adapter folder PEFT's `save_pretrained` writes

@@ -185,7 +185,14 @@ def _alive_without_proc(pid: int) -> str | None:
 
 @functools.cache
 def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+    """This machine as staging names record it: the host name, and the pid namespace where there is one (two
+    containers may share a host name and a volume, but a pid means something only within its namespace)."""
+    host = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+    try:
+        namespace = re.sub(r"\D", "", os.readlink("/proc/self/ns/pid"))
+    except OSError:
+        return host
+    return f"{host}-pidns{namespace}" if namespace else host
 
 
 def _owner() -> str:
