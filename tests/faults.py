@@ -527,6 +527,7 @@ class Campaign:
         self.boot_window = self._measure_interpreter_start()
         self.baselines: dict[str, Baseline] = {}
         self.ledger = Ledger()
+        self.extra: dict[str, Any] = {}  # other per-session references (torchrun runs)
         self._counter = 0
 
     def _copy_input(self, key: str, name: str) -> Path:
@@ -1111,3 +1112,183 @@ def to_json(data: Any) -> str:
     return json.dumps(
         data, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)
     )
+
+
+# --------------------------------------------------------------------------------------------------
+# Category: one rank of a torchrun --distributed run killed
+# --------------------------------------------------------------------------------------------------
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+TORCHRUN_COMMANDS = ("consolidate-fp32", "reshard-universal")
+TORCHRUN_TIMEOUT = float(os.environ.get("CKPT_FAULT_TORCHRUN_TIMEOUT") or 90)
+
+
+@dataclass
+class TorchrunBaseline:
+    seconds: float  # from the ranks' start to torchrun's exit
+
+
+def torchrun_argv(argv: list[str], log_dir: Path) -> list[str]:
+    """`ckpt ARGS --distributed` as two ranks of a standalone torchrun, each rank's output in its own files."""
+    return [
+        str(TORCHRUN), "--standalone", "--nproc-per-node", "2", "--log-dir", str(log_dir), "--redirects", "3",
+        "--no-python", *argv, "--distributed",
+    ]  # fmt: skip
+
+
+def _ranks_of(agent: int) -> dict[int, int]:
+    """RANK -> pid of the agent's worker processes (read from their environment)."""
+    ranks: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{agent}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                with contextlib.suppress(OSError, ValueError):
+                    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+                    rank = next((int(v[5:]) for v in env if v.startswith(b"RANK=")), None)
+                    if rank is not None:  # the agent's other children (if any) carry no RANK
+                        ranks[rank] = int(pid)
+    return ranks
+
+
+def _rank_logs(log_dir: Path) -> dict[int, str]:
+    """Each rank's stderr (torchrun --redirects 3 writes <log-dir>/<run>/attempt_0/<rank>/stderr.log)."""
+    out: dict[int, str] = {}
+    for path in log_dir.glob("*/attempt_*/*/stderr.log"):
+        with contextlib.suppress(ValueError, OSError):
+            out[int(path.parent.name)] = path.read_text(errors="replace")
+    return out
+
+
+@dataclass
+class TorchrunRun:
+    returncode: int | None
+    seconds: float
+    ranks_seconds: float  # from the ranks' start
+    killed: int | None  # the rank killed, None when the run ended first
+    stop_seconds: float | None  # from the kill to torchrun's exit
+    timed_out: bool
+    agent_stderr: str
+    rank_stderr: dict[int, str]
+    stuck: str = ""  # after a timeout: the ranks' states
+
+
+def run_torchrun(argv: list[str], logs: Path, *, victim: int | None, signum: int, delay: float) -> TorchrunRun:
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "agent.stderr", "wb") as err_fh:
+        start = time.monotonic()
+        proc = subprocess.Popen(
+            torchrun_argv(argv, logs / "ranks"), env=clean_env(), stdout=subprocess.DEVNULL, stderr=err_fh,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        ranks: dict[int, int] = {}
+        while len(ranks) < 2 and proc.poll() is None and time.monotonic() - start < 120:
+            time.sleep(0.01)
+            ranks = _ranks_of(proc.pid)
+        ranks_start = time.monotonic()
+        killed = kill_time = None
+        if victim is not None and ranks and _wait_until(proc, ranks_start + delay):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(ranks[victim], signum)
+                killed, kill_time = victim, time.monotonic()
+        timed_out, stuck = False, ""
+        try:
+            proc.wait(timeout=max(1.0, TORCHRUN_TIMEOUT - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            timed_out, stuck = True, _describe_processes(ranks)
+            _stop(proc)
+        end = time.monotonic()
+    return TorchrunRun(
+        proc.returncode, end - start, end - ranks_start, killed, end - kill_time if kill_time else None, timed_out,
+        (logs / "agent.stderr").read_text(errors="replace"), _rank_logs(logs / "ranks"), stuck,
+    )  # fmt: skip
+
+
+def _describe_processes(ranks: dict[int, int]) -> str:
+    """For a hang: each rank still there, its state and where the kernel has it waiting."""
+    return "; ".join(f"rank {rank} pid {pid}: {_process_state(pid)}" for rank, pid in sorted(ranks.items()))
+
+
+def _process_state(pid: int) -> str:
+    try:
+        state = re.search(r"^State:\s*(.*)$", Path(f"/proc/{pid}/status").read_text(), re.MULTILINE)
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        threads = len(list(Path(f"/proc/{pid}/task").iterdir()))
+    except OSError:
+        return "gone"
+    return f"{state.group(1) if state else '?'}, wchan {wchan}, {threads} threads"
+
+
+def torchrun_baseline(campaign: Campaign, name: str) -> TorchrunBaseline:
+    key = f"torchrun:{name}"
+    cached = campaign.extra.get(key)
+    if cached is None:
+        new = campaign.baseline(name)
+        out = campaign.root / "baselines" / f"torchrun-{name}"
+        run = run_torchrun(new.command.argv(campaign.inputs[new.command.input], out), campaign.logs(key),
+                           victim=None, signum=0, delay=0)  # fmt: skip
+        got = fingerprint(out) if out.is_dir() else {}
+        if run.returncode != 0 or got != new.fingerprint:
+            raise RuntimeError(
+                f"the undisturbed torchrun run failed or differs from one process's output (exit {run.returncode}): "
+                f"{describe_difference(got, new.fingerprint)}\n{run.agent_stderr[-2000:]}\n{run.rank_stderr}"
+            )
+        cached = campaign.extra[key] = TorchrunBaseline(run.ranks_seconds)
+    return cached
+
+
+def torchrun_trial(campaign: Campaign, category: str, seed: int) -> Trial:
+    """SIGKILL or SIGTERM to one rank of a two-rank `--distributed` run at a random moment: the others stop soon,
+    the exit status agrees with the disk (absent and non-zero, or complete; a loss after publishing is reported
+    as such by a surviving rank 0), no traceback from any rank, staging left only when rank 0 itself was
+    SIGKILLed (and the next run cleans it up)."""
+    rng = random.Random(f"{category}:{seed}")
+    name = TORCHRUN_COMMANDS[seed % 2]
+    new = campaign.baseline(name)
+    victim = rng.choice([0, 1])
+    signum = signal.SIGKILL if rng.random() < 0.7 else signal.SIGTERM
+    delay = rng.uniform(0, 1.2 * torchrun_baseline(campaign, name).seconds)
+    here = campaign.trial_dir(category, seed)
+    out = here / "model"
+    argv = new.command.argv(campaign.inputs[new.command.input], out)
+    trial = Trial(
+        category, seed, f"{shlex.join(torchrun_argv(argv, Path('LOGS')))}  # {signum.name} to rank {victim} "
+        f"{delay * 1000:.0f} ms after the ranks started",
+    )  # fmt: skip
+    run = run_torchrun(argv, campaign.logs(category), victim=victim, signum=signum, delay=delay)
+    state = campaign.state(out, new)
+    stop = f", stopped {run.stop_seconds:.1f} s after" if run.stop_seconds is not None else " (finished first)"
+    trial.outcome = f"{run.returncode}/{state}{stop}"
+    trial.details.update(ranks=run.rank_stderr, agent=run.agent_stderr[-800:], delay_ms=round(delay * 1000))
+    judge_torchrun(trial, run, state)
+    rank0_gone = run.killed == 0 and signum == signal.SIGKILL
+    before: set[str] = set()
+    leftovers = judge_leftovers(trial, here, out, before, allow_staging=rank0_gone)
+    if leftovers:
+        trial.outcome += " left " + "+".join(sorted(leftovers))
+        follow_up(campaign, trial, here, out, new, before, leftovers)
+    campaign.check_inputs(trial)
+    return campaign.record(trial)
+
+
+def judge_torchrun(trial: Trial, run: TorchrunRun, state: str) -> None:
+    if run.timed_out:
+        trial.bad("hang", f"torchrun still running after {run.seconds:.0f} s ({run.stuck})")
+        return
+    if run.stop_seconds is not None and run.stop_seconds > 5:
+        trial.bad("slow-stop", f"torchrun ended {run.stop_seconds:.1f} s after rank {run.killed} was killed")
+    for rank, text in run.rank_stderr.items():
+        shown = Run([], run.returncode, "", text, 0.0)
+        check_stderr(trial, shown)
+        if rank != 0 and shown.message_lines:
+            trial.bad("rank-not-silent", f"rank {rank}: {shown.message_lines[:1]}")
+    if state not in ("absent", "new"):
+        trial.bad("mixed-output", state)
+    rank0 = run.rank_stderr.get(0, "")
+    if run.returncode == 0 and state != "new":
+        trial.bad("exit0-not-complete", state)
+    if run.returncode != 0 and state == "new" and run.killed != 0 and "complete" not in rank0:
+        trial.bad(
+            "published-but-failure", f"exit {run.returncode} with the output complete; rank 0 said: {rank0[-200:]}"
+        )
+    if "nothing was published" in rank0 and state != "absent":
+        trial.bad("says-nothing-published", state)

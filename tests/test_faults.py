@@ -12,6 +12,9 @@ Each test is one seeded trial (see tests/faults.py for the harness and the rules
     out-of-space                  --out on a small tmpfs (bytes, inodes, or a filler racing the write); root only
     input-changes                 a shard truncated or scribbled over while ckpt reads it
     launcher-env                  started with a training rank's RANK=0 WORLD_SIZE=2 MASTER_*: one process, finishes
+    torchrun-rank-kill (slow)     SIGKILL/SIGTERM to one rank of `torchrun ... ckpt ... --distributed`: the others
+                                  stop within seconds, the exit status agrees with the disk, staging only after
+                                  rank 0 itself was SIGKILLed (and the next run cleans it up)
 
 Settings (environment):
 
@@ -100,3 +103,9 @@ def test_input_changes_underneath(campaign: faults.Campaign, category: str, seed
 @pytest.mark.parametrize(("category", "seed"), _cases(["launcher-env"]))
 def test_started_from_a_training_rank(campaign: faults.Campaign, category: str, seed: int) -> None:
     _judge(faults.launcher_env_trial(campaign, category, seed))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("category", "seed"), _cases(["torchrun-rank-kill"]))
+def test_torchrun_rank_killed(campaign: faults.Campaign, category: str, seed: int) -> None:
+    _judge(faults.torchrun_trial(campaign, category, seed))
