@@ -590,7 +590,7 @@ def _prepare(
             from .sources import open_checkpoint
 
             return path, source_summary(open_checkpoint(source)), False
-        if opts.get("dtype") != "fp32" or opts.get("max_shard_size") != "5GB":
+        if opts.get("dtype") != "fp32" or opts.get("max_shard_size") not in ("5GB", 5_000_000_000):
             notes.append(f"{path} is already a model folder: --dtype and --max-shard-size do not apply")
         if (path / "trainer_state.json").is_file() or any(p.name.startswith("checkpoint-") for p in path.iterdir()):
             notes.append(f"pushing the model saved in {path}; checkpoint-N folders and training state are left out")

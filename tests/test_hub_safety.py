@@ -141,6 +141,7 @@ def test_trainer_output_dir_dry_run_lists_the_model_and_no_training_state(traine
 
     human = push(None, trainer_output, "--repo", "org/m", "--dry-run")
     assert human.exit_code == 0 and "would upload 6 files" in human.stdout
+    assert "do not apply" not in human.stderr  # no --dtype/--max-shard-size was given
     assert re.search(r"model\.safetensors\s+\d[\d.,]* (KB|B)", human.stdout)  # each file with its size
 
 
