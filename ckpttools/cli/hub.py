@@ -52,7 +52,8 @@ Examples:
   ckpt push out/model --repo my-org/my-model
   ckpt push out/checkpoint-500 --repo my-org/my-model --dtype bf16 --revision step-500
   ckpt push out/model --repo my-org/my-model --create-pr --json
-  ckpt push out/model --repo my-org/my-model --dry-run
+  ckpt push out/model --repo my-org/my-model --dry-run --include "*.py"
+  ckpt push out/hf-checkpoint-500 --repo my-org/my-lora   # a PEFT adapter folder
 
 \b
 Only the files a model repo holds are uploaded, at any depth: weights and their
@@ -66,6 +67,8 @@ The token comes from --token, HF_TOKEN or `hf auth login` (never printed); it
 and the right to write the repo are checked before anything is consolidated.
 Repos are created private unless --public; an existing public repo needs --public.
 Re-running after a failure resumes: files already on the Hub are not sent again.
+A commit whose answer is lost (connection dropped, Ctrl-C) is looked for on the
+Hub: when it landed, push says so and exits 0.
 
 \b
 Exit codes: 0 pushed (or dry run done), 1 the folder failed verification or the
