@@ -803,7 +803,8 @@ def concurrent_trial(campaign: Campaign, category: str, seed: int) -> Trial:
 
 def symlink_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     """--out is a symlink to an earlier output elsewhere, with --overwrite: the link stays, its target gets the
-    new output, nothing is left beside either."""
+    new output, nothing is left beside either. Odd seeds also send SIGINT, SIGTERM or SIGHUP at a random moment:
+    then the target holds the earlier output or the new one, as the exit code says."""
     rng = random.Random(f"{category}:{seed}")
     name = rng.choice(sorted(COMMANDS))
     new, old = campaign.baseline(name), campaign.baseline(EARLIER_OUTPUT[name])
@@ -816,18 +817,25 @@ def symlink_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     link_text = "../elsewhere/target" if rng.random() < 0.5 else str(target)
     link.symlink_to(link_text)
     argv = new.command.argv(campaign.inputs[new.command.input], link, overwrite=True)
-    trial = Trial(category, seed, f"{shlex.join(argv)}  # model -> {link_text}")
-    run = run_ckpt(argv, logs=campaign.logs(category), timeout=60 + 10 * new.seconds)
-    state = campaign.state(target, new, old)
-    trial.outcome = f"{run.returncode}/{state}" + ("" if link.is_symlink() else "/link replaced")
-    trial.details["stderr"] = run.stderr
-    check_stderr(trial, run)
-    if run.returncode != 0:
-        trial.bad("exit-code", f"exit {run.returncode}: {run.message_lines[:1]}")
+    fault = Fault(rng.choice(["SIGINT", "SIGTERM", "SIGHUP"]), _draw_delay(rng, new.seconds)) if seed % 2 else None
+    trial = Trial(
+        category, seed, f"{shlex.join(argv)}  # model -> {link_text}" + (f", {fault.describe()}" if fault else "")
+    )
+    run = run_ckpt(argv, logs=campaign.logs(category), fault=fault, timeout=60 + 10 * new.seconds)
+    if fault is not None:
+        judge_signal_run(campaign, trial, run, fault, target, new, old)
+    else:
+        state = campaign.state(target, new, old)
+        trial.outcome = f"{run.returncode}/{state}"
+        trial.details["stderr"] = run.stderr
+        check_stderr(trial, run)
+        if run.returncode != 0:
+            trial.bad("exit-code", f"exit {run.returncode}: {run.message_lines[:1]}")
+        if state != "new":
+            trial.bad("target-not-new", state)
     if not link.is_symlink() or os.readlink(link) != link_text:
+        trial.outcome += "/link replaced"
         trial.bad("link-replaced", f"{link} is now {'a folder' if link.is_dir() else 'gone'}")
-    if state != "new":
-        trial.bad("target-not-new", state)
     for folder, keep in ((here / "work", {"model"}), (here / "elsewhere", {"target"})):
         for kind, names in classify_debris(
             _top_level(entries_under(folder, skip=[folder / n for n in keep]) - keep)
