@@ -15,8 +15,11 @@ Guarantees (README "Safety"):
   lock, just before the exchange.
 - Nothing is left behind: staging folders are named `.<out>.ckpt-staging.<host>.<pid>.<start>.<hex>`, so a
   later run beside the same output removes those whose owner process is gone (a kill, a power cut) and says
-  so in a note; it never touches a live run's or another host's. A failed run removes its staging folder and
-  the parent folders it created. Out of space while writing is one line naming the output, the bytes needed
+  so in a note; it never touches a live run's or another host's (the owner is the host name with its pid
+  namespace, the pid and the process's start time, so a reused pid is recognised). Debris of earlier versions
+  (`.<out>.partial-<pid>-<hex>`, `.<out>.old-<pid>-<hex>`) records no host, so whether its run is over cannot
+  be proven: it is left where it is and named in a note. A failed run removes its staging folder and the parent
+  folders it created. Out of space while writing is one line naming the output, the bytes needed
   and free, and "nothing was published".
 
 Signals during cleanup (the contract with the CLI's handlers): cleanup runs inside `shielded()`. While
@@ -491,27 +494,22 @@ def published_outputs() -> list[Path]:
     return list(_published)
 
 
-def _make_parents(folder: Path) -> list[Path]:
-    """Create `folder` and its missing parents; the ones created here, deepest first."""
+def _make_parents(folder: Path, created: list[Path]) -> None:
+    """Create `folder` and its missing parents, adding each one created here to `created` (deepest first) as soon
+    as it exists, so that an interrupt at any moment leaves the list complete for `_remove_parents`."""
     missing = []
     for p in [folder, *folder.parents]:
         if p.exists():
             break
         missing.append(p)
-    created: list[Path] = []
-    try:
-        for p in reversed(missing):
-            try:
-                p.mkdir()
-            except FileExistsError:
-                continue  # another run made it: not ours to remove
-            except OSError as e:
-                raise OutputError(f"cannot create {p}: {e.strerror or e}") from e
-            created.insert(0, p)
-    except BaseException:
-        _remove_parents(created)
-        raise
-    return created
+    for p in reversed(missing):
+        try:
+            p.mkdir()
+        except FileExistsError:
+            continue  # another run made it: not ours to remove
+        except OSError as e:
+            raise OutputError(f"cannot create {p}: {e.strerror or e}") from e
+        created.insert(0, p)
 
 
 def _remove_parents(created: list[Path]) -> None:
@@ -533,20 +531,28 @@ class StagedFolder:
         notes: where the note about removed stale staging folders goes (the result's notes).
     """
 
-    def __init__(self, out: Path, *, overwrite: bool, needed_bytes: int = 0, notes: list[str] | None = None) -> None:
+    def __init__(
+        self, out: Path, *, overwrite: bool, needed_bytes: int = 0, notes: list[str] | None = None, start: bool = True
+    ) -> None:
         self.out = Path(out).absolute()
-        self.overwrite, self.needed = overwrite, needed_bytes
+        self.overwrite, self.needed, self.notes = overwrite, needed_bytes, notes
         self.path = self.out.parent / staging_name(self.out.name)
         self.created: list[Path] = []
         self.flush: DiskFlush | None = None
         self.published = False
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """Create the staging folder (and missing parents); on any failure, or an interrupt, nothing is left.
+        (`start=False` and then `start()` lets a caller hold the object before anything exists on disk.)"""
         try:
-            self.created = _make_parents(self.out.parent)
+            _make_parents(self.out.parent, self.created)
             found = sweep_stale(self.out.parent, self.out.name)
-            if notes is not None:
-                notes += found
-            if needed_bytes:
-                check_free_space(self.out.parent, needed_bytes, output=self.out)
+            if self.notes is not None:
+                self.notes += found
+            if self.needed:
+                check_free_space(self.out.parent, self.needed, output=self.out)
             self.path.mkdir()
             self.flush = DiskFlush(self.path, self.out)
         except BaseException:
@@ -595,7 +601,8 @@ def staged_folder(
     staged: StagedFolder | None = None
     with _interrupts_deferred_in_cleanup(), sigterm_as_interrupt():
         try:
-            staged = StagedFolder(out, overwrite=overwrite, needed_bytes=needed_bytes, notes=notes)
+            staged = StagedFolder(out, overwrite=overwrite, needed_bytes=needed_bytes, notes=notes, start=False)
+            staged.start()
             yield staged.path
             staged.commit()
         except BaseException as e:
@@ -622,7 +629,8 @@ def shared_staged_folder(
     def create() -> str:
         nonlocal staged
         if group.rank == 0:
-            staged = StagedFolder(out, overwrite=overwrite, needed_bytes=needed_bytes, notes=notes)
+            staged = StagedFolder(out, overwrite=overwrite, needed_bytes=needed_bytes, notes=notes, start=False)
+            staged.start()
             return str(staged.path)
         return ""
 
@@ -807,13 +815,14 @@ def staged_files(
     moved into `out` (`os.replace`, one at a time, those named in `last` last) and the folder's
     manifest gains them; on failure the staging folder is removed and `out` is as it was."""
     out = Path(out).absolute()
-    created = _make_parents(out)
-    found = sweep_stale(out, "ckpt-files")
-    if notes is not None:
-        notes += found
+    created: list[Path] = []
     tmp: Path | None = None
     with _interrupts_deferred_in_cleanup(), sigterm_as_interrupt():
         try:
+            _make_parents(out, created)
+            found = sweep_stale(out, "ckpt-files")
+            if notes is not None:
+                notes += found
             if needed_bytes:
                 check_free_space(out, needed_bytes, output=out)
             tmp = out / staging_name("ckpt-files")

@@ -284,3 +284,15 @@ def test_a_latest_file_is_replaced_in_one_step(tmp_path):
     staging.write_text_atomically(tmp_path / "latest_universal", "global_step3")
     assert _siblings(tmp_path) == ["latest_universal"]
     assert (tmp_path / "latest_universal").read_text() == "global_step3"
+
+
+def test_an_interrupt_while_staging_starts_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C right after the staging folder was made (before the block runs): it and the new parents go."""
+
+    def interrupted(self, folder, output=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(staging.DiskFlush, "__init__", interrupted)
+    with pytest.raises(KeyboardInterrupt), staged_folder(tmp_path / "a" / "b" / "out", overwrite=False):
+        pass
+    assert _siblings(tmp_path) == []
