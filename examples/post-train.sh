@@ -110,7 +110,12 @@ if [[ -f "$work/verified" ]]; then
     echo "== verified bit for bit by an earlier run" >&2
 else
     echo "== verify $model against $src" >&2
-    ckpt verify "$model" --against "$src" --tag "$tag" >&2
+    rc=0
+    ckpt verify "$model" --against "$src" --tag "$tag" >&2 || rc=$?
+    if [[ $rc -ne 0 ]]; then
+        echo "== verification failed (exit $rc); if the model is at fault, delete $work to convert again" >&2
+        exit "$rc"
+    fi
     touch "$work/verified"
 fi
 

@@ -241,6 +241,8 @@ if cmd == "push":
     else:
         print(f"Error: stand-in failure {code}", file=sys.stderr)
     sys.exit(code)
+if cmd == "verify":
+    sys.exit(int(os.environ.get("STUB_VERIFY_CODE", "0")))
 if cmd == "inspect":
     print(json.dumps({"path": os.environ["STUB_CKPT"], "tag": "global_step1"}))
 if cmd == "consolidate":
@@ -290,6 +292,22 @@ def test_only_exit_3_is_retried(stub_env, tmp_path, where, codes, rc, pushes):
     calls = (tmp_path / "stub.log").read_text().splitlines()
     assert sum(c.startswith("push") for c in calls) == pushes
     assert sum(c.startswith("consolidate") for c in calls) == 1
+
+
+@pytest.mark.parametrize("where", ["workflow", "recipe"])
+def test_a_failed_verification_stops_before_pushing_and_names_the_work_folder(stub_env, tmp_path, where):
+    env = stub_env | {"STUB_PUSH_CODES": "0", "STUB_VERIFY_CODE": "1"}
+    if where == "workflow":
+        steps = run_workflow(env, tmp_path)
+        assert steps[-1].name.startswith("Verify")
+        rc, said = steps[-1].rc, steps[-1].stdout
+    else:
+        proc = _run_recipe(env, tmp_path)
+        rc, said = proc.returncode, proc.stderr
+    assert rc == 1
+    assert "verification failed (exit 1); if the model is at fault, delete " in said
+    calls = (tmp_path / "stub.log").read_text().splitlines()
+    assert not [c for c in calls if c.startswith("push")]
 
 
 # --- the shell recipe, end to end ---
