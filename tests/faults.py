@@ -614,10 +614,13 @@ def _draw_delay(rng: random.Random, duration: float) -> float:
     The draw scales with this session's undisturbed run, so a seed's delay varies a little from machine to
     machine; CKPT_FAULT_DELAY_MS pins it (the failure report prints the one that was used)."""
     start_up, fraction = rng.random() < 0.3, rng.random()
+    return pinned_delay(0.3 * fraction if start_up else 1.2 * duration * fraction)
+
+
+def pinned_delay(drawn: float) -> float:
+    """CKPT_FAULT_DELAY_MS, when set, instead of the drawn delay (seconds)."""
     pinned = os.environ.get("CKPT_FAULT_DELAY_MS")
-    if pinned:
-        return float(pinned) / 1000
-    return 0.3 * fraction if start_up else 1.2 * duration * fraction
+    return float(pinned) / 1000 if pinned else drawn
 
 
 def signal_trial(campaign: Campaign, category: str, seed: int) -> Trial:
@@ -1254,7 +1257,7 @@ def torchrun_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     new = campaign.baseline(name)
     victim = rng.choice([0, 1])
     signum = signal.SIGKILL if rng.random() < 0.7 else signal.SIGTERM
-    delay = rng.uniform(0, 1.2 * torchrun_baseline(campaign, name).seconds)
+    delay = pinned_delay(rng.uniform(0, 1.2 * torchrun_baseline(campaign, name).seconds))
     here = campaign.trial_dir(category, seed)
     out = here / "model"
     argv = new.command.argv(campaign.inputs[new.command.input], out)
@@ -1287,7 +1290,7 @@ def judge_torchrun(trial: Trial, run: TorchrunRun, state: str) -> None:
     for rank, text in run.rank_stderr.items():
         shown = Run([], run.returncode, "", text, 0.0)
         check_stderr(trial, shown)
-        if rank != 0 and shown.message_lines:
+        if rank not in (0, run.killed) and shown.message_lines:  # a rank the signal did not reach says nothing
             trial.bad("rank-not-silent", f"rank {rank}: {shown.message_lines[:1]}")
     if state not in ("absent", "new"):
         trial.bad("mixed-output", state)
