@@ -176,26 +176,39 @@ def list_upload_files(
 
     The allowlist (ALLOWED, plus `include`) picks files at any depth, `exclude` and NEVER (training state,
     hidden files, the ckpt manifest) drop them, by huggingface_hub's own pattern matching. Sub-folders that are
-    checkpoints, ckpt outputs or second models are never entered.
+    checkpoints or ckpt outputs are never entered; a sub-folder holding a second model (config.json, weights)
+    gives only the files `include` names (sentence-transformers' `1_Pooling/config.json`, say).
     """
     from huggingface_hub.utils import filter_repo_objects
 
     adapters = (folder / ADAPTER_CONFIG).is_file()
-    found, skipped = [], []
+    found: list[str] = []
+    optional: list[str] = []  # sub-folders holding a second model: only --include picks files there
+    skipped: list[str] = []
     for root, dirs, names in os.walk(folder):
         here = Path(root)
         rel_root = here.relative_to(folder).as_posix()
         prefix = "" if rel_root == "." else f"{rel_root}/"
+        inside_second = any(prefix.startswith(o) for o in optional)
         kept = []
         for d in sorted(dirs):
             why = "hidden" if d.startswith(".") else _foreign_folder(here / d, adapters)
-            if why is None:
+            if why == "a second model" and not inside_second:
+                optional.append(f"{prefix}{d}/")
+            if why is None or why == "a second model":
                 kept.append(d)
-            elif why != "hidden":
-                skipped.append(f"{prefix}{d}/ ({why})")
+            if why not in (None, "hidden"):
+                skipped.append(
+                    f"{prefix}{d}/ ({why}{'; --include to add its files' if why == 'a second model' else ''})"
+                )
         dirs[:] = kept
         found += [prefix + n for n in names if (here / n).is_file()]
-    chosen = filter_repo_objects(found, allow_patterns=[*ALLOWED, *include], ignore_patterns=[*NEVER, *exclude])
+    ignore = [*NEVER, *exclude]
+    second = {f for f in found if any(f.startswith(o) for o in optional)}
+    chosen = set(filter_repo_objects([f for f in found if f not in second], allow_patterns=[*ALLOWED, *include],
+                                     ignore_patterns=ignore))  # fmt: skip
+    if include:
+        chosen |= set(filter_repo_objects(sorted(second), allow_patterns=list(include), ignore_patterns=ignore))
     return sorted(chosen), skipped
 
 

@@ -377,3 +377,18 @@ def test_signal_before_the_commit_lands_says_nothing_was_published(model_folder,
         assert proc.returncode == 130, err
         assert "nothing was published" in err and out == ""
         assert set(hub.files("org/none")) == {".gitattributes"}
+
+
+def test_a_sub_folder_holding_another_model_gives_only_what_include_names(model_folder, tmp_path):
+    folder = tmp_path / "st"
+    shutil.copytree(model_folder, folder)
+    (folder / "1_Pooling").mkdir()  # sentence-transformers keeps its pooling config in a sub-folder
+    (folder / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    shutil.copytree(model_folder, folder / "old-export")  # a second copy of a model, ckpt's manifest removed
+    (folder / "old-export" / MANIFEST).unlink()
+    res = push(None, folder, "--repo", "org/st", "--dry-run", "--json")
+    files = _paths(res)
+    assert not [f for f in files if "/" in f], files
+    assert any("1_Pooling/ (a second model; --include" in n for n in json.loads(res.stdout)["notes"])
+    files = _paths(push(None, folder, "--repo", "org/st", "--dry-run", "--json", "--include", "1_Pooling/*"))
+    assert [f for f in files if "/" in f] == ["1_Pooling/config.json"]
