@@ -31,13 +31,20 @@ def usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def share_cores_with_local_ranks(enabled: bool | None) -> None:
-    """Whether the default shares the cores among LOCAL_WORLD_SIZE processes: the `ckpt` command says True only
-    with --distributed (a `ckpt` started by a training rank inherits the variable but runs alone); None: back to
-    reading it (a program using the library under its own launcher)."""
-    _local_ranks.pop("enabled", None)
-    if enabled is not None:
-        _local_ranks["enabled"] = enabled
+@contextmanager
+def share_cores_with_local_ranks(enabled: bool) -> Iterator[None]:
+    """Inside, whether the default shares the cores among LOCAL_WORLD_SIZE processes: the `ckpt` command says
+    True only with --distributed (a `ckpt` started by a training rank inherits the variable but runs alone).
+    Outside, the variable counts (a program using the library under its own launcher)."""
+    previous = _local_ranks.get("enabled")
+    _local_ranks["enabled"] = enabled
+    try:
+        yield
+    finally:
+        if previous is None:
+            _local_ranks.pop("enabled", None)
+        else:
+            _local_ranks["enabled"] = previous
 
 
 def set_workers(n: int | None) -> None:

@@ -51,6 +51,16 @@ def _one_process(*args):
     return json.loads(proc.stdout) if "--json" in args else proc.stdout
 
 
+def file_bytes(path):
+    """A file's bytes, for comparing outputs: the manifest without its creation time (two runs differ there)."""
+    data = Path(path).read_bytes()
+    if Path(path).name != ".ckpt-manifest.json":
+        return data
+    manifest = json.loads(data)
+    manifest.pop("created", None)
+    return json.dumps(manifest, sort_keys=True).encode()
+
+
 def _tree_sha256(folder):
     """sha256 of every file under `folder`; for a torch.save zip, of each member but the random
     serialization_id torch writes anew in every save (two one-process runs differ there too)."""
@@ -65,5 +75,5 @@ def _tree_sha256(folder):
             assert len(kept) == len(members) - 1, p
             digests[str(p.relative_to(folder))] = (p.stat().st_size, hashlib.sha256(repr(kept).encode()).hexdigest())
         else:
-            digests[str(p.relative_to(folder))] = (p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            digests[str(p.relative_to(folder))] = (p.stat().st_size, hashlib.sha256(file_bytes(p)).hexdigest())
     return digests

@@ -33,7 +33,7 @@ from ckpttools.errors import CorruptCheckpointError, UsageError
 from ckpttools.signals import Interrupted
 from ckpttools.sources import open_checkpoint
 
-from .ranks import CKPT, TRAINER, Z2, Z3, _env, _on_ranks, _one_process, _tree_sha256, ds_launch
+from .ranks import CKPT, TRAINER, Z2, Z3, _env, _on_ranks, _one_process, _tree_sha256, ds_launch, file_bytes
 
 # --------------------------------------------------------------------------------------------------
 # The pure parts
@@ -138,7 +138,7 @@ def test_a_one_process_run_never_imports_torch_distributed(tmp_path, world):
 
 
 def _digest(folder):
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+    return {p.name: hashlib.sha256(file_bytes(p)).hexdigest() for p in sorted(folder.iterdir())}
 
 
 def test_three_ranks_write_the_shards_byte_identical_to_one_process(tmp_path):

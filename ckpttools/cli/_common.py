@@ -258,23 +258,28 @@ def _published_despite_lost_rank(group: ProcessGroup, body: Callable[[ProcessGro
         echo_notes([f"published {outs}; the output is complete; {who} was lost after ({reason})"])
 
 
-def launch_for(distributed: bool, quiet: bool) -> Launch | None:
+@contextlib.contextmanager
+def launch_for(distributed: bool, quiet: bool, workers: int | None) -> Iterator[Launch | None]:
     """The launcher's group to join with --distributed, else None: one process, whatever the environment says.
 
     A `ckpt` started by a training rank inherits RANK, WORLD_SIZE and MASTER_*: without --distributed they are
-    ignored (one note), and nothing of torch.distributed is imported. The threads' share of the cores follows
-    LOCAL_WORLD_SIZE only with --distributed, too.
+    ignored (one note), and nothing of torch.distributed is imported. Inside the block the threads are
+    `workers` (--workers), else this process's share of the cores, which follows LOCAL_WORLD_SIZE only with
+    --distributed; both settings end with the block (a program running several commands, a test).
     """
     from ..distributed import ignored_launcher_note, launch_from_env
-    from ..threads import share_cores_with_local_ranks
+    from ..threads import set_workers, share_cores_with_local_ranks
 
-    share_cores_with_local_ranks(distributed)
-    if distributed:
-        return launch_from_env()
-    note = ignored_launcher_note()
+    launch = launch_from_env() if distributed else None
+    note = None if distributed else ignored_launcher_note()
     if note and not quiet:
         echo_notes([note])
-    return None
+    set_workers(workers)
+    try:
+        with share_cores_with_local_ranks(distributed):
+            yield launch
+    finally:
+        set_workers(None)
 
 
 def test_delay() -> None:

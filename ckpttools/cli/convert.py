@@ -104,9 +104,6 @@ def consolidate_cmd(
     share the shards, balanced by bytes, into one folder on a filesystem they all see; only rank 0 prints.
     """
     from ..consolidate import consolidate
-    from ..threads import set_workers
-
-    set_workers(workers)
 
     def run(group: ProcessGroup | None = None) -> None:
         rank0 = group is None or group.rank == 0
@@ -117,11 +114,11 @@ def consolidate_cmd(
         if rank0:
             report(result.to_dict(), as_json, quiet, _human_consolidate)
 
-    launch = launch_for(distributed, quiet)
-    if launch is None:
-        run()
-    else:
-        run_on_ranks(launch, run)
+    with launch_for(distributed, quiet, workers) as launch:
+        if launch is None:
+            run()
+        else:
+            run_on_ranks(launch, run)
 
 
 def _human_consolidate(d: dict[str, Any]) -> str:
@@ -179,9 +176,6 @@ def reshard_cmd(
     universal parameter folders), balanced by bytes, into one folder they all see; only rank 0 prints.
     """
     from ..reshard import reshard
-    from ..threads import set_workers
-
-    set_workers(workers)
 
     def run(group: ProcessGroup | None = None) -> None:
         rank0 = group is None or group.rank == 0
@@ -191,11 +185,11 @@ def reshard_cmd(
         if rank0:
             report(result.to_dict(), as_json, quiet, _human_reshard)
 
-    launch = launch_for(distributed, quiet)
-    if launch is None:
-        run()
-    else:
-        run_on_ranks(launch, run)
+    with launch_for(distributed, quiet, workers) as launch:
+        if launch is None:
+            run()
+        else:
+            run_on_ranks(launch, run)
 
 
 def _human_reshard(d: dict[str, Any]) -> str:
