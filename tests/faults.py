@@ -1183,7 +1183,11 @@ class TorchrunRun:
     stuck: str = ""  # after a timeout: the ranks' states
 
 
-def run_torchrun(argv: list[str], logs: Path, *, victim: int | None, signum: int, delay: float) -> TorchrunRun:
+def run_torchrun(
+    argv: list[str], logs: Path, *, victim: int | None, signum: int, delay: float, after: Path | None = None
+) -> TorchrunRun:
+    """torchrun `argv`; `delay` seconds after both ranks started (or after `after` appeared: the published
+    output), `signum` to rank `victim`."""
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / "agent.stderr", "wb") as err_fh:
         start = time.monotonic()
@@ -1196,8 +1200,10 @@ def run_torchrun(argv: list[str], logs: Path, *, victim: int | None, signum: int
             time.sleep(0.01)
             ranks = _ranks_of(proc.pid)
         ranks_start = time.monotonic()
+        while after is not None and not os.path.lexists(after) and proc.poll() is None:
+            time.sleep(0.002)
         killed = kill_time = None
-        if victim is not None and ranks and _wait_until(proc, ranks_start + delay):
+        if victim is not None and ranks and _wait_until(proc, time.monotonic() + delay):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(ranks[victim], signum)
                 killed, kill_time = victim, time.monotonic()
@@ -1256,16 +1262,19 @@ def torchrun_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     name = TORCHRUN_COMMANDS[seed % 2]
     new = campaign.baseline(name)
     victim = rng.choice([0, 1])
-    signum = signal.SIGKILL if rng.random() < 0.7 else signal.SIGTERM
-    delay = pinned_delay(rng.uniform(0, 1.2 * torchrun_baseline(campaign, name).seconds))
+    signum = signal.SIGKILL if rng.random() < 0.5 else signal.SIGTERM
+    after_publishing = seed % 3 == 2  # the window a rank's end meets the others' teardown
+    span = 0.05 if after_publishing else 1.2 * torchrun_baseline(campaign, name).seconds
+    delay = pinned_delay(rng.uniform(0, span))
     here = campaign.trial_dir(category, seed)
     out = here / "model"
     argv = new.command.argv(campaign.inputs[new.command.input], out)
     trial = Trial(
         category, seed, f"{shlex.join(torchrun_argv(argv, Path('LOGS')))}  # {signum.name} to rank {victim} "
-        f"{delay * 1000:.0f} ms after the ranks started",
+        f"{delay * 1000:.0f} ms after {'the output appeared' if after_publishing else 'the ranks started'}",
     )  # fmt: skip
-    run = run_torchrun(argv, campaign.logs(category), victim=victim, signum=signum, delay=delay)
+    run = run_torchrun(argv, campaign.logs(category), victim=victim, signum=signum, delay=delay,
+                       after=out if after_publishing else None)  # fmt: skip
     state = campaign.state(out, new)
     stop = f", stopped {run.stop_seconds:.1f} s after" if run.stop_seconds is not None else " (finished first)"
     trial.outcome = f"{run.returncode}/{state}{stop}"
