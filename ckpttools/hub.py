@@ -537,13 +537,8 @@ def _check_token_rights(info: dict[str, Any], user: str, repo_id: str) -> None:
     role = token.get("role")
     if role == "read":
         raise AuthError(f"the token of {user} is read-only (role: read); {LOGIN} with a token that can write")
-    if role == "fineGrained":
-        fine = token.get("fineGrained") or {}
-        perms = set(fine.get("global") or []) | {
-            p for scope in fine.get("scoped") or [] for p in (scope.get("permissions") or [])
-        }
-        if "repo.write" not in perms:
-            raise AuthError(f"the fine-grained token of {user} has no repo.write permission; {LOGIN}")
+    if role == "fineGrained" and not _fine_grained_can_write(token.get("fineGrained") or {}, owner, repo_id):
+        raise AuthError(f"the fine-grained token of {user} has no repo.write permission for {repo_id}; {LOGIN}")
     if "orgs" not in info or owner == user:
         return
     orgs = {str(o.get("name")): o.get("roleInOrg") for o in info.get("orgs") or [] if isinstance(o, dict)}
@@ -554,6 +549,17 @@ def _check_token_rights(info: dict[str, Any], user: str, repo_id: str) -> None:
         )
     if orgs[owner] == "read":
         raise AuthError(f"{user} has the read role in {owner}: it cannot write {repo_id}; ask an admin of {owner}")
+
+
+def _fine_grained_can_write(fine: dict[str, Any], owner: str, repo_id: str) -> bool:
+    """repo.write granted globally, or scoped to the namespace or the repo (a scope naming no entity counts)."""
+    if "repo.write" in (fine.get("global") or []):
+        return True
+    for scope in fine.get("scoped") or []:
+        name = (scope.get("entity") or {}).get("name")
+        if "repo.write" in (scope.get("permissions") or []) and name in (None, owner, repo_id):
+            return True
+    return False
 
 
 def _estimated_output(path: Path, opts: dict[str, Any]) -> int:

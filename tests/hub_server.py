@@ -74,11 +74,11 @@ class LocalHub:
         *,
         role: str = "write",
         orgs: dict[str, str] | None = None,
-        scopes: list[str] | None = None,
+        scopes: dict[str, list[str]] | None = None,
     ) -> None:
         """`token`: the one accepted (None: any). `writable`: namespaces where repos may be created (None: all).
         whoami answers for user `local-user` with the token's `role` ("write", "read" or "fineGrained" with
-        `scopes` as its permissions), and lists `orgs` (name -> roleInOrg) when given."""
+        `scopes`: entity name (user, org or repo) -> permissions), and lists `orgs` (name -> roleInOrg) when given."""
         self.token, self.writable = token, writable
         self.role, self.orgs, self.scopes = role, orgs, scopes
         self.served_after_fault = threading.Event()  # set once a request with an `after` fault took effect
@@ -122,7 +122,8 @@ class LocalHub:
         token: dict[str, Any] = {"displayName": "local", "role": self.role}
         if self.role == "fineGrained":
             token["fineGrained"] = {"global": [], "scoped": [
-                {"entity": {"type": "user", "name": "local-user"}, "permissions": list(self.scopes or [])}
+                {"entity": {"type": "model" if "/" in name else "org", "name": name}, "permissions": perms}
+                for name, perms in (self.scopes or {}).items()
             ]}  # fmt: skip
         info: dict[str, Any] = {"type": "user", "name": "local-user", "auth": {"type": "access_token",
                                                                                "accessToken": token}}  # fmt: skip

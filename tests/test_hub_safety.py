@@ -223,7 +223,8 @@ def no_consolidation(monkeypatch):
         ("bad token", ["HTTP 401", "token was rejected", "hf auth login", "HF_TOKEN"]),
         ("no token", ["no Hugging Face token found", "hf auth login", "HF_TOKEN"]),
         ("read-only token", ["read-only", "hf auth login"]),
-        ("fine-grained without write", ["no repo.write permission", "hf auth login"]),
+        ("fine-grained without write", ["no repo.write permission for other/m", "hf auth login"]),
+        ("fine-grained, write elsewhere", ["no repo.write permission for other/m"]),
         ("not a member", ["not a member of other", "hf auth login"]),
         ("reader in the org", ["read role in other"]),
     ],
@@ -237,7 +238,9 @@ def test_auth_failures_exit_4_before_any_consolidation(online, tmpdir_env, no_co
     elif case == "read-only token":
         kwargs["role"] = "read"
     elif case == "fine-grained without write":
-        kwargs |= {"role": "fineGrained", "scopes": ["repo.content.read"]}
+        kwargs |= {"role": "fineGrained", "scopes": {"other": ["repo.content.read"]}}
+    elif case == "fine-grained, write elsewhere":
+        kwargs |= {"role": "fineGrained", "scopes": {"org": ["repo.content.read", "repo.write"]}}
     elif case == "not a member":
         kwargs["orgs"] = {"org": "write"}
     else:
@@ -259,10 +262,11 @@ def test_write_refused_at_creation_is_exit_4(online, model_folder):
 
 
 def test_fine_grained_token_with_write_pushes(online, model_folder):
-    with LocalHub(token=TOKEN, role="fineGrained", scopes=["repo.content.read", "repo.write"]) as hub:
-        res = push(hub, model_folder, "--repo", "org/fine")
-        assert res.exit_code == 0, res.output
-        assert "model.safetensors" in hub.files("org/fine")
+    for scopes in ({"org": ["repo.content.read", "repo.write"]}, {"org/fine": ["repo.write"]}):
+        with LocalHub(token=TOKEN, role="fineGrained", scopes=scopes) as hub:
+            res = push(hub, model_folder, "--repo", "org/fine")
+            assert res.exit_code == 0, res.output
+            assert "model.safetensors" in hub.files("org/fine")
 
 
 def test_existing_public_repo_is_refused_before_consolidation(online, tmpdir_env, no_consolidation):
