@@ -552,7 +552,10 @@ def _check_token_rights(info: dict[str, Any], user: str, repo_id: str) -> None:
 
 
 def _fine_grained_can_write(fine: dict[str, Any], owner: str, repo_id: str) -> bool:
-    """repo.write granted globally, or scoped to the namespace or the repo (a scope naming no entity counts)."""
+    """repo.write granted globally, or scoped to the namespace or the repo (a scope naming no entity counts).
+    A whoami answer of another shape proves nothing: the Hub's own 403 then decides."""
+    if not isinstance(fine.get("global"), list) and not isinstance(fine.get("scoped"), list):
+        return True
     if "repo.write" in (fine.get("global") or []):
         return True
     for scope in fine.get("scoped") or []:
