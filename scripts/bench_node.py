@@ -11,8 +11,8 @@ rotates (see benchmarks/README.md, "One node"):
 
   consolidate   ckpt consolidate --dtype bf16 --workers 1|4|8|16 (and the default), fp32; zero_to_fp32
   reshard       ckpt reshard --dp 4, --universal; ds_to_universal (8 extract / 4 merge workers, first round only)
-  processes     torchrun --nproc-per-node P --no-python ckpt consolidate --dtype bf16 --max-shard-size ... (P=1,2,4,8)
-                torchrun --nproc-per-node P --no-python ckpt reshard --dp 4 (P=1,4)
+  processes     torchrun --nproc-per-node P --no-python ckpt consolidate --distributed --dtype bf16 --max-shard-size ...
+                (P=1,2,4,8); torchrun --nproc-per-node P --no-python ckpt reshard --distributed --dp 4 (P=1,4)
   floors        cold parallel read of exactly the bytes a tool needs; fsync'd write of its output's size;
                 both at once (the overlapped floor)
 
@@ -375,7 +375,7 @@ def cases(ckpt: Path, work: Path, ckpt_bin: str, cores: int) -> list[dict[str, A
                 "same_as": work / "procs1" if p > 1 else None,
                 "dtype": "bf16",
                 "cmd": torchrun_no_python(
-                    p, [*cons, str(out), "--dtype", "bf16", "--max-shard-size", SCALING_SHARD], io
+                    p, [*cons, str(out), "--dtype", "bf16", "--max-shard-size", SCALING_SHARD, "--distributed"], io
                 ),
             }
         )
@@ -383,11 +383,11 @@ def cases(ckpt: Path, work: Path, ckpt_bin: str, cores: int) -> list[dict[str, A
         out = work / f"uprocs{p}"
         c.append({"id": f"torchrun P={p} ckpt reshard --universal", "group": "processes", "out": out, "procs": p,
                   "io": io, "cmd": torchrun_no_python(p, [ckpt_bin, "reshard", str(ckpt), "--universal", "--out",
-                                                          str(out), "--overwrite", "-q"], io)})  # fmt: skip
+                                                          str(out), "--overwrite", "-q", "--distributed"], io)})  # fmt: skip
     out = work / "rprocs4"
     c.append({"id": "torchrun P=4 ckpt reshard --dp 4", "group": "processes", "out": out, "procs": 4, "io": io,
               "cmd": torchrun_no_python(4, [ckpt_bin, "reshard", str(ckpt), "--dp", "4", "--out", str(out),
-                                            "--overwrite", "-q"], io)})  # fmt: skip
+                                            "--overwrite", "-q", "--distributed"], io)})  # fmt: skip
     return c
 
 
