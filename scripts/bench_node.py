@@ -381,9 +381,9 @@ def cases(ckpt: Path, work: Path, ckpt_bin: str, cores: int) -> list[dict[str, A
         )
     for p in (2, 4, 8):
         out = work / f"uprocs{p}"
+        argv = [ckpt_bin, "reshard", str(ckpt), "--universal", "--out", str(out), "--overwrite", "-q", "--distributed"]
         c.append({"id": f"torchrun P={p} ckpt reshard --universal", "group": "processes", "out": out, "procs": p,
-                  "io": io, "cmd": torchrun_no_python(p, [ckpt_bin, "reshard", str(ckpt), "--universal", "--out",
-                                                          str(out), "--overwrite", "-q", "--distributed"], io)})  # fmt: skip
+                  "io": io, "cmd": torchrun_no_python(p, argv, io)})  # fmt: skip
     out = work / "rprocs4"
     c.append({"id": "torchrun P=4 ckpt reshard --dp 4", "group": "processes", "out": out, "procs": 4, "io": io,
               "cmd": torchrun_no_python(4, [ckpt_bin, "reshard", str(ckpt), "--dp", "4", "--out", str(out),
