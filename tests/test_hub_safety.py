@@ -396,3 +396,38 @@ def test_a_sub_folder_holding_another_model_gives_only_what_include_names(model_
     assert any("1_Pooling/ (a second model; --include" in n for n in json.loads(res.stdout)["notes"])
     files = _paths(push(None, folder, "--repo", "org/st", "--dry-run", "--json", "--include", "1_Pooling/*"))
     assert [f for f in files if "/" in f] == ["1_Pooling/config.json"]
+
+
+def _hub_unreachable_once_the_commit_landed(hub, repo):
+    """After the commit is served (its answer held back), every look at the repo's head fails."""
+    import threading
+
+    def break_reads():
+        hub.served_after_fault.wait(120)
+        hub.fail("GET", rf"^/api/models/{repo}", 500, times=1000, message="down")
+
+    threading.Thread(target=break_reads, daemon=True).start()
+
+
+def test_a_lost_answer_that_cannot_be_checked_says_so(online, model_folder):
+    with LocalHub(token=TOKEN) as hub:
+        hub.fail("POST", r"/commit/main$", status=0, after=True, hold=1)
+        _hub_unreachable_once_the_commit_landed(hub, "org/unk")
+        res = push(hub, model_folder, "--repo", "org/unk")
+        _one_error_line(res, 3, "dropped", "whether it landed could not be checked", "a re-run is safe")
+
+
+def test_a_signal_while_the_answer_is_lost_and_the_hub_unreachable_does_not_claim_nothing_was_published(
+    model_folder, tmp_path
+):
+    with LocalHub(token=TOKEN) as hub:
+        hub.fail("POST", r"/commit/main$", status=0, after=True, hold=60)
+        _hub_unreachable_once_the_commit_landed(hub, "org/unk2")
+        proc = _push_process(hub, model_folder, "org/unk2", tmp_path)
+        assert hub.served_after_fault.wait(120), "the commit never arrived"
+        time.sleep(0.3)  # the reads are broken by now
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, err
+        assert "whether it landed could not be checked" in err and "nothing was published" not in err
+        assert out == "" and "Traceback" not in err
