@@ -261,3 +261,22 @@ def test_a_signal_while_waiting_on_the_network_ends_the_run(tmp_path, sig):
     assert len(lines) == 1, err
     assert lines[0].startswith("Interrupted"), err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_signal_while_torch_loads_is_one_line_never_an_abort(tmp_path, seed):
+    """A --distributed rank imports torch (about 2 s): a signal inside that import once gave SIGABRT and a stack
+    dump from native teardown. ckpt leaves through os._exit, so the run ends with its line."""
+    rng = random.Random(seed)
+    sig = rng.choice(SIGNALS)
+    env = {**_env(), "WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "CKPT_DISTRIBUTED": "1"}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        env["MASTER_PORT"] = str(s.getsockname()[1])
+    proc = _start(["consolidate", Z3, "--out", tmp_path / "o"], env=env)
+    _wait_for(lambda: _handler_installed(proc.pid), proc)
+    time.sleep(rng.uniform(0.05, 2.0))
+    proc.send_signal(sig)
+    rc, _out, err = _finish(proc)
+    _assert_interrupted(rc, err, sig)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
