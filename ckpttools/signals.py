@@ -151,7 +151,7 @@ def install() -> None:
 
 
 def installed() -> bool:
-    """install() ran: this process is the `ckpt` command, and ends through `finish`."""
+    """install() ran: this process is the `ckpt` command, and ends through `exit_now` (cli._common.CkptGroup.main)."""
     return _State.process
 
 
@@ -212,7 +212,7 @@ def raise_if_received() -> None:
 
 
 def mark_reported() -> None:
-    """The boundary told the user about the signal (or chose to say nothing): `finish` adds no line."""
+    """The boundary told the user about the signal (or chose to say nothing): CkptGroup.main adds no line."""
     _State.reported = True
 
 
@@ -223,9 +223,11 @@ def reported() -> bool:
 def exit_now(code: int) -> NoReturn:
     """End the process with `code` after flushing stdout and stderr, skipping interpreter teardown.
 
-    For a run a signal ended: what is left to run (torch's native teardown, finalizers of objects half-built
-    when the signal landed in an import) can abort (SIGABRT was seen after SIGTERM during `import torch`)
-    or print "Exception ignored in ..." over the one line the user was given.
+    How the `ckpt` process ends once its command is done, interrupted or not: interpreter shutdown puts the
+    default handlers back (a late signal would kill a run whose output is published), and what it runs
+    (torch's native teardown, finalizers of objects half-built when a signal landed in an import) can abort
+    (SIGABRT was seen after SIGTERM during `import torch`) or print "Exception ignored in ..." over the one
+    line the user was given.
     """
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
