@@ -2,7 +2,7 @@
 staging debris, the output absent or complete; 0 and a line saying so when the output was already published.
 
 Every test runs the real `ckpt` as a process and signals it. A mid-run signal needs a run long enough to hit:
-CKPT_TEST_SLOW_WRITE_MS (test only, read in cli._common.test_delay) sleeps after each chunk written and once
+CKPT_TEST_SLOW_WRITE_MS (test only, read in cli._common.slow_down_for_tests) sleeps after each chunk written and once
 after the command's work, before its result is printed.
 """
 

@@ -48,7 +48,7 @@ Examples:
 {EXIT_CODES}"""
 
 INTERNAL_ERROR = "internal error ({what}); please report it, rerun with CKPT_DEBUG=1 for the traceback"
-TEST_DELAY_VAR = "CKPT_TEST_SLOW_WRITE_MS"  # tests only: see test_delay
+TEST_DELAY_VAR = "CKPT_TEST_SLOW_WRITE_MS"  # tests only: see slow_down_for_tests
 
 
 # --------------------------------------------------------------------------------------------------
@@ -105,6 +105,10 @@ class CkptGroup(click.Group):
             code: Any = 0
         except SystemExit as e:
             code = e.code
+        except Exception as e:  # raised outside the command's body (click itself): still one line, no traceback
+            if _debug():
+                raise
+            code = _report_failure(e, False, echo_error, None)
         code = code if isinstance(code, int) else (0 if code is None else 1)
         signum = signals.received()
         if signum is not None and not signals.reported():  # came before the command's body or after it ended
@@ -282,7 +286,7 @@ def launch_for(distributed: bool, quiet: bool, workers: int | None) -> Iterator[
         set_workers(None)
 
 
-def test_delay() -> None:
+def slow_down_for_tests() -> None:
     """Tests only: sleep CKPT_TEST_SLOW_WRITE_MS milliseconds (after each chunk written, and once the command's
     work is done, before its result is printed), so a test's signal can land mid-run or after publishing."""
     ms = os.environ.get(TEST_DELAY_VAR)
@@ -380,13 +384,13 @@ def progress_callbacks(label: str, quiet: bool) -> Iterator[ProgressArgs]:
     """Arguments that draw a bar on stderr, or None for both when no one watches."""
     slow = bool(os.environ.get(TEST_DELAY_VAR))
     if not progress_enabled(quiet):
-        yield {"on_start": None, "on_progress": (lambda n: test_delay()) if slow else None}
+        yield {"on_start": None, "on_progress": (lambda n: slow_down_for_tests()) if slow else None}
         return
     bar = _Progress(label)
 
     def advance(n: int) -> None:
         bar.advance(n)
-        test_delay()
+        slow_down_for_tests()
 
     try:
         yield {"on_start": bar.begin, "on_progress": advance if slow else bar.advance}
@@ -426,7 +430,7 @@ def echo_notes(notes: Iterable[str], prefix: str = "Note: ") -> None:
 
 def report(data: dict[str, Any], as_json: bool, quiet: bool, human: Callable[[dict[str, Any]], str]) -> None:
     """Notes on stderr (unless quiet), then the result on stdout."""
-    test_delay()
+    slow_down_for_tests()
     if not quiet:
         echo_notes(data.get("notes", []))
     emit(data, as_json, human)
