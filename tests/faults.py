@@ -1085,8 +1085,8 @@ LAUNCHER_TIMEOUT = float(os.environ.get("CKPT_FAULT_LAUNCHER_TIMEOUT") or 120)
 
 
 def launcher_env_trial(campaign: Campaign, category: str, seed: int) -> Trial:
-    """`ckpt` started by rank 0 of a 2-rank job inherits RANK=0 WORLD_SIZE=2 MASTER_*: it runs as one process
-    and finishes (a note may say the variables were ignored)."""
+    """`ckpt` started by rank 0 of a 2-rank job inherits RANK=0 WORLD_SIZE=2 MASTER_*: it runs as one process,
+    finishes, and says in one note that the variables were ignored."""
     rng = random.Random(f"{category}:{seed}")
     name = rng.choice(["consolidate-fp32", "reshard-universal", "consolidate-bf16", "reshard-dp2"])
     new = campaign.baseline(name)
@@ -1113,6 +1113,9 @@ def launcher_env_trial(campaign: Campaign, category: str, seed: int) -> Trial:
         trial.bad("hang", f"no result after {run.seconds:.0f} s; SIGTERM stopped it: {run.stopped_by_sigterm}")
     elif run.returncode != 0 or state != "new":
         trial.bad("not-one-process", f"exit {run.returncode}, output {state}: {run.message_lines[:1]}")
+    said = [n for n in run.notes if re.search(r"launcher|WORLD_SIZE|--distributed", n)]
+    if not run.timed_out and len(said) != 1:
+        trial.bad("launcher-note", f"{len(said)} notes about the ignored launcher variables (one expected): {said}")
     for kind, names in classify_debris(_top_level(entries_under(here, skip=[out]) - {"model"})).items():
         trial.bad(f"debris-{kind}", str(names[:3]))
     campaign.check_inputs(trial)

@@ -7,7 +7,7 @@ Each test is one seeded trial (see tests/faults.py for the harness and the rules
                                   moment from start-up (0-300 ms) to 1.2x an undisturbed run; after SIGKILL the
                                   next run in the same place must clean up (with a note) and succeed
     concurrent                    2-3 `consolidate --overwrite` runs at one --out, started together
-    symlink-out                   --out is a symlink to an earlier output elsewhere (--overwrite)
+    symlink-out                   --out is a symlink to an earlier output elsewhere (--overwrite; odd seeds: + a signal)
     dangling-symlink              --out is a symlink to nothing: refused before any work
     out-of-space                  --out on a small tmpfs (bytes, inodes, or a filler racing the write); root only
     input-changes                 a shard truncated or scribbled over while ckpt reads it
@@ -16,12 +16,17 @@ Each test is one seeded trial (see tests/faults.py for the harness and the rules
                                   stop within seconds, the exit status agrees with the disk, staging only after
                                   rank 0 itself was SIGKILLed (and the next run cleans it up)
 
+Run: `./scripts/test tests/test_faults.py -m "not slow" -q` (the fast tier: 3 trials per category, about 40 s on
+2 cores); `CKPT_FAULT_TRIALS=200 ./scripts/test tests/test_faults.py -q -s` for the full campaign.
+
 Settings (environment):
 
     CKPT_FAULT_TRIALS=N                 trials per category (default 3; CI's full tier: hundreds)
     CKPT_FAULT_CASE=category:seed[,...] run only these trials (a failing trial prints its line)
     CKPT_FAULT_SUMMARY=path.json        also write the campaign summary there
+    CKPT_FAULT_DELAY_MS=ms              pin the fault's delay (reproducing a failure: its report prints the line)
     CKPT_FAULT_LAUNCHER_TIMEOUT=s       launcher-env: how long before a run counts as hung (default 120)
+    CKPT_FAULT_TORCHRUN_TIMEOUT=s       torchrun-rank-kill: the same for a torchrun run (default 90)
 
 At the end of the session the counts per category and outcome go to <pytest basetemp>/fault-summary.json and are
 printed (visible with -s).
@@ -108,4 +113,6 @@ def test_started_from_a_training_rank(campaign: faults.Campaign, category: str, 
 @pytest.mark.slow
 @pytest.mark.parametrize(("category", "seed"), _cases(["torchrun-rank-kill"]))
 def test_torchrun_rank_killed(campaign: faults.Campaign, category: str, seed: int) -> None:
+    if not faults.TORCHRUN.exists():
+        pytest.skip(f"no torchrun beside {sys.executable}")
     _judge(faults.torchrun_trial(campaign, category, seed))
