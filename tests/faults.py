@@ -1184,6 +1184,12 @@ class TorchrunRun:
     agent_stderr: str
     rank_stderr: dict[int, str]
     stuck: str = ""  # after a timeout: the ranks' states
+    signum: int = 0
+
+    @property
+    def rank0_gone(self) -> bool:
+        """Rank 0 itself was SIGKILLed: nobody is left to clean up or to say what happened."""
+        return self.killed == 0 and self.signum == signal.SIGKILL
 
 
 def run_torchrun(
@@ -1219,7 +1225,7 @@ def run_torchrun(
         end = time.monotonic()
     return TorchrunRun(
         proc.returncode, end - start, end - ranks_start, killed, end - kill_time if kill_time else None, timed_out,
-        (logs / "agent.stderr").read_text(errors="replace"), _rank_logs(logs / "ranks"), stuck,
+        (logs / "agent.stderr").read_text(errors="replace"), _rank_logs(logs / "ranks"), stuck, signum,
     )  # fmt: skip
 
 
@@ -1283,9 +1289,8 @@ def torchrun_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     trial.outcome = f"{run.returncode}/{state}{stop}"
     trial.details.update(ranks=run.rank_stderr, agent=run.agent_stderr[-800:], delay_ms=round(delay * 1000))
     judge_torchrun(trial, run, state)
-    rank0_gone = run.killed == 0 and signum == signal.SIGKILL
     before: set[str] = set()
-    leftovers = judge_leftovers(trial, here, out, before, allow_staging=rank0_gone)
+    leftovers = judge_leftovers(trial, here, out, before, allow_staging=run.rank0_gone)
     if leftovers:
         trial.outcome += " left " + "+".join(sorted(leftovers))
         follow_up(campaign, trial, here, out, new, before, leftovers)
@@ -1309,7 +1314,7 @@ def judge_torchrun(trial: Trial, run: TorchrunRun, state: str) -> None:
     rank0 = run.rank_stderr.get(0, "")
     if run.returncode == 0 and state != "new":
         trial.bad("exit0-not-complete", state)
-    if run.returncode != 0 and state == "new" and run.killed != 0 and "complete" not in rank0:
+    if run.returncode != 0 and state == "new" and not run.rank0_gone and "complete" not in rank0:
         trial.bad(
             "published-but-failure", f"exit {run.returncode} with the output complete; rank 0 said: {rank0[-200:]}"
         )
