@@ -243,10 +243,12 @@ class Fault:
     delay: float
     gap: float = 0.0  # SIGINT2: seconds between the two signals
     action: Callable[[], None] | None = None  # for non-signal faults
+    after: Path | None = None  # count the delay from when this path appears (the published output)
 
     def describe(self) -> str:
         gap = f" + {self.gap * 1000:.0f} ms" if self.kind == "SIGINT2" else ""
-        return f"{self.kind} at {self.delay * 1000:.0f} ms{gap}"
+        since = f" after {self.after.name} appeared" if self.after is not None else ""
+        return f"{self.kind} at {self.delay * 1000:.0f} ms{since}{gap}"
 
     @property
     def signum(self) -> int | None:
@@ -355,6 +357,10 @@ def run_ckpt(
 
 
 def _apply(proc: subprocess.Popen[bytes], fault: Fault, start: float, run: Run) -> None:
+    while fault.after is not None and not os.path.lexists(fault.after) and proc.poll() is None:
+        time.sleep(0.001)
+    if fault.after is not None:
+        start = time.monotonic()
     if not _wait_until(proc, start + fault.delay):
         return  # it finished first
     run.fault_sent = True
@@ -608,6 +614,9 @@ def signal_categories() -> list[str]:
     return [f"signal-{name}{suffix}" for name in COMMANDS for suffix in ("", "-overwrite")]
 
 
+LATE = "signal-after-publishing"  # the category whose signal comes 0-15 ms after the output folder appeared
+
+
 def _draw_delay(rng: random.Random, duration: float) -> float:
     """Start-up (0-300 ms, while imports run) a third of the time, else anywhere up to 1.2x an undisturbed run.
 
@@ -624,16 +633,20 @@ def pinned_delay(drawn: float) -> float:
 
 
 def signal_trial(campaign: Campaign, category: str, seed: int) -> Trial:
-    name = category.removeprefix("signal-").removesuffix("-overwrite")
-    overwrite = category.endswith("-overwrite")
+    """One signal (or two Ctrl-C) at a random moment, or (LATE) just after the output was published."""
+    late = category == LATE
+    name = sorted(COMMANDS)[seed % len(COMMANDS)] if late else category.removeprefix("signal-")
+    overwrite = name.endswith("-overwrite")
+    name = name.removesuffix("-overwrite")
     new = campaign.baseline(name)
     old = campaign.baseline(EARLIER_OUTPUT[name]) if overwrite else None
     rng = random.Random(f"{category}:{seed}")
-    kind = SIGNAL_KINDS[(seed + signal_categories().index(category)) % len(SIGNAL_KINDS)]
-    fault = Fault(kind, _draw_delay(rng, new.seconds), gap=rng.uniform(0.02, 0.2))
+    kind = SIGNAL_KINDS[(seed + [*signal_categories(), LATE].index(category)) % len(SIGNAL_KINDS)]
+    delay = pinned_delay(rng.uniform(0, 0.015)) if late else _draw_delay(rng, new.seconds)  # exit follows in 0-40 ms
     here = campaign.trial_dir(category, seed)
     nested = not overwrite and rng.random() < 0.25  # --out under folders that do not exist yet
     out = here / "a" / "b" / "model" if nested else here / "model"
+    fault = Fault(kind, delay, gap=rng.uniform(0.02, 0.2), after=out if late else None)
     if old is not None:
         shutil.copytree(old.output, out, symlinks=True)
     before = entries_under(here, skip=[out])

@@ -6,6 +6,8 @@ Each test is one seeded trial (see tests/faults.py for the harness and the rules
     signal-<command>[-overwrite]  SIGINT, SIGTERM, SIGHUP, SIGKILL or two SIGINTs 20-200 ms apart, at a random
                                   moment from start-up (0-300 ms) to 1.2x an undisturbed run; after SIGKILL the
                                   next run in the same place must clean up (with a note) and succeed
+    signal-after-publishing       the same 0-15 ms after the output folder appeared (command by seed): exit 0
+                                  and the output complete (or -9 after SIGKILL), never a failure
     concurrent                    2-3 `consolidate --overwrite` runs at one --out, started together
     symlink-out                   --out is a symlink to an earlier output elsewhere (--overwrite; odd seeds: + a signal)
     dangling-symlink              --out is a symlink to nothing: refused before any work
@@ -69,7 +71,7 @@ def _judge(trial: faults.Trial) -> None:
         pytest.fail(trial.report(), pytrace=False)
 
 
-@pytest.mark.parametrize(("category", "seed"), _cases(faults.signal_categories()))
+@pytest.mark.parametrize(("category", "seed"), _cases([*faults.signal_categories(), faults.LATE]))
 def test_signal_at_a_random_moment(campaign: faults.Campaign, category: str, seed: int) -> None:
     _judge(faults.signal_trial(campaign, category, seed))
 
