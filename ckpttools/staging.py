@@ -48,7 +48,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -272,7 +271,11 @@ def _remove(path: Path) -> None:
 
 
 def write_manifest(folder: Path, files: dict[str, int] | None = None) -> None:
-    """`.ckpt-manifest.json`, last: every file in `folder` (or `files`) with its size."""
+    """`.ckpt-manifest.json`, last: every file in `folder` (or `files`) with its size.
+
+    No timestamp: two runs on the same input give byte-identical folders (the tests compare one process's
+    output with a torchrun's, file for file), and the folder's own mtime says when it was written.
+    """
     from . import __version__
 
     if files is None:
@@ -280,7 +283,6 @@ def write_manifest(folder: Path, files: dict[str, int] | None = None) -> None:
     manifest = {
         "tool": "ckpttools",
         "version": __version__,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "files": dict(sorted(files.items())),
     }
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")

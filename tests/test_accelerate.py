@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 
 from ckpttools import CkptError, consolidate, reshard
 from ckpttools.cli import main
+from ckpttools.staging import MANIFEST
 
 from .conftest import FIXTURES, fixture_meta, fixture_names, tree_digest
 
@@ -112,7 +113,7 @@ def test_consolidate_without_config_writes_weights_only_with_one_note(name, tmp_
     before = tree_digest(_state(name))
     result = consolidate(_state(name), tmp_path / "out")
     assert result.files == ["model.safetensors"]
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [MANIFEST, "model.safetensors"]
     assert [n for n in result.notes if "--config" in n] == result.notes and len(result.notes) == 1, result.notes
     assert "save_state" in result.notes[0]
     assert result.source["tag"] == "pytorch_model" and result.source["global_steps"] == 2
@@ -142,7 +143,7 @@ def test_consolidate_with_config_loads_with_from_pretrained(name, given, tmp_pat
     result = consolidate(_state(name), tmp_path / "hf", config=config, check_keys=given == "file")
     out = tmp_path / "hf"
     assert sorted(result.files) == ["config.json", "generation_config.json", "model.safetensors"]
-    assert sorted(p.name for p in out.iterdir()) == sorted(result.files)
+    assert sorted(p.name for p in out.iterdir()) == sorted([MANIFEST, *result.files])
     assert not [n for n in result.notes if "--config" in n], result.notes
 
     written = json.loads((out / "config.json").read_text())

@@ -18,7 +18,9 @@ ENGINE = fixture_names("engine")
 
 def _load_folder(folder):
     index = folder / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    )
     out = {}
     for f in files:
         out.update(load_file(folder / f))
@@ -66,9 +68,8 @@ def test_fp32_is_bit_identical_to_zero_to_fp32(name, tmp_path):
         expected = expected.float() if expected.is_floating_point() else expected
         assert ours[key].dtype == expected.dtype, key
         assert torch.equal(ours[key], expected), key
-    assert result.num_parameters == sum(t.numel() for k, t in ours.items() if k not in meta["buffers"]) - sum(
-        ours[a].numel() for a in meta["tied"]
-    )
+    # every element stored in the folder (buffers too; a tie stored once), as `ckpt verify` counts them
+    assert result.num_parameters == sum(t.numel() for t in ours.values())
 
 
 @pytest.mark.parametrize("name", ENGINE)
@@ -139,14 +140,25 @@ def test_int_buffers_stay_int_and_bare_checkpoints_keep_tied_aliases(tmp_path):
 def test_existing_output_is_refused_then_replaced_with_overwrite(tmp_path):
     ckpt = FIXTURES / ENGINE[0] / "checkpoint"
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "stale.safetensors").write_bytes(b"old")
+    consolidate(ckpt, out, dtype="bf16")
+    before = tree_digest(out)
     with pytest.raises(OutputError, match="already exists"):
         consolidate(ckpt, out)
-    assert (out / "stale.safetensors").exists()
-    consolidate(ckpt, out, overwrite=True)
-    assert not (out / "stale.safetensors").exists() and (out / "model.safetensors").exists()
+    assert tree_digest(out) == before  # untouched
+    consolidate(ckpt, out, overwrite=True)  # an earlier ckpt output is replaced
+    assert {t.dtype for t in _load_folder(out).values() if t.is_floating_point()} == {torch.float32}
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folders left behind
+
+
+def test_overwrite_refuses_a_folder_holding_files_ckpt_did_not_write(tmp_path):
+    ckpt = FIXTURES / ENGINE[0] / "checkpoint"
+    out = tmp_path / "out"
+    consolidate(ckpt, out)
+    (out / "notes.txt").write_text("mine")
+    before = tree_digest(out)
+    with pytest.raises(OutputError, match="notes.txt"):
+        consolidate(ckpt, out, overwrite=True)
+    assert tree_digest(out) == before
 
 
 def test_output_inside_or_around_the_input_is_refused(tmp_path):

@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 from ckpttools import consolidate, open_checkpoint, read_checkpoint
 from ckpttools.ds_to_universal import cli, convert_to_universal
+from ckpttools.staging import MANIFEST
 
 from .conftest import FIXTURES
 
@@ -44,7 +45,8 @@ def _deepspeed(tag_dir: Path, out: Path) -> None:
 
 
 def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    """Every file but the manifest ckpt writes into its outputs (.ckpt-manifest.json: what --overwrite may replace)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
 def _load(path: Path):

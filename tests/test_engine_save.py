@@ -29,6 +29,7 @@ from ckpttools.engine_save import (
     tied_target_matcher,
 )
 from ckpttools.errors import OutputError, UsageError
+from ckpttools.staging import MANIFEST
 from ckpttools.verify import verify_folder
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,7 +96,8 @@ def test_plain_hf_model_matches_save_pretrained(tmp_path):
     model = tiny_gpt2()
     result = save_pretrained_from_engine(model, tmp_path / "ours")
     model.save_pretrained(tmp_path / "hf")
-    assert sorted(os.listdir(tmp_path / "ours")) == ["config.json", "generation_config.json", "model.safetensors"]
+    names = [MANIFEST, "config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(tmp_path / "ours")) == names
     assert result.files == ["model.safetensors", "config.json", "generation_config.json"]
     assert_same(read_folder(tmp_path / "ours"), read_folder(tmp_path / "hf"))
     assert result.omitted_aliases == {"lm_head.weight": "transformer.wte.weight"}
@@ -218,10 +220,14 @@ def test_existing_output_folder(tmp_path):
     (out / "model-00001-of-00009.safetensors").write_text("stale")
     (out / "model.safetensors.index.json").write_text("{}")
     save_pretrained_from_engine(model, out, if_exists="add")
-    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "keep.txt", "model.safetensors"]
+    names = [MANIFEST, "config.json", "generation_config.json", "keep.txt", "model.safetensors"]
+    assert sorted(os.listdir(out)) == names
     load_hf(out)
+    with pytest.raises(OutputError, match="keep.txt, which ckpt did not write"):  # replace: only what ckpt wrote
+        save_pretrained_from_engine(model, out, if_exists="replace")
+    (out / "keep.txt").unlink()
     save_pretrained_from_engine(model, out, if_exists="replace", max_shard_size="10KB")
-    assert "keep.txt" not in os.listdir(out) and (out / "model.safetensors.index.json").exists()
+    assert (out / "model.safetensors.index.json").exists() and not (out / "model.safetensors").exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary folders left
     with pytest.raises(UsageError):
         save_pretrained_from_engine(model, out, if_exists="merge")

@@ -236,7 +236,7 @@ def test_cli_merge(tmp_path):
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["dtype"] == "bf16"
+    assert data["dtype"] == "bfloat16"
     assert "model.safetensors" in data["files"]
     bad = CliRunner().invoke(main, ["consolidate", str(_ckpt(name)), "--base", str(FIXTURES / name / "base"),
                                     "--out", str(tmp_path / "o2")])  # fmt: skip
@@ -266,7 +266,12 @@ def test_save_pretrained_from_engine_adapter_mode_writes_what_peft_saves(tmp_pat
                              timeout=600)  # fmt: skip
     assert run.rc == 0, run.tail()
     ours, theirs = tmp_path / "ours", tmp_path / "peft"
-    assert {p.name for p in ours.iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
+    # PEFT's two files, and the manifest that lets a later --overwrite know ckpt wrote them
+    assert {p.name for p in ours.iterdir()} == {
+        "adapter_model.safetensors",
+        "adapter_config.json",
+        ".ckpt-manifest.json",
+    }
     a, b = load_file(ours / "adapter_model.safetensors"), load_file(theirs / "adapter_model.safetensors")
     assert sorted(a) == sorted(b)
     for key, value in b.items():

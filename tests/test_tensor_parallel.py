@@ -405,7 +405,7 @@ def test_accelerate_consolidate_with_config_is_bit_identical_and_loads_in_transf
         assert res.exit_code == 0, res.output
         assert "--config" not in res.stderr, res.stderr
         assert sorted(p.name for p in (tmp_path / dtype).iterdir()) == [
-            "config.json", "generation_config.json", "model.safetensors"]  # fmt: skip
+            ".ckpt-manifest.json", "config.json", "generation_config.json", "model.safetensors"]  # fmt: skip
         written = json.loads((tmp_path / dtype / "config.json").read_text())
         assert written.pop("dtype") == written.pop("torch_dtype") == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
         assert written == json.loads((config / "config.json").read_text())  # the given config, dtype recorded
@@ -417,4 +417,4 @@ def test_accelerate_consolidate_without_config_says_to_pass_it(tmp_path):
     res = _cli("consolidate", _ckpt(ACCELERATE), "--out", tmp_path / "out")
     assert res.exit_code == 0, res.output
     assert "pass --config" in res.stderr, res.stderr
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [".ckpt-manifest.json", "model.safetensors"]

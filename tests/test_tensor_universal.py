@@ -19,6 +19,7 @@ from ckpttools.ds_to_universal import cli
 from ckpttools.errors import CkptError
 from ckpttools.reshard import reshard
 from ckpttools.sources import open_checkpoint
+from ckpttools.staging import MANIFEST
 
 from .conftest import tree_digest
 from .test_tensor_parallel import (
@@ -47,7 +48,8 @@ def _deepspeed(tag_dir: Path, out: Path) -> None:
 
 
 def _files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    """Every file but the manifest ckpt writes into its outputs (.ckpt-manifest.json: what --overwrite may replace)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
 def _same(a: Any, b: Any) -> bool:

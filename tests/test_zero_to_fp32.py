@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckpttools import zero_to_fp32 as ours
+from ckpttools.staging import MANIFEST
 from ckpttools.zero_to_fp32 import GatheredTensor, cli
 
 from .conftest import FIXTURES
@@ -116,7 +117,7 @@ def test_cli_writes_deepspeeds_files(name, shard, tmp_path, capsys):
     out = capsys.readouterr()
     assert out.err.count("\n") == (1 if name.startswith("z1") else 0)  # ZeRO-1: the note on the dropped frozen params
     names = sorted(p.name for p in (tmp_path / "ds").iterdir())
-    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == names
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir() if p.name != MANIFEST) == names
     assert (len(names) > 2) == bool(shard)
     if shard:  # the index byte for byte
         index = "pytorch_model.bin.index.json"
@@ -154,7 +155,7 @@ def test_safe_serialization_works_where_deepspeed_raises(name, shard, tmp_path, 
     assert "stored as their own copies" in capsys.readouterr().err
     ds_names = sorted(p.name for p in (tmp_path / "ds").iterdir())
     rename = {n: n.replace("pytorch_model", "model").replace(".bin", ".safetensors") for n in ds_names}
-    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == sorted(rename.values())
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir() if p.name != MANIFEST) == sorted(rename.values())
     if shard:
         want = json.loads((tmp_path / "ds" / "pytorch_model.bin.index.json").read_text())
         want["weight_map"] = {k: rename[v] for k, v in want["weight_map"].items()}
@@ -171,9 +172,13 @@ def test_output_dir_keeps_other_files_and_replaces_ours(tmp_path, capsys):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    (out / "pytorch_model.bin").write_text("stale")
-    assert cli([str(_src("z3_dp2_fp32")), str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["keep.txt", "pytorch_model.bin"]  # no temporary folder left
+    (out / "pytorch_model.bin").write_text("not ours")
+    assert cli([str(_src("z3_dp2_fp32")), str(out)]) == 1  # a file ckpt did not write is never replaced
+    assert "pytorch_model.bin, which ckpt did not write" in _one_error_line(capsys.readouterr().err)
+    (out / "pytorch_model.bin").unlink()
+    assert cli([str(_src("z2_dp2_fp32")), str(out)]) == 0
+    assert cli([str(_src("z3_dp2_fp32")), str(out)]) == 0  # its own file from the run before: replaced
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "keep.txt", "pytorch_model.bin"]  # no staging left
     assert (out / "keep.txt").read_text() == "mine"
     assert "emb.weight" in torch.load(out / "pytorch_model.bin", weights_only=True)
 
@@ -232,7 +237,7 @@ def test_damaged_checkpoint_fails_and_writes_nothing(tmp_path, capsys):
     out = tmp_path / "out"
     assert cli([str(src), str(out)]) == 1
     assert "CRC-32" in _one_error_line(capsys.readouterr().err)
-    assert list(out.iterdir()) == []
+    assert not out.exists()  # the folder the run created is removed again
     lazy = ours.get_fp32_state_dict_from_zero_checkpoint(src, lazy_mode=True)
     with pytest.raises(ValueError, match="CRC-32"):  # no damaged byte is handed out, lazily either
         for value in lazy.values():
