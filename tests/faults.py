@@ -515,6 +515,9 @@ class Ledger:
                 entry["bad"] += 1
                 entry["bad_seeds"].append(t.seed)
                 entry["problems"].update({p.split(":", 1)[0] for p in t.problems})
+                entry.setdefault("failures", []).append(
+                    {"seed": t.seed, "outcome": t.outcome, "what": t.what, "problems": t.problems[:4]}
+                )
         for entry in per.values():
             entry["outcomes"] = dict(entry["outcomes"].most_common())
             entry["problems"] = dict(entry["problems"].most_common())
