@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from . import dtypes, hf, nodelocal, peft
+from . import dtypes, extras, hf, nodelocal, peft
 from .crosscheck import check_module_copies
 from .distributed import check_records
 from .dtypes import DType
@@ -111,6 +111,13 @@ def plan_shards(tensors: Sequence[_Sized], fmt: str, max_shard_size: int | str) 
     return {fname: [by_name[n] for n in names] for fname, names in split.filename_to_tensors.items()}
 
 
+def _require_libraries(*, to: str, check_keys: bool, merge: bool) -> None:
+    """The optional libraries the options need, checked before any work (see ckpttools.extras)."""
+    needed = [*(["torch", "transformers"] if check_keys else []), *(["torch"] if to == "pt" else []),
+              *(["torch", "safetensors"] if merge else [])]  # fmt: skip
+    extras.require(*dict.fromkeys(needed))
+
+
 class _KeyCheck:
     """Builds the model on the meta device in a child process while the shards are written."""
 
@@ -202,6 +209,7 @@ def consolidate(
         raise UsageError("--merge writes safetensors only (what from_pretrained loads); drop --to pt")
     if base is not None and not merge:
         raise UsageError("--base is the base model of a --merge; pass --merge too")
+    _require_libraries(to=to, check_keys=check_keys, merge=merge)
     if group is not None and group.world_size > 1:
         holdings = nodelocal.exchange_holdings(group, Path(path))
         if not nodelocal.is_shared(holdings):

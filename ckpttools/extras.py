@@ -69,3 +69,14 @@ def _installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except (ImportError, ValueError):  # a broken package, or one whose __spec__ is unset
         return False
+
+
+def require(*modules: str) -> None:
+    """Raise ModuleNotFoundError for the first of `modules` that is not installed, before any work starts.
+
+    A command checks what an option needs up front (`--check-keys` needs torch and transformers), so a missing
+    extra is one line at once, not a failure, or a silently skipped check, after the conversion.
+    """
+    for module in modules:
+        if not _installed(module):
+            raise ModuleNotFoundError(f"No module named '{module}'", name=module)

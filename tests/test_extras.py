@@ -208,11 +208,6 @@ def test_to_pt_without_torch_names_the_extra_in_one_line(base_python, tmp_path):
     assert not (tmp_path / "pt").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="--check-keys runs the model check in a child process; without torch the child dies and consolidate "
-    "exits 0 with 'Note: keys not checked against the model: the model check exited with code 1' (hf.py)",
-)
 def test_check_keys_without_torch_names_the_extra_in_one_line(base_python, tmp_path):
     proc = ckpt_base(base_python, "consolidate", TRAINER, "--out", tmp_path / "k", "--check-keys")
     _one_line_naming(proc, "verify")
