@@ -1320,11 +1320,15 @@ def judge_torchrun(trial: Trial, run: TorchrunRun, state: str) -> None:
         return
     if run.stop_seconds is not None and run.stop_seconds > 5:
         trial.bad("slow-stop", f"torchrun ended {run.stop_seconds:.1f} s after rank {run.killed} was killed")
-    for rank, text in run.rank_stderr.items():
-        shown = Run([], run.returncode, "", text, 0.0)
+    said = {rank: Run([], run.returncode, "", text, 0.0) for rank, text in run.rank_stderr.items()}
+    for rank, shown in said.items():
         check_stderr(trial, shown)
-        if rank not in (0, run.killed) and shown.message_lines:  # a rank the signal did not reach says nothing
+        # One event, one line: besides rank 0 only the rank the signal was sent to may speak, and another rank
+        # only when rank 0 said nothing (it was killed).
+        if rank not in (0, run.killed) and shown.message_lines and said.get(0) and said[0].message_lines:
             trial.bad("rank-not-silent", f"rank {rank}: {shown.message_lines[:1]}")
+        if "nothing was published" in shown.stderr and state != "absent":
+            trial.bad("says-nothing-published", f"rank {rank} says so, the output is {state}")
     if state not in ("absent", "new"):
         trial.bad("mixed-output", state)
     rank0 = run.rank_stderr.get(0, "")
@@ -1334,5 +1338,3 @@ def judge_torchrun(trial: Trial, run: TorchrunRun, state: str) -> None:
         trial.bad(
             "published-but-failure", f"exit {run.returncode} with the output complete; rank 0 said: {rank0[-200:]}"
         )
-    if "nothing was published" in rank0 and state != "absent":
-        trial.bad("says-nothing-published", state)
