@@ -36,10 +36,11 @@ def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     config = hf.load_config(config_path) if config_path.is_file() else None
     trainable = list(ckpt.masters.values())
     frozen = [ckpt.bit16[n] for n in ckpt.frozen_names]
-    sizes = {}
-    for name, dtype in DTYPES.items():
+    sizes, elements = {}, 0
+    for dtype in DTYPES.values():
         tensors, _ = plan_tensors(ckpt, dtype, hf_folder=config is not None, config=config or {})
-        sizes[name] = sum(t.nbytes for t in tensors)
+        sizes[dtype.name] = sum(t.nbytes for t in tensors)  # float32/bfloat16/float16, as every --json spells it
+        elements = sum(t.source.numel() for t in tensors)  # what consolidate writes and verify counts
     tags = sorted(p.name for p in loc.root.iterdir() if p.is_dir() and any(p.glob("*_model_states.pt")))
     existing = hf.existing_weight_files(loc.root)
     return {
@@ -50,7 +51,7 @@ def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         "parallel": ckpt.layout.as_dict(),
         "tags": tags,
         "trainer_output_dir": str(loc.output_dir) if loc.output_dir else None,
-        "num_parameters": sum(s.numel() for s in trainable + frozen),
+        "num_parameters": elements,  # every element consolidate writes (buffers too, a tie once), as verify counts
         "trainable_parameters": sum(s.numel() for s in trainable),
         "frozen_parameters": sum(s.numel() for s in frozen),
         "num_trainable": len(trainable),

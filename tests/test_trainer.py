@@ -96,7 +96,7 @@ def test_step_selects_an_older_checkpoint_and_inspect_reports_trainer_state():
     info = inspect_checkpoint(FIXTURES / name / "out")
     assert info["trainer_state"]["global_step"] == 2 and info["trainer_state"]["last_loss"] is not None
     assert info["tied"] == {"lm_head.weight": "transformer.wte.weight"}
-    assert info["output_bytes"]["fp32"] == 2 * info["output_bytes"]["bf16"]
+    assert info["output_bytes"]["float32"] == 2 * info["output_bytes"]["bfloat16"]
 
 
 def test_check_keys_builds_the_model_and_refuses_a_foreign_config(tmp_path):
