@@ -19,12 +19,14 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from . import signals
 from .errors import CkptError, UsageError
 
 if TYPE_CHECKING:
@@ -154,6 +156,7 @@ class RankLostError(CkptError):
 
     def __init__(self, rank: int, world_size: int, error: BaseException) -> None:
         reason = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(error).split())).split(". ")[0][:200]
+        self.reason = reason
         super().__init__(f"rank {rank} of {world_size} lost contact with the other ranks ({reason}); one of them ended "
                          "or was killed, or did not answer within CKPT_DIST_TIMEOUT")  # fmt: skip
 
@@ -284,18 +287,38 @@ class ProcessGroup:
 
     @contextlib.contextmanager
     def _peers(self) -> Iterator[None]:
-        """A failure of the group itself (a peer ended or was killed: gloo's "Connection closed by peer"; a
-        timeout) as RankLostError: one line that says so, not an internal error."""
+        """Around each collective. A failure of the group itself (a peer ended or was killed: gloo's "Connection
+        closed by peer"; a timeout) is RankLostError: one line that says so, not an internal error.
+
+        A rank that a signal reached enters no collective any more: the others may be waiting in a different one
+        (a signal lands between any two), and a mismatched pair waits for CKPT_DIST_TIMEOUT. It cleans up on its
+        own and exits; its peers' wait then ends with "Connection closed by peer"."""
+        signum = signals.received()
+        if signum is not None:
+            raise signals.Interrupted(signum)
         try:
             yield
         except RuntimeError as e:  # torch.distributed's DistError and gloo's errors are RuntimeErrors
             raise RankLostError(self.rank, self.world_size, e) from e
 
-    def close(self) -> None:
-        """Wait for every rank (so nobody exits while rank 0 still cleans up or prints), then leave the group."""
-        with contextlib.suppress(Exception):  # a peer already gone: leaving is all that is left to do
-            self._dist.barrier()
-        self._dist.destroy_process_group()
+    def close(self) -> RankLostError | None:
+        """Wait for every rank (so nobody exits while rank 0 still cleans up or prints), then leave the group.
+        Returns the failure of that last wait (a peer gone by then), or None.
+
+        A rank a signal stopped waits for no one: the others may be inside another collective, and its exit is
+        what ends their wait ("Connection closed by peer")."""
+        if signals.received() is not None:
+            return None
+        lost = None
+        try:
+            self.barrier()
+        except RankLostError as e:  # a peer already gone: leaving is all that is left to do
+            lost = e
+        except Exception:  # noqa: BLE001 - the group is left either way; nothing of this run depends on it
+            lost = None
+        with contextlib.suppress(Exception):
+            self._dist.destroy_process_group()
+        return lost
 
 
 def _byte_tensor(data: bytes, size: int) -> Any:
@@ -328,12 +351,14 @@ def join_group(launch: Launch, timeout_s: float | None = None, rendezvous_s: flo
         rendezvous_s = _env_seconds("CKPT_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_S)
     store = _rendezvous(launch, rendezvous_s)
     try:
-        dist.init_process_group(
-            "gloo",
-            store=dist.PrefixStore("group", store),
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timedelta(seconds=timeout_s),
+        _interruptible(
+            lambda: dist.init_process_group(
+                "gloo",
+                store=dist.PrefixStore("group", store),
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timedelta(seconds=timeout_s),
+            )
         )
     except Exception as e:  # every rank joined, yet the group failed: one line, not a traceback
         raise CkptError(
@@ -341,6 +366,28 @@ def join_group(launch: Launch, timeout_s: float | None = None, rendezvous_s: flo
             f"{' '.join(str(e).split())[:200]})"
         ) from e
     return ProcessGroup(launch, dist)
+
+
+def _interruptible(call: Callable[[], object]) -> None:
+    """`call()` on a helper thread while this one waits in short joins, so a signal is handled at once.
+
+    For a wait inside C++ that nothing else ends: gloo's connection to a rank that set its rendezvous key
+    and then died before connecting waits the whole CKPT_DIST_TIMEOUT, and Python runs signal handlers only
+    between bytecodes. On a signal the helper is left behind (a daemon; the process ends through os._exit)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - raised again on the calling thread
+            errors.append(e)
+
+    helper = threading.Thread(target=run, name="ckpt-join", daemon=True)
+    helper.start()
+    while helper.is_alive():
+        helper.join(POLL_S)
+    if errors:
+        raise errors[0]
 
 
 def _env_seconds(name: str, default: float) -> float:

@@ -205,8 +205,8 @@ def received() -> int | None:
 
 def raise_if_received() -> None:
     """At the end of a command's body: a signal that came, even one whose exception was swallowed, ends the run
-    as interrupted."""
-    if _State.received:
+    as interrupted. Once the boundary reported it (an inner boundary: a rank's), nothing is raised again."""
+    if _State.received and not _State.reported:
         _State.live = True
         raise Interrupted(_State.received[0])
 

@@ -299,7 +299,7 @@ def test_a_rank_lost_after_publishing_is_a_note_and_exit_0(tmp_path, monkeypatch
         published.append(tmp_path / "out")
         raise RankFailedError(1, 2, "interrupted (SIGKILL)")
 
-    assert run_guarded(lambda: _published_despite_lost_rank(None, body)) == 0
+    assert run_guarded(lambda: _published_despite_lost_rank(None, body, [])) == 0
     assert capsys.readouterr().err.splitlines() == [
         f"Note: published {tmp_path / 'out'}; the output is complete; rank 1 was lost after (interrupted (SIGKILL))"
     ]
@@ -307,5 +307,5 @@ def test_a_rank_lost_after_publishing_is_a_note_and_exit_0(tmp_path, monkeypatch
     def before(group):
         raise RankFailedError(1, 2, "bad record")
 
-    assert run_guarded(lambda: _published_despite_lost_rank(None, before)) == 1  # nothing new published: a failure
+    assert run_guarded(lambda: _published_despite_lost_rank(None, before, [])) == 1  # nothing new published: a failure
     assert capsys.readouterr().err.splitlines() == ["Error: rank 1 of 2 failed: bad record"]

@@ -370,7 +370,12 @@ def test_a_rank_lost_after_publishing_leaves_exit_0_and_the_output(tmp_path):
     rc, stdout, err = procs[0].wait(timeout=120), *procs[0].communicate(timeout=120)
     procs[1].communicate()
     assert rc == 0, err
-    assert json.loads(stdout)["world_size"] == 2
+    if stdout:  # rank 1 went while rank 0 was about to print the result
+        assert json.loads(stdout)["world_size"] == 2
+    else:  # rank 1 went while rank 0 still met it (the commit's agreement, the files' ranks): a note says so
+        notes = [line for line in err.splitlines() if "lost after" in line]
+        assert len(notes) == 1, err
+        assert notes[0].startswith(f"Note: published {out}; the output is complete; a rank was lost after ("), err
     assert "Traceback" not in err
     manifest = json.loads((out / ".ckpt-manifest.json").read_text())
     assert {p.name: p.stat().st_size for p in out.iterdir() if p.name != ".ckpt-manifest.json"} == manifest["files"]

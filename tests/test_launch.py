@@ -9,6 +9,7 @@ import json
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 from .ranks import CKPT, Z3, _env, ds_launch
@@ -134,3 +135,43 @@ def test_help_states_the_rendezvous_timeout():
     assert "--distributed" in flat
     assert "CKPT_RENDEZVOUS_TIMEOUT seconds (default 300)" in flat
     assert "CKPT_DISTRIBUTED" in flat
+
+
+# A rank that joins the rendezvous and then never builds its part of the group (it died between the two, or
+# hangs): rank 0 waits inside gloo's connect, in C++, where no signal handler runs.
+HALF_JOINED = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+
+port = int(sys.argv[1])
+while True:
+    try:
+        store = dist.TCPStore("127.0.0.1", port, None, False, timedelta(seconds=2))
+        break
+    except Exception:
+        time.sleep(0.1)
+dist.PrefixStore("ckpt/0", store).set("joined/1", "0")
+print("joined", flush=True)
+time.sleep(600)
+"""
+
+
+def test_sigterm_while_a_joined_rank_never_connects_ends_at_once(tmp_path):
+    port = ds_launch.free_port()
+    rank0 = _alone(0, port, "--out", tmp_path / "o", timeout="300")
+    half = subprocess.Popen([sys.executable, "-c", HALF_JOINED, str(port)], stdout=subprocess.PIPE, text=True,
+                            env=_env())  # fmt: skip
+    try:
+        assert half.stdout.readline().strip() == "joined"
+        time.sleep(1.0)  # rank 0 sees every key and waits in gloo's connect to rank 1
+        assert rank0.poll() is None
+        t0 = time.monotonic()
+        rank0.send_signal(signal.SIGTERM)
+        _out, err = rank0.communicate(timeout=30)
+        assert time.monotonic() - t0 < 3
+    finally:
+        half.kill()
+        half.communicate()
+    assert rank0.returncode == 143
+    assert err.splitlines() == ["Interrupted (SIGTERM); nothing was published."]

@@ -166,14 +166,15 @@ def run_guarded(
     *,
     debug: bool = False,
     silent: bool = False,
+    silent_interrupt: bool = False,
     command: Callable[[], str | None] | None = None,
 ) -> int:
     """Run a command body; the one place exceptions become a message and an exit code (see CkptGroup).
 
     Used by `ckpt` and by the argparse entry points that mirror DeepSpeed's scripts. SIGINT, SIGTERM and
     SIGHUP raise `signals.Interrupted` inside the body, so staged outputs are removed. `silent`: the same
-    exit code, nothing printed (the ranks other than 0 of a run on many processes). `command`: the
-    subcommand's name, for the pip extra a missing module needs.
+    exit code, nothing printed (the ranks other than 0 of a run on many processes); `silent_interrupt`: the
+    same for a signal only. `command`: the subcommand's name, for the pip extra a missing module needs.
     """
     show = debug or _debug()
     say = (lambda message: None) if silent else echo_error
@@ -187,7 +188,7 @@ def run_guarded(
     except BaseException as e:  # every exception becomes one line and a code (_report_failure)
         interrupted = _was_interrupted(e)
         if interrupted is not False:
-            return _interrupted(interrupted or None, published_before, silent=silent)
+            return _interrupted(interrupted or None, published_before, silent=silent or silent_interrupt)
         if not isinstance(e, Exception):  # SystemExit and the like: not ours to turn into a message
             raise
         return _report_failure(e, show, say, command)
@@ -232,34 +233,63 @@ def run_on_ranks(launch: Launch, body: Callable[[ProcessGroup], object]) -> None
     from ..distributed import join_group
 
     joined: list[ProcessGroup] = []
-    code = run_guarded(lambda: joined.append(join_group(launch)))
+    code = run_guarded(lambda: joined.append(join_group(launch)), silent_interrupt=launch.rank != 0,
+                       command=lambda: "distributed")  # fmt: skip
     if code:
         raise click.exceptions.Exit(code)
     group = joined[0]
+    before = len(_published_outputs())
+    noted: list[str] = []
     try:
-        code = run_guarded(lambda: _published_despite_lost_rank(group, body), silent=launch.rank != 0)
+        code = run_guarded(lambda: _published_despite_lost_rank(group, body, noted), silent=launch.rank != 0)
     finally:
-        group.close()
+        lost = group.close()
+    if lost is not None and not code and not noted:
+        _note_lost_after_publishing(before, "a rank", lost.reason, noted)
+    code = _signal_after_the_body(code, before, launch.rank)
     if code:
         raise click.exceptions.Exit(code)
 
 
-def _published_despite_lost_rank(group: ProcessGroup, body: Callable[[ProcessGroup], object]) -> None:
+def _signal_after_the_body(code: int, published_before: int, rank: int) -> int:
+    """A signal that came once this rank's part was done (while it waited for the others to leave): rank 0
+    says so ("after publishing" when it published), the others stay silent with the run's code."""
+    signum = signals.received()
+    if signum is None or signals.reported():
+        return code
+    if rank != 0 or code:
+        signals.mark_reported()
+        return code
+    return _interrupted(signum, published_before, silent=False)
+
+
+def _published_despite_lost_rank(group: ProcessGroup, body: Callable[[ProcessGroup], object], noted: list[str]) -> None:
     """`body(group)`; a failure after this rank published the output (a peer lost after the rename) becomes a
     note, since the output is complete."""
-    from ..distributed import RankFailedError
+    from ..distributed import RankFailedError, RankLostError
 
     before = len(_published_outputs())
     try:
         body(group)
     except Exception as e:
-        published = _published_outputs()[before:]
-        if not published:
+        if _was_interrupted(e) is not False:  # this rank's own signal: the boundary says so
             raise
         who = f"rank {e.rank}" if isinstance(e, RankFailedError) and e.rank is not None else "a rank"
-        reason = e.failed_message if isinstance(e, RankFailedError) else f"{type(e).__name__}: {_one_line(str(e))}"
-        outs = ", ".join(map(str, published))
-        echo_notes([f"published {outs}; the output is complete; {who} was lost after ({reason})"])
+        reason = (e.failed_message if isinstance(e, RankFailedError) else e.reason if isinstance(e, RankLostError)
+                  else f"{type(e).__name__}: {_one_line(str(e))}")  # fmt: skip
+        if not _note_lost_after_publishing(before, who, reason, noted):
+            raise
+
+
+def _note_lost_after_publishing(published_before: int, who: str, reason: str, noted: list[str]) -> bool:
+    """The note for a rank lost after this rank published the output; False when it published nothing."""
+    published = _published_outputs()[published_before:]
+    if not published:
+        return False
+    outs = ", ".join(map(str, published))
+    noted.append(f"published {outs}; the output is complete; {who} was lost after ({reason})")
+    echo_notes(noted[-1:])
+    return True
 
 
 @contextlib.contextmanager
