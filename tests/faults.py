@@ -1026,8 +1026,10 @@ def judge_enospc(trial: Trial, run: Run, state: str, out: Path, left: list[str])
 
 
 def input_change_trial(campaign: Campaign, category: str, seed: int) -> Trial:
-    """A shard of a copied checkpoint is truncated or scribbled over (in place) at a random moment: exit 0 only
-    with the output an undisturbed run writes; anything else is a clean refusal that publishes nothing."""
+    """A shard of a copied checkpoint is truncated or scribbled over (in place), or (every fourth seed) replaced
+    by the same file of the run's previous save (checkpoint-1, as a training job saving again would), at a random
+    moment: exit 0 only with the output an undisturbed run writes; anything else is a clean refusal that
+    publishes nothing."""
     rng = random.Random(f"{category}:{seed}")
     name = rng.choice(sorted(COMMANDS))
     new = campaign.baseline(name)
@@ -1041,9 +1043,17 @@ def input_change_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     cut = rng.randint(0, size - 1)
     length = min(rng.randint(1, 4096), size - cut)
     noise = rng.randbytes(length)
+    if seed % 4 == 3:
+        how = "replace"
+        earlier = next(
+            (FIXTURES / INPUTS[new.command.input] / "out" / "checkpoint-1").glob(f"global_step*/{victim.name}")
+        )
+        shutil.copyfile(earlier, here / "earlier.pt")  # beside the copy, so the replace is one rename
 
     def change() -> None:
-        if how == "truncate":
+        if how == "replace":
+            os.replace(here / "earlier.pt", victim)
+        elif how == "truncate":
             os.truncate(victim, cut)
         else:
             with open(victim, "r+b") as fh:
@@ -1053,7 +1063,9 @@ def input_change_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     fault = Fault(how, _draw_delay(rng, new.seconds), action=change)
     out = here / "model"
     argv = new.command.argv(source, out)
-    what = f"{how} {victim.relative_to(source)} at byte {cut}" + (f" ({length} bytes)" if how == "scribble" else "")
+    what = f"{how} {victim.relative_to(source)}" + {
+        "truncate": f" at byte {cut}", "scribble": f" at byte {cut} ({length} bytes)", "replace": " by checkpoint-1's"
+    }[how]  # fmt: skip
     trial = Trial(category, seed, f"{shlex.join(argv)}  # {what}, {fault.describe()}")
     run = run_ckpt(argv, logs=campaign.logs(category), fault=fault, timeout=60 + 10 * new.seconds)
     state = campaign.state(out, new)
@@ -1061,13 +1073,14 @@ def input_change_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     trial.details.update(stderr=run.stderr, delay_ms=round(fault.delay * 1000))
     check_stderr(trial, run)
     if run.returncode == 0 and state != "new":
-        trial.bad("wrong-output", f"exit 0 with the output {state}")
+        # replace: one shard from the previous save, read whole: a checkpoint of mixed steps taken as one
+        trial.bad("mixed-steps-accepted" if how == "replace" else "wrong-output", f"exit 0 with the output {state}")
     elif run.returncode not in (0, 1):
         trial.bad("exit-code", f"exit {run.returncode}")
     elif run.returncode == 1 and (state != "absent" or len(run.message_lines) != 1):
         trial.bad("unclean-refusal", f"output {state}, {len(run.message_lines)} lines")
     for kind, names in classify_debris(
-        _top_level(entries_under(here, skip=[out, source]) - {"model", "checkpoint"})
+        _top_level(entries_under(here, skip=[out, source]) - {"model", "checkpoint", "earlier.pt"})
     ).items():
         trial.bad(f"debris-{kind}", str(names[:3]))
     campaign.check_inputs(trial)
