@@ -1193,10 +1193,10 @@ def _ranks_of(agent: int) -> dict[int, int]:
     return ranks
 
 
-def _rank_logs(log_dir: Path) -> dict[int, str]:
-    """Each rank's stderr (torchrun --redirects 3 writes <log-dir>/<run>/attempt_0/<rank>/stderr.log)."""
+def _rank_logs(log_dir: Path, stream: str = "stderr") -> dict[int, str]:
+    """Each rank's stderr or stdout (torchrun --redirects 3 writes <log-dir>/<run>/attempt_0/<rank>/stderr.log)."""
     out: dict[int, str] = {}
-    for path in log_dir.glob("*/attempt_*/*/stderr.log"):
+    for path in log_dir.glob(f"*/attempt_*/*/{stream}.log"):
         with contextlib.suppress(ValueError, OSError):
             out[int(path.parent.name)] = path.read_text(errors="replace")
     return out
@@ -1214,6 +1214,7 @@ class TorchrunRun:
     rank_stderr: dict[int, str]
     stuck: str = ""  # after a timeout: the ranks' states
     signum: int = 0
+    rank0_stdout: str = ""  # the result line, when rank 0 finished its command
 
     @property
     def rank0_gone(self) -> bool:
@@ -1255,6 +1256,7 @@ def run_torchrun(
     return TorchrunRun(
         proc.returncode, end - start, end - ranks_start, killed, end - kill_time if kill_time else None, timed_out,
         (logs / "agent.stderr").read_text(errors="replace"), _rank_logs(logs / "ranks"), stuck, signum,
+        _rank_logs(logs / "ranks", "stdout").get(0, ""),
     )  # fmt: skip
 
 
@@ -1347,7 +1349,9 @@ def judge_torchrun(trial: Trial, run: TorchrunRun, state: str) -> None:
     rank0 = run.rank_stderr.get(0, "")
     if run.returncode == 0 and state != "new":
         trial.bad("exit0-not-complete", state)
-    if run.returncode != 0 and state == "new" and not run.rank0_gone and "complete" not in rank0:
+    # A rank lost after publishing: rank 0 says the output is complete, or had finished (its result printed).
+    reported = "complete" in rank0 or run.rank0_stdout.strip()
+    if run.returncode != 0 and state == "new" and not run.rank0_gone and not reported:
         trial.bad(
             "published-but-failure", f"exit {run.returncode} with the output complete; rank 0 said: {rank0[-200:]}"
         )
