@@ -316,8 +316,9 @@ class ProcessGroup:
             lost = e
         except Exception:  # noqa: BLE001 - the group is left either way; nothing of this run depends on it
             lost = None
-        with contextlib.suppress(Exception):
-            self._dist.destroy_process_group()
+        if not signals.installed():  # the `ckpt` process ends through os._exit next: no teardown to wait for
+            with contextlib.suppress(Exception):
+                self._dist.destroy_process_group()
         return lost
 
 

@@ -198,6 +198,20 @@ def armed() -> Iterator[None]:
         _State.armed -= 1
 
 
+@contextlib.contextmanager
+def disarmed() -> Iterator[None]:
+    """Inside, a signal is only recorded, even within an armed block: for code between two boundaries that
+    reports a signal itself once the block ends (a rank leaving its group)."""
+    if not _on_main_thread():
+        yield
+        return
+    depth, _State.armed = _State.armed, 0
+    try:
+        yield
+    finally:
+        _State.armed += depth
+
+
 def received() -> int | None:
     """The first signal this process handled (since `handling` installed the handler), or None."""
     return _State.received[0] if _State.received else None

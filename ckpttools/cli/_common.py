@@ -243,10 +243,12 @@ def run_on_ranks(launch: Launch, body: Callable[[ProcessGroup], object]) -> None
     try:
         code = run_guarded(lambda: _published_despite_lost_rank(group, body, noted), silent=launch.rank != 0)
     finally:
-        lost = group.close()
-    if lost is not None and not code and not noted:
-        _note_lost_after_publishing(before, "a rank", lost.reason, noted)
-    code = _signal_after_the_body(code, before, launch.rank)
+        with signals.disarmed():  # a signal from here on is reported by _signal_after_the_body, not raised
+            lost = group.close()
+    with signals.disarmed():
+        if lost is not None and not code and not noted:
+            _note_lost_after_publishing(before, "a rank", lost.reason, noted)
+        code = _signal_after_the_body(code, before, launch.rank)
     if code:
         raise click.exceptions.Exit(code)
 
