@@ -309,3 +309,27 @@ def test_a_rank_lost_after_publishing_is_a_note_and_exit_0(tmp_path, monkeypatch
 
     assert run_guarded(lambda: _published_despite_lost_rank(None, before, [])) == 1  # nothing new published: a failure
     assert capsys.readouterr().err.splitlines() == ["Error: rank 1 of 2 failed: bad record"]
+
+
+def test_a_signal_python_wrapped_in_another_error_is_still_an_interrupt(capsys):
+    """A signal inside a class body's __set_name__ reaches the boundary as RuntimeError caused by it (seen at
+    SIGTERM 112 ms into `ckpt reshard`); a CkptError caused by one keeps its own message (push's commit state)."""
+    from ckpttools.cli._common import run_guarded
+    from ckpttools.errors import CkptError
+    from ckpttools.signals import Interrupted
+
+    def wrapped():
+        raise RuntimeError("Error calling __set_name__ on 'Field' instance 'attrs' in 'LazyTensor'") from Interrupted(
+            15
+        )
+
+    assert run_guarded(wrapped) == 143
+    assert capsys.readouterr().err.splitlines() == ["Interrupted (SIGTERM); nothing was published."]
+
+    def chosen():
+        raise CkptError("interrupted while the Hub committed; the commit may have landed") from Interrupted(15)
+
+    assert run_guarded(chosen) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "Error: interrupted while the Hub committed; the commit may have landed"
+    ]

@@ -142,13 +142,21 @@ def _interrupted(signum: int | None, published_before: int, *, silent: bool) -> 
 
 
 def _was_interrupted(error: BaseException) -> int | bool | None:
-    """Whether `error` means this process was interrupted: a KeyboardInterrupt, or a rank failure agreed on
-    after this rank's own interrupt. Returns False, or the signal's number (None: not known)."""
+    """Whether `error` means this process was interrupted; False, or the signal's number (None: not known).
+
+    A KeyboardInterrupt; a rank failure agreed on after this rank's own interrupt; or an error Python made of
+    one (a signal inside a class body's `__set_name__` is re-raised as RuntimeError, caused by it). A CkptError
+    is a message its raiser chose (push saying whether its commit landed): it stands, whatever caused it.
+    """
     from ..distributed import RankFailedError
 
-    cause = error.__cause__ if isinstance(error, RankFailedError) else error
-    if isinstance(cause, KeyboardInterrupt):
-        return getattr(cause, "signum", None) or signals.received()
+    link: BaseException | None = error.__cause__ or error if isinstance(error, RankFailedError) else error
+    for _ in range(16):  # the chain of causes, never past a CkptError
+        if link is None or isinstance(link, CkptError):
+            return False
+        if isinstance(link, KeyboardInterrupt):
+            return getattr(link, "signum", None) or signals.received()
+        link = link.__cause__ or link.__context__
     return False
 
 
