@@ -679,16 +679,15 @@ def judge_signal_run(
         return
     signum = fault.signum
     assert signum is not None
-    if rc == -signum and signum != signal.SIGKILL:
-        if fault.delay <= campaign.boot_window and "ckpttools" not in run.stderr and state == prior:
-            # The interpreter itself was still starting: no code of ckpt's can catch anything yet.
-            trial.outcome = f"{rc}/{state} (before ckpt's code)"
-            trial.problems = [p for p in trial.problems if not p.startswith(("traceback", "extra-lines"))]
-        else:
-            trial.bad(
-                "killed-by-signal",
-                f"{fault.kind} killed it (exit {rc}; its handler installed when sent: {run.handler_ready})",
-            )
+    if _before_ckpt_code(campaign, run, fault, state == prior):
+        # The interpreter itself was still starting (site, .pth files): no code of ckpt's can catch anything yet.
+        trial.outcome = f"{rc}/{state} (before ckpt's code)"
+        trial.problems = [p for p in trial.problems if not p.startswith(("traceback", "extra-lines", "abort"))]
+    elif rc == -signum and signum != signal.SIGKILL:
+        trial.bad(
+            "killed-by-signal",
+            f"{fault.kind} killed it (exit {rc}; its handler installed when sent: {run.handler_ready})",
+        )
     elif rc not in (0, EXIT_FOR_SIGNAL.get(signal.Signals(signum)), -signal.SIGKILL if signum == signal.SIGKILL else 0):
         trial.bad("exit-code", f"exit {rc} after {fault.kind}")
     if rc in EXIT_FOR_SIGNAL.values():
@@ -699,6 +698,20 @@ def judge_signal_run(
     if state not in ("absent", "new", "old") or (state == "absent" and old is not None):
         trial.bad("mixed-output" if state != "absent" else "earlier-output-lost", state)
     check_agreement(trial, run, state, prior)
+
+
+def _before_ckpt_code(campaign: Campaign, run: Run, fault: Fault, untouched: bool) -> bool:
+    """The signal ended the interpreter's own start-up: sent within it, nothing of ckpt's package in the
+    traceback, nothing on the disk changed, and the run died of the signal or of site's failed import."""
+    signum = fault.signum
+    ended_by_it = run.returncode == -(signum or 0) or "init_import_site" in run.stderr
+    return (
+        signum != signal.SIGKILL
+        and fault.delay <= campaign.boot_window
+        and "/ckpttools/" not in run.stderr
+        and untouched
+        and ended_by_it
+    )
 
 
 def judge_leftovers(
