@@ -22,7 +22,7 @@ EXTRA_FOR_MODULE = {
 
 # Commands whose own extra is the one to name, whatever module they missed first: `push` verifies with
 # torch before it uploads, and `ckpttools[hub]` is what the user reads about for pushing.
-EXTRA_FOR_COMMAND = {"push": "hub"}
+EXTRA_FOR_COMMAND = {"push": "hub", "distributed": "distributed"}
 
 # Modules of the base install: missing one means a broken install, not a missing extra.
 BASE_MODULES = frozenset({"click", "numpy", "huggingface_hub"})

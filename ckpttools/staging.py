@@ -655,6 +655,8 @@ def shared_staged_folder(
                 raise
             group.agree(None)
             group.run_agreed(staged.commit if staged is not None else lambda: None)
+            if staged is None and out not in _published:  # rank 0 published it: a late signal here is after too
+                _published.append(out)
         except BaseException:
             with shielded():
                 for flush in flushes:
