@@ -263,10 +263,12 @@ def _human_inspect(d: dict[str, Any]) -> str:
         ),
         f"optim states   {', '.join(d.get('optimizer_states') or []) or 'none yet (saved before the first step)'}",
         (
-            f"parameters     {d['num_parameters']:,} ({d['trainable_parameters']:,} trainable in "
-            f"{d['num_trainable']} tensors, {d['frozen_parameters']:,} frozen in {d['num_frozen']})"
+            f"parameters     {d['trainable_parameters'] + d['frozen_parameters']:,} "
+            f"({d['trainable_parameters']:,} trainable in {d['num_trainable']} tensors, "
+            f"{d['frozen_parameters']:,} frozen in {d['num_frozen']})"
         ),
         f"buffers        {d['num_buffers']}",
+        f"elements       {d['num_parameters']:,} written by consolidate (buffers included, ties once)",
         f"tied           {', '.join(f'{a} -> {o}' for a, o in d['tied'].items()) or 'none'}",
         f"16-bit weights {', '.join(d['gathered_16bit_weights']) or 'none saved beside the shards'}",
         "output size    " + ", ".join(f"{k} {human_size(v)}" for k, v in d["output_bytes"].items()),
