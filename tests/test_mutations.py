@@ -583,11 +583,20 @@ def _output_diff(command: str, ref: Reference, run: Run, ctx: mut.Ctx, out: Path
             return f"{rel} is a symlink in the output"
         if rel == "config.json" and command.startswith("consolidate") and "config.json" in ctx.touched:
             d = _config_diff(ref, ctx, got[rel])
+        elif rel == ".ckpt-manifest.json":  # derived from the other files, which may differ (an edited config)
+            d = _manifest_diff(got)
         else:
             d = file_diff(expected[rel], got[rel], rel, frozenset(ctx.extra_keys))
         if d:
             return d
     return None
+
+
+def _manifest_diff(got: dict[str, Path]) -> str | None:
+    """The manifest lists exactly the other files of the output, with their real sizes."""
+    listed = json.loads(got[".ckpt-manifest.json"].read_text())["files"]
+    actual = {rel: p.stat().st_size for rel, p in got.items() if rel != ".ckpt-manifest.json"}
+    return None if listed == actual else f".ckpt-manifest.json lists {listed} but the folder holds {actual}"
 
 
 def _config_diff(ref: Reference, ctx: mut.Ctx, got: Path) -> str | None:
