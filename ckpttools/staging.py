@@ -409,6 +409,7 @@ def check_output_dir(out: Path, input_root: Path | None, overwrite: bool) -> Pat
             )
     if os.path.lexists(out) and not out.is_dir():
         raise OutputError(f"{out} exists and is not a folder")
+    _check_parent_usable(out)
     if out.exists() and not overwrite:
         raise OutputError(
             f"output folder {out} already exists; pass --overwrite to replace it, or choose another --out"
@@ -416,6 +417,18 @@ def check_output_dir(out: Path, input_root: Path | None, overwrite: bool) -> Pat
     if out.exists():
         check_replaceable(out)
     return out
+
+
+def _check_parent_usable(out: Path) -> None:
+    """The nearest existing ancestor of `out` is a folder this process may write into (checked before any work:
+    the staging folder is created beside `out`, and its hidden name must never be what the user reads)."""
+    ancestor = out.parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputError(f"cannot create output folder {out}: {ancestor} is not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot create output folder {out}: {ancestor} is not writable by this user")
 
 
 # --------------------------------------------------------------------------------------------------

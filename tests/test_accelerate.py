@@ -206,11 +206,17 @@ def test_bad_config_is_one_line_error_and_nothing_is_written(case, tmp_path):
     with pytest.raises(CkptError, match=needle):
         reshard(_state(name), work / "b", dp=1, config=config)
 
-    _one_error_line(_cli("consolidate", _state(name), "--out", work / "c", "--config", config), 1, needle)
-    _one_error_line(_cli("reshard", _state(name), "--dp", 3, "--out", work / "d", "--config", config), 1, needle)
-    res = _cli("push", _state(name), "--repo", "org/x", "--dry-run", "--json", "--config", config)
-    _one_error_line(res, 1, needle)
-    assert res.stdout == ""
+    runs = [
+        _cli("consolidate", _state(name), "--out", work / "c", "--config", config),
+        _cli("reshard", _state(name), "--dp", 3, "--out", work / "d", "--config", config),
+        _cli("push", _state(name), "--repo", "org/x", "--dry-run", "--json", "--config", config),
+    ]
+    for res in runs:
+        if case == "missing":  # a path that does not exist is a usage error, caught while parsing
+            assert res.exit_code == 2 and "does not exist" in res.stderr, res.output
+        else:
+            _one_error_line(res, 1, needle)
+    assert runs[-1].stdout == ""
 
     assert list(work.iterdir()) == []  # no output folder, no partial sibling
     assert sorted(p.name for p in _state(name).parent.iterdir()) == ["checkpoint", "meta.json", "model_config",

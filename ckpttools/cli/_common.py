@@ -362,7 +362,7 @@ distributed_option = click.option(
 config_option = click.option(
     "--config",
     "config",
-    type=click.Path(path_type=Path),
+    type=click.Path(exists=True, path_type=Path),
     metavar="PATH",
     help="The model's config.json (or its folder; tokenizer files come too), when the checkpoint has none.",
 )

@@ -70,7 +70,7 @@ if TYPE_CHECKING:
 )
 @click.option(
     "--base",
-    type=click.Path(path_type=Path),
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
     help="With --merge: the base model's folder (weights and config.json), for runs saved without frozen weights.",
 )
 @workers_option

@@ -168,7 +168,7 @@ def _human_verify(r: VerifyReport) -> str:
     show_default=True,
     help="When PATH is a checkpoint: largest file.",
 )
-@click.option("--config", type=click.Path(path_type=Path), metavar="PATH",
+@click.option("--config", type=click.Path(exists=True, path_type=Path), metavar="PATH",
               help="When PATH is a checkpoint without one: the model's config.json (or its folder).")  # fmt: skip
 @click.option("--tag", help="When PATH is a checkpoint: tag folder to read (default: `latest`).")
 @click.option("--step", type=int, help="When PATH is a Trainer output_dir: use checkpoint-STEP.")
