@@ -167,6 +167,13 @@ def test_missing_path(tmp_path):
     _assert_one_line_error(run("consolidate", tmp_path / "nope"), "does not exist")
 
 
+def test_an_out_under_a_file_is_refused_before_any_work_naming_it(z3, tmp_path):
+    (tmp_path / "a-file").write_text("mine")
+    res = run("consolidate", z3, "--out", tmp_path / "a-file" / "sub" / "model")
+    _assert_one_line_error(res, f"{tmp_path / 'a-file'} is not a folder")
+    assert "ckpt-staging" not in res.stderr and (tmp_path / "a-file").read_text() == "mine"
+
+
 def test_existing_output_and_output_inside_input(z3, tmp_path):
     (tmp_path / "out").mkdir()
     _assert_one_line_error(run("consolidate", z3, "--out", tmp_path / "out"), "already exists; pass --overwrite")
