@@ -163,6 +163,11 @@ def test_a_second_ctrl_c_during_cleanup_changes_nothing(tmp_path, seed):
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     rc, _out, err = _finish(proc)
+    if rc == 0:  # on a loaded machine the first Ctrl-C can land after the output was published: then it says so
+        assert _lines(err) == [f"Interrupted after publishing {tmp_path / 'o'}; the output is complete."], err
+        assert _complete(tmp_path / "o")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["o"]
+        return
     _assert_interrupted(rc, err, signal.SIGINT)
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
