@@ -33,6 +33,7 @@ What it does (see benchmarks/README.md for the method and caveats):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import hashlib
 import json
@@ -56,6 +57,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import ds_launch  # noqa: E402
+
 DEFAULT_CACHE = Path(os.environ.get("CKPTTOOLS_BENCH_CACHE", Path.home() / ".cache" / "ckpttools-bench"))
 DP = 4
 SEQ_LEN = 16
@@ -63,7 +65,7 @@ SEED = 1234
 MB = 1e6
 
 # GPT-2 family; everything else is GPT2Config() defaults (vocab 50257, n_positions 1024, tied head).
-SIZES: dict[str, dict[str, int]] = {
+SIZES: dict[str, dict[str, Any]] = {
     "124M": {},
     "355M": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
     "774M": {"n_layer": 36, "n_embd": 1280, "n_head": 20},
@@ -102,12 +104,16 @@ def snapshot_ckpttools(dest: Path) -> dict[str, Any]:
     """Copy ckpttools/ as it is now and make every `ckpt` run import that copy (PYTHONPATH goes
     before the editable install), so edits made to the working tree during a long benchmark do not
     mix versions within one run."""
-    global CODE_SNAPSHOT
+    global CODE_SNAPSHOT  # noqa: PLW0603 - every later ckpt run of this process imports the snapshot
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(REPO / "ckpttools", dest / "ckpttools", ignore=shutil.ignore_patterns("__pycache__"))
     CODE_SNAPSHOT = dest
-    where = subprocess.run([sys.executable, "-c", "import ckpttools; print(ckpttools.__file__)"],
-                           env=tool_env(), capture_output=True, text=True).stdout.strip()
+    where = subprocess.run(
+        [sys.executable, "-c", "import ckpttools; print(ckpttools.__file__)"],
+        env=tool_env(),
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     if not where.startswith(str(dest)):
         raise SystemExit(f"the ckpttools snapshot in {dest} is not the one imported ({where})")
     return {"path": str(dest), "sha256_16": source_hash(dest / "ckpttools")}
@@ -129,17 +135,24 @@ def drop_caches() -> tuple[bool, str]:
         return False, f"{type(e).__name__}: {e}"
 
 
-PREWARM = ("import torch, safetensors, safetensors.torch, numpy, deepspeed, deepspeed.utils.zero_to_fp32, "
-           "transformers, ckpttools.cli, ckpttools.consolidate, ckpttools.hf; "
-           "from transformers import AutoConfig, GPT2LMHeadModel")
+PREWARM = (
+    "import torch, safetensors, safetensors.torch, numpy, deepspeed, deepspeed.utils.zero_to_fp32, "
+    "transformers, ckpttools.cli, ckpttools.consolidate, ckpttools.hf; "
+    "from transformers import AutoConfig, GPT2LMHeadModel"
+)
 
 
 def prewarm_software() -> float:
     """Re-read the Python packages both tools import (after a cache drop), so that the runs measure
     a cold CHECKPOINT, not a cold torch install. Returns seconds taken."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", PREWARM], env=tool_env(), stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=False)
+    subprocess.run(
+        [sys.executable, "-c", PREWARM],
+        env=tool_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        check=False,
+    )
     return time.perf_counter() - t0
 
 
@@ -147,10 +160,17 @@ def startup_costs() -> dict[str, float]:
     """Warm wall time of bare imports: the part of every run that is Python start-up, not consolidation."""
     probes = {
         "python -c 'import torch'": [sys.executable, "-c", "import torch"],
-        "python -c 'import deepspeed.utils.zero_to_fp32'": [sys.executable, "-c", "import deepspeed.utils.zero_to_fp32"],
+        "python -c 'import deepspeed.utils.zero_to_fp32'": [
+            sys.executable,
+            "-c",
+            "import deepspeed.utils.zero_to_fp32",
+        ],
         "python -c 'import ckpttools.consolidate'": [sys.executable, "-c", "import ckpttools.consolidate"],
-        "python -c 'import transformers; GPT2LMHeadModel'": [sys.executable, "-c",
-                                                             "import transformers; transformers.GPT2LMHeadModel"],
+        "python -c 'import transformers; GPT2LMHeadModel'": [
+            sys.executable,
+            "-c",
+            "import transformers; transformers.GPT2LMHeadModel",
+        ],
         "ckpt --version": [str(ckpt_bin()), "--version"],
     }
     out = {}
@@ -178,18 +198,16 @@ def machine_info(cache: Path, caches_droppable: bool, why: str) -> dict[str, Any
     vm = psutil.virtual_memory()
     du = shutil.disk_usage(cache)
     cpu = ""
-    try:
-        cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "")
-    except OSError:
-        pass
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "")
     diff = _git("diff", "HEAD", "--", "ckpttools")
     from importlib import metadata
 
-    versions = {}
+    versions: dict[str, str | None] = {}
     for mod in ("torch", "deepspeed", "transformers", "safetensors", "psutil"):
         try:
             versions[mod] = metadata.version(mod)
-        except metadata.PackageNotFoundError:
+        except metadata.PackageNotFoundError:  # noqa: PERF203 - five look-ups, once per benchmark
             versions[mod] = None
     ckpt_version = subprocess.run([str(ckpt_bin()), "--version"], capture_output=True, text=True).stdout.strip()
     return {
@@ -237,13 +255,15 @@ def ds_config(stage: int) -> dict[str, Any]:
         "allgather_bucket_size": 50_000_000,
     }
     if stage == 3:
-        zero.update({
-            "stage3_prefetch_bucket_size": 20_000_000,
-            "stage3_max_live_parameters": 100_000_000,
-            # the optimizer step's temporaries scale with the sub-group; 1e9 (one sub-group per rank)
-            # needs ~1.2 GiB more per rank at 774M. Also means >1 fp32 flat group per rank from 355M on.
-            "sub_group_size": Z3_SUB_GROUP_SIZE,
-        })
+        zero.update(
+            {
+                "stage3_prefetch_bucket_size": 20_000_000,
+                "stage3_max_live_parameters": 100_000_000,
+                # the optimizer step's temporaries scale with the sub-group; 1e9 (one sub-group per rank)
+                # needs ~1.2 GiB more per rank at 774M. Also means >1 fp32 flat group per rank from 355M on.
+                "sub_group_size": Z3_SUB_GROUP_SIZE,
+            }
+        )
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -251,8 +271,10 @@ def ds_config(stage: int) -> dict[str, Any]:
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
         "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8,
-                                                   "weight_decay": 0.01, "torch_adam": True}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01, "torch_adam": True},
+        },
         "zero_optimization": zero,
     }
 
@@ -306,7 +328,7 @@ def build_worker(size: str, stage: int, out: Path) -> int:
     phases: dict[str, dict[str, float]] = {}
 
     def mark(phase: str) -> None:  # this rank's current and peak RSS, GiB
-        rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        rss = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         phases[phase] = {"rss_gib": round(rss / 2**30, 2), "peak_gib": round(peak / 2**30, 2)}
 
@@ -333,16 +355,27 @@ def build_worker(size: str, stage: int, out: Path) -> int:
         engine.module.config.architectures = [type(engine.module).__name__]
         engine.module.config.save_pretrained(str(out))
         meta = {
-            "size": size, "zero_stage": stage, "dp": dist.get_world_size(), "dtype": "bf16",
+            "size": size,
+            "zero_stage": stage,
+            "dp": dist.get_world_size(),
+            "dtype": "bf16",
             "optimizer": "torch.optim.AdamW (DS config AdamW, torch_adam=true)",
             "gpt2_config": SIZES[size] or "GPT2Config() defaults",
-            "num_parameters": n_params, "seq_len": SEQ_LEN, "batch_per_rank": 1, "steps": 1,
-            "loss": float(loss.float().item()), "tag": f"global_step{engine.global_steps}",
+            "num_parameters": n_params,
+            "seq_len": SEQ_LEN,
+            "batch_per_rank": 1,
+            "steps": 1,
+            "loss": float(loss.float().item()),
+            "tag": f"global_step{engine.global_steps}",
             "ds_config": cfg,
             "built_under_zero_init": stage == 3,
             "rank_memory_by_phase": all_phases,
-            "seconds": {"init": round(t_init - t0, 1), "step": round(t_step - t_init, 1),
-                        "save": round(t_save - t_step, 1), "total_in_worker": round(t_save - t0, 1)},
+            "seconds": {
+                "init": round(t_init - t0, 1),
+                "step": round(t_step - t_init, 1),
+                "save": round(t_save - t_step, 1),
+                "total_in_worker": round(t_save - t0, 1),
+            },
         }
         (out / "bench_build.partial.json").write_text(json.dumps(meta, indent=1))
     dist.barrier()
@@ -391,8 +424,10 @@ def build_checkpoint(size: str, stage: int, cache: Path, log_dir: Path, force_bu
     need = estimate_build_gib(size, stage)
     avail = psutil.virtual_memory().available / 2**30
     if need > 0.9 * avail and not force_build:
-        return {"skipped": f"building {name} needs about {need:.1f} GiB for {DP} ranks (estimate), "
-                           f"{avail:.1f} GiB available; skipped (pass --force-build to try anyway)"}
+        return {
+            "skipped": f"building {name} needs about {need:.1f} GiB for {DP} ranks (estimate), "
+            f"{avail:.1f} GiB available; skipped (pass --force-build to try anyway)"
+        }
     partial = cache / f"{name}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     shutil.rmtree(final, ignore_errors=True)
@@ -410,26 +445,33 @@ def build_checkpoint(size: str, stage: int, cache: Path, log_dir: Path, force_bu
         tail = log.read_text(errors="replace")[-3000:]
         shutil.rmtree(partial, ignore_errors=True)
         oom = m["returncode"] in (-9, 137) or "Killed" in tail or "out of memory" in tail.lower()
-        reason = (f"building {name} failed (rc={m['returncode']}{', looks like out of memory' if oom else ''}; "
-                  f"peak RSS of the 4 ranks {m['peak_rss_tree'] / 2**30:.1f} GiB); see {log}")
+        reason = (
+            f"building {name} failed (rc={m['returncode']}{', looks like out of memory' if oom else ''}; "
+            f"peak RSS of the 4 ranks {m['peak_rss_tree'] / 2**30:.1f} GiB); see {log}"
+        )
         print("[build] " + reason, flush=True)
         return {"skipped": reason, "log_tail": tail}
     meta = json.loads((partial / "bench_build.partial.json").read_text())
     (partial / "bench_build.partial.json").unlink()
-    meta.update({
-        "build_wall_s": round(m["wall_s"], 1),
-        "build_peak_rss_tree_gib": round(m["peak_rss_tree"] / 2**30, 2),
-        "build_peak_rss_anon_tree_gib": round(m["peak_rss_anon_tree"] / 2**30, 2),
-        "build_estimate_gib": round(need, 1),
-        "built": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "files": {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()},
-    })
+    meta.update(
+        {
+            "build_wall_s": round(m["wall_s"], 1),
+            "build_peak_rss_tree_gib": round(m["peak_rss_tree"] / 2**30, 2),
+            "build_peak_rss_anon_tree_gib": round(m["peak_rss_anon_tree"] / 2**30, 2),
+            "build_estimate_gib": round(need, 1),
+            "built": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "files": {str(p.relative_to(partial)): p.stat().st_size for p in sorted(partial.rglob("*")) if p.is_file()},
+        }
+    )
     meta["total_bytes"] = sum(meta["files"].values())
     (partial / "bench_build.json").write_text(json.dumps(meta, indent=1) + "\n")
     partial.rename(final)
     meta["reused"] = False
-    print(f"[build] {name}: {m['wall_s']:.0f} s, peak RSS {m['peak_rss_tree'] / 2**30:.1f} GiB, "
-          f"{meta['total_bytes'] / 1e9:.2f} GB on disk", flush=True)
+    print(
+        f"[build] {name}: {m['wall_s']:.0f} s, peak RSS {m['peak_rss_tree'] / 2**30:.1f} GiB, "
+        f"{meta['total_bytes'] / 1e9:.2f} GB on disk",
+        flush=True,
+    )
     return {"path": final, "meta": meta}
 
 
@@ -458,8 +500,9 @@ def _read_proc(pid: int) -> tuple[int, int, dict[str, int]]:
     return rss, anon, io
 
 
-def run_measured(cmd: list[str], env: dict[str, str], stdout: Any, cwd: Path | None = None,
-                 timeout: float | None = None) -> dict[str, Any]:
+def run_measured(
+    cmd: list[str], env: dict[str, str], stdout: Any, cwd: Path | None = None, timeout: float | None = None
+) -> dict[str, Any]:
     """Run `cmd`, sampling its process tree every POLL_S; reap it with wait4 for exact rusage."""
     import psutil
 
@@ -561,9 +604,19 @@ class _Opaque:
         pass
 
 
-_ITEMSIZE = {"DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8,
-             "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1,
-             "UntypedStorage": 1}
+_ITEMSIZE = {
+    "DoubleStorage": 8,
+    "FloatStorage": 4,
+    "HalfStorage": 2,
+    "BFloat16Storage": 2,
+    "LongStorage": 8,
+    "IntStorage": 4,
+    "ShortStorage": 2,
+    "CharStorage": 1,
+    "ByteStorage": 1,
+    "BoolStorage": 1,
+    "UntypedStorage": 1,
+}
 
 
 class _ProbeUnpickler(pickle.Unpickler):
@@ -573,15 +626,20 @@ class _ProbeUnpickler(pickle.Unpickler):
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return lambda storage, offset, size, stride, *a: {"_t": True, "key": storage[0], "itemsize": storage[1],
-                                                              "offset": int(offset), "shape": tuple(size)}
+            return lambda storage, offset, size, stride, *a: {
+                "_t": True,
+                "key": storage[0],
+                "itemsize": storage[1],
+                "offset": int(offset),
+                "shape": tuple(size),
+            }
         if module == "torch._utils" and name.startswith("_rebuild_parameter"):
             return lambda data, *a: data
         if (module, name) == ("torch._tensor", "_rebuild_from_type_v2"):
             return lambda func, t, args, state: func(*args)
         if module == "torch" and name in _ITEMSIZE:
             return ("storage", _ITEMSIZE[name])
-        if module.split(".")[0] in ("torch", "deepspeed", "numpy", "argparse"):
+        if module.split(".", maxsplit=1)[0] in ("torch", "deepspeed", "numpy", "argparse"):
             return _Opaque
         return super().find_class(module, name)
 
@@ -608,7 +666,7 @@ def fp32_master_ranges(ckpt_dir: Path) -> list[tuple[Path, int, int]]:
                     if i.filename.startswith(prefix + "data/"):
                         fh.seek(i.header_offset)
                         h = struct.unpack("<4s5H3L2H", fh.read(30))
-                        offsets[i.filename[len(prefix) + 5:]] = i.header_offset + 30 + h[-2] + h[-1]
+                        offsets[i.filename[len(prefix) + 5 :]] = i.header_offset + 30 + h[-2] + h[-1]
         osd = obj["optimizer_state_dict"]
         groups = osd.get("fp32_flat_groups") if "fp32_flat_groups" in osd else osd["single_partition_of_fp32_groups"]
         for t in groups:
@@ -649,9 +707,16 @@ def run_floor(ranges: list[tuple[Path, int, int]], out_bytes: int, work: Path) -
             left -= fh.write(zeros if left >= chunk else zeros[:left])
     t2 = time.perf_counter()
     target.unlink()
-    return {"returncode": 0, "wall_s": t2 - t0, "read_s": t1 - t0, "write_s": t2 - t1,
-            "read_bytes": nread, "write_bytes": out_bytes, "output_bytes": out_bytes,
-            "loadavg1_before": os.getloadavg()[0]}
+    return {
+        "returncode": 0,
+        "wall_s": t2 - t0,
+        "read_s": t1 - t0,
+        "write_s": t2 - t1,
+        "read_bytes": nread,
+        "write_bytes": out_bytes,
+        "output_bytes": out_bytes,
+        "loadavg1_before": os.getloadavg()[0],
+    }
 
 
 def run_copy_floor(ranges: list[tuple[Path, int, int]], work: Path) -> dict[str, Any]:
@@ -668,8 +733,14 @@ def run_copy_floor(ranges: list[tuple[Path, int, int]], work: Path) -> dict[str,
             total += k
     t1 = time.perf_counter()
     target.unlink()
-    return {"returncode": 0, "wall_s": t1 - t0, "read_bytes": total, "write_bytes": total, "output_bytes": total,
-            "loadavg1_before": os.getloadavg()[0]}
+    return {
+        "returncode": 0,
+        "wall_s": t1 - t0,
+        "read_bytes": total,
+        "write_bytes": total,
+        "output_bytes": total,
+        "loadavg1_before": os.getloadavg()[0],
+    }
 
 
 # ======================================================================================
@@ -687,12 +758,12 @@ def load_output(folder: Path) -> tuple[dict[str, Any], Any]:
     for f in sorted(folder.glob("*.safetensors")):
         h = safe_open(str(f), framework="pt")
         handles.append(h)
-        for k in h.keys():
-            getters[k] = (lambda h=h, k=k: h.get_tensor(k))
+        for k in h.keys():  # noqa: SIM118 - a safetensors handle is not a dict: keys() is its API
+            getters[k] = lambda h=h, k=k: h.get_tensor(k)
     for f in sorted(folder.glob("*.bin")):
         sd = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
         for k, v in sd.items():
-            getters[k] = (lambda v=v: v)
+            getters[k] = lambda v=v: v
     return getters, handles
 
 
@@ -701,8 +772,16 @@ def compare_outputs(ckpt_out: Path, ref_out: Path, cast_bf16: bool) -> dict[str,
     cmd = [sys.executable, str(Path(__file__).resolve()), "_compare", str(ckpt_out), str(ref_out)]
     r = subprocess.run(cmd + (["--bf16"] if cast_bf16 else []), capture_output=True, text=True, env=tool_env())
     if r.returncode != 0:
-        return {"identical": False, "error": r.stderr[-2000:], "compared_keys": 0, "num_differing": None,
-                "differing": [], "only_in_ckpt": [], "only_in_zero_to_fp32": [], "against": "?"}
+        return {
+            "identical": False,
+            "error": r.stderr[-2000:],
+            "compared_keys": 0,
+            "num_differing": None,
+            "differing": [],
+            "only_in_ckpt": [],
+            "only_in_zero_to_fp32": [],
+            "against": "?",
+        }
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -739,7 +818,9 @@ def _compare(ckpt_out: Path, ref_out: Path, cast_bf16: bool) -> dict[str, Any]:
 
 
 def z2f_cmd(ckpt: Path, out: Path, safe: bool) -> list[str]:
-    return [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(out)] + (["--safe_serialization"] if safe else [])
+    return [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", str(ckpt), str(out)] + (
+        ["--safe_serialization"] if safe else []
+    )
 
 
 def ckpt_cmd(ckpt: Path, out: Path, dtype: str) -> list[str]:
@@ -747,13 +828,29 @@ def ckpt_cmd(ckpt: Path, out: Path, dtype: str) -> list[str]:
     return cmd + (["--dtype", dtype] if dtype != "fp32" else [])
 
 
-def bench_checkpoint(size: str, stage: int, ckpt: Path, meta: dict[str, Any], runs: int, work: Path,
-                     log_dir: Path, can_drop: bool, prewarm: bool) -> dict[str, Any]:
+def bench_checkpoint(
+    size: str,
+    stage: int,
+    ckpt: Path,
+    meta: dict[str, Any],
+    runs: int,
+    work: Path,
+    log_dir: Path,
+    can_drop: bool,
+    prewarm: bool,
+) -> dict[str, Any]:
     name = ckpt_name(size, stage)
     work.mkdir(parents=True, exist_ok=True)
     env = tool_env()
-    entry: dict[str, Any] = {"name": name, "size": size, "zero_stage": stage, "checkpoint": str(ckpt),
-                             "num_parameters": meta.get("num_parameters"), "build": meta, "runs": {t: [] for t in TOOLS}}
+    entry: dict[str, Any] = {
+        "name": name,
+        "size": size,
+        "zero_stage": stage,
+        "checkpoint": str(ckpt),
+        "num_parameters": meta.get("num_parameters"),
+        "build": meta,
+        "runs": {t: [] for t in TOOLS},
+    }
     ranges = fp32_master_ranges(ckpt)
     fp32_bytes = sum(n for _, _, n in ranges)
     entry["fp32_master_bytes"] = fp32_bytes
@@ -768,11 +865,17 @@ def bench_checkpoint(size: str, stage: int, ckpt: Path, meta: dict[str, Any], ru
     shutil.rmtree(probe_out, ignore_errors=True)
     safe_ok = pm["returncode"] == 0
     err = next((ln.strip() for ln in reversed(probe_text.splitlines()) if "Error" in ln or "share memory" in ln), "")
-    entry["zero_to_fp32_probe"] = {"form": "--safe_serialization", "returncode": pm["returncode"],
-                                   "wall_s": pm["wall_s"], "error": None if safe_ok else err[:400]}
-    entry["zero_to_fp32_form"] = ("python -m deepspeed.utils.zero_to_fp32 CKPT OUT --safe_serialization" if safe_ok
-                                  else "python -m deepspeed.utils.zero_to_fp32 CKPT OUT  (pytorch_model.bin; "
-                                       "--safe_serialization crashed)")
+    entry["zero_to_fp32_probe"] = {
+        "form": "--safe_serialization",
+        "returncode": pm["returncode"],
+        "wall_s": pm["wall_s"],
+        "error": None if safe_ok else err[:400],
+    }
+    entry["zero_to_fp32_form"] = (
+        "python -m deepspeed.utils.zero_to_fp32 CKPT OUT --safe_serialization"
+        if safe_ok
+        else "python -m deepspeed.utils.zero_to_fp32 CKPT OUT  (pytorch_model.bin; --safe_serialization crashed)"
+    )
     print(f"[{name}] zero_to_fp32 --safe_serialization: {'ok' if safe_ok else 'FAILED: ' + err[:160]}", flush=True)
 
     cmds = {
@@ -794,7 +897,7 @@ def bench_checkpoint(size: str, stage: int, ckpt: Path, meta: dict[str, Any], ru
     for r in range(runs):
         # rotate the order each round, so no tool always follows the same one (e.g. the deletion of
         # zero_to_fp32's output, whose ext4 discards land on whatever runs next)
-        order = TOOLS[r % len(TOOLS):] + TOOLS[: r % len(TOOLS)]
+        order = TOOLS[r % len(TOOLS) :] + TOOLS[: r % len(TOOLS)]
         for pos, tool in enumerate(order):
             os.sync()
             time.sleep(SETTLE_S)  # let write-back and discards of the previous run's deleted output finish
@@ -820,10 +923,18 @@ def bench_checkpoint(size: str, stage: int, ckpt: Path, meta: dict[str, Any], ru
             m["cache_dropped"] = dropped
             m["software_prewarm_s"] = warm_s
             entry["runs"][tool].append(m)
-            print(f"[{name}] run {r} {tool:13s} {m['wall_s']:7.2f} s"
-                  + (f"  peak RSS {m['peak_rss_tree'] / MB:7.0f} MB  read {m['read_bytes'] / MB:7.0f} MB"
-                     f"  written {m['write_bytes'] / MB:7.0f} MB  rc={m['returncode']}" if tool not in FLOORS else
-                     f"  (read {m['read_s']:.2f} s + write {m['write_s']:.2f} s)" if tool == "floor" else ""), flush=True)
+            print(
+                f"[{name}] run {r} {tool:13s} {m['wall_s']:7.2f} s"
+                + (
+                    f"  peak RSS {m['peak_rss_tree'] / MB:7.0f} MB  read {m['read_bytes'] / MB:7.0f} MB"
+                    f"  written {m['write_bytes'] / MB:7.0f} MB  rc={m['returncode']}"
+                    if tool not in FLOORS
+                    else f"  (read {m['read_s']:.2f} s + write {m['write_s']:.2f} s)"
+                    if tool == "floor"
+                    else ""
+                ),
+                flush=True,
+            )
 
     ident: dict[str, Any] = {}
     if keep["zero_to_fp32"].exists():
@@ -833,8 +944,11 @@ def bench_checkpoint(size: str, stage: int, ckpt: Path, meta: dict[str, Any], ru
             ident["ckpt-bf16"] = compare_outputs(keep["ckpt-bf16"], keep["zero_to_fp32"], cast_bf16=True)
     entry["identical"] = ident
     for t, v in ident.items():
-        print(f"[{name}] {t} identical to zero_to_fp32: {v['identical']} ({v['compared_keys']} keys; "
-              f"only in ckpt {v['only_in_ckpt']}, only in zero_to_fp32 {v['only_in_zero_to_fp32']})", flush=True)
+        print(
+            f"[{name}] {t} identical to zero_to_fp32: {v['identical']} ({v['compared_keys']} keys; "
+            f"only in ckpt {v['only_in_ckpt']}, only in zero_to_fp32 {v['only_in_zero_to_fp32']})",
+            flush=True,
+        )
     for d in keep.values():
         shutil.rmtree(d, ignore_errors=True)
     return entry
@@ -853,14 +967,24 @@ def summarise(entry: dict[str, Any]) -> dict[str, dict[str, Any]]:
             continue
 
         def med(key: str) -> float | None:
-            vals = [r[key] for r in ok if r.get(key) is not None]
+            vals = [r[key] for r in ok if r.get(key) is not None]  # noqa: B023 - called in this iteration only
             return statistics.median(vals) if vals else None
 
-        s = {"n": len(ok), "failed": len(runs) - len(ok), "time_s": med("wall_s"),
-             "time_min_s": min(r["wall_s"] for r in ok), "time_max_s": max(r["wall_s"] for r in ok),
-             "peak_rss": med("peak_rss_tree"), "peak_anon": med("peak_rss_anon_tree"), "ru_maxrss": med("ru_maxrss"),
-             "read_bytes": med("read_bytes"), "write_bytes": med("write_bytes"), "output_bytes": med("output_bytes"),
-             "user_s": med("user_s"), "sys_s": med("sys_s")}
+        s = {
+            "n": len(ok),
+            "failed": len(runs) - len(ok),
+            "time_s": med("wall_s"),
+            "time_min_s": min(r["wall_s"] for r in ok),
+            "time_max_s": max(r["wall_s"] for r in ok),
+            "peak_rss": med("peak_rss_tree"),
+            "peak_anon": med("peak_rss_anon_tree"),
+            "ru_maxrss": med("ru_maxrss"),
+            "read_bytes": med("read_bytes"),
+            "write_bytes": med("write_bytes"),
+            "output_bytes": med("output_bytes"),
+            "user_s": med("user_s"),
+            "sys_s": med("sys_s"),
+        }
         s["throughput"] = s["output_bytes"] / s["time_s"] if s["output_bytes"] and s["time_s"] else None
         if tool == "floor":  # a tool that reads and writes at once can beat read + write
             s["overlapped_s"] = statistics.median(max(r["read_s"], r["write_s"]) for r in ok)
@@ -885,26 +1009,40 @@ def render_markdown(results: dict[str, Any]) -> str:
         "# `ckpt consolidate` vs DeepSpeed `zero_to_fp32`",
         "",
         f"Command: `{results.get('command', '')}`  ",
-        f"Machine: {m.get('nproc')} CPUs ({m.get('cpu_model')}), {m.get('ram_total_gib')} GiB RAM, "
-        f"disk {m.get('disk', {}).get('free_gb_at_start')} GB free of {m.get('disk', {}).get('total_gb')} GB; "
-        f"page cache dropped before every run: **{'yes' if m.get('caches_dropped') else 'no (warm cache, one warm-up run per tool)'}**; "
-        f"shared machine (load average at start {_f((m.get('loadavg_at_start') or [None])[0])}).  ",
-        f"Versions: {', '.join(f'{k} {v}' for k, v in (m.get('versions') or {}).items())}; {m.get('ckpt_version')} "
-        f"(git {str(m.get('ckpttools_git_head'))[:10]}{', with uncommitted changes in ckpttools/' if m.get('ckpttools_uncommitted_changes') else ''}; "
-        f"source sha256 {(m.get('ckpttools_snapshot') or {}).get('sha256_16')}, snapshotted at start).",
-        ("After each cache drop the Python packages both tools import were read back in (`--no-prewarm` turns this off), "
-         "so runs see a cold checkpoint and a warm software install. " if m.get("software_prewarmed_after_drop") else "")
-        + "Warm start-up alone (s): " + ", ".join(f"`{k}` {v}" for k, v in (m.get("startup_s_warm") or {}).items()) + ".",
+        (
+            f"Machine: {m.get('nproc')} CPUs ({m.get('cpu_model')}), {m.get('ram_total_gib')} GiB RAM, "
+            f"disk {m.get('disk', {}).get('free_gb_at_start')} GB free of {m.get('disk', {}).get('total_gb')} GB; "
+            f"page cache dropped before every run: **{'yes' if m.get('caches_dropped') else 'no (warm cache, one warm-up run per tool)'}**; "
+            f"shared machine (load average at start {_f((m.get('loadavg_at_start') or [None])[0])}).  "
+        ),
+        (
+            f"Versions: {', '.join(f'{k} {v}' for k, v in (m.get('versions') or {}).items())}; {m.get('ckpt_version')} "
+            f"(git {str(m.get('ckpttools_git_head'))[:10]}{', with uncommitted changes in ckpttools/' if m.get('ckpttools_uncommitted_changes') else ''}; "
+            f"source sha256 {(m.get('ckpttools_snapshot') or {}).get('sha256_16')}, snapshotted at start)."
+        ),
+        (
+            "After each cache drop the Python packages both tools import were read back in (`--no-prewarm` turns this off), "
+            "so runs see a cold checkpoint and a warm software install. "
+            if m.get("software_prewarmed_after_drop")
+            else ""
+        )
+        + "Warm start-up alone (s): "
+        + ", ".join(f"`{k}` {v}" for k, v in (m.get("startup_s_warm") or {}).items())
+        + ".",
         "",
-        "Checkpoints: GPT-2 from config, bf16, torch AdamW, DP 4 (gloo, CPU), one step, `engine.save_checkpoint` + config.json. "
-        "Median of the runs; peak RSS = largest sampled sum of RSS over the process tree (20 ms); "
-        "read/written = storage-layer bytes of the process (`read_bytes`/`write_bytes`); throughput = output bytes / time; "
-        "ratios are ckpt / zero_to_fp32 (< 1 is better); x floor = time / floor time, where floor = time to read the "
-        "fp32 master partitions (cold), then to write an fp32-sized file, in-process (no Python start-up); x copy floor = time / time to copy those same bytes chunk by chunk (16 MiB pread, write) "
-        "into one file in one thread, reads and writes interleaved as in the tools.",
+        (
+            "Checkpoints: GPT-2 from config, bf16, torch AdamW, DP 4 (gloo, CPU), one step, `engine.save_checkpoint` + config.json. "
+            "Median of the runs; peak RSS = largest sampled sum of RSS over the process tree (20 ms); "
+            "read/written = storage-layer bytes of the process (`read_bytes`/`write_bytes`); throughput = output bytes / time; "
+            "ratios are ckpt / zero_to_fp32 (< 1 is better); x floor = time / floor time, where floor = time to read the "
+            "fp32 master partitions (cold), then to write an fp32-sized file, in-process (no Python start-up); x copy floor = time / time to copy those same bytes chunk by chunk (16 MiB pread, write) "
+            "into one file in one thread, reads and writes interleaved as in the tools."
+        ),
         "",
-        "| model | ZeRO | tool | median time s | min–max s | peak RSS MB | peak anon MB | ru_maxrss MB | read MB | written MB "
-        "| throughput MB/s | time ratio vs zero_to_fp32 | memory ratio | x floor | x copy floor | identical |",
+        (
+            "| model | ZeRO | tool | median time s | min–max s | peak RSS MB | peak anon MB | ru_maxrss MB | read MB | written MB "
+            "| throughput MB/s | time ratio vs zero_to_fp32 | memory ratio | x floor | x copy floor | identical |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in results.get("checkpoints", []):
@@ -955,7 +1093,7 @@ def render_markdown(results: dict[str, Any]) -> str:
             lines.append(
                 f"  - {tool} vs {iv['against']}: {'identical' if iv['identical'] else 'DIFFERENT'} on {iv['compared_keys']} common keys; "
                 f"only in ckpt: {iv['only_in_ckpt'] or 'none'}; only in zero_to_fp32: {iv['only_in_zero_to_fp32'] or 'none'}"
-                + (f"; differing: {iv['differing']}" if iv['differing'] else "")
+                + (f"; differing: {iv['differing']}" if iv["differing"] else "")
             )
     lines.append("")
     return "\n".join(lines)
@@ -963,7 +1101,8 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def ensure_matplotlib() -> bool:
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib
+
         return True
     except ImportError:
         pass
@@ -976,6 +1115,7 @@ def ensure_matplotlib() -> bool:
     importlib.invalidate_caches()
     try:
         import matplotlib  # noqa: F401
+
         return True
     except ImportError:
         return False
@@ -991,8 +1131,13 @@ def render_plot(results: dict[str, Any], path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = {"ckpt-fp32": ("tab:blue", "o"), "ckpt-bf16": ("tab:green", "s"), "zero_to_fp32": ("tab:red", "^"),
-              "floor": ("gray", "x"), "copy-floor": ("black", "+")}
+    styles = {
+        "ckpt-fp32": ("tab:blue", "o"),
+        "ckpt-bf16": ("tab:green", "s"),
+        "zero_to_fp32": ("tab:red", "^"),
+        "floor": ("gray", "x"),
+        "copy-floor": ("black", "+"),
+    }
     by_stage: dict[int, list[tuple[float, dict]]] = {}
     for e in results.get("checkpoints", []):
         if e.get("skipped") or not e.get("num_parameters"):
@@ -1011,16 +1156,21 @@ def render_plot(results: dict[str, Any], path: Path) -> bool:
                 ms = [s[tool]["peak_rss"] / MB for _, s in pts if tool in s]
                 ax_m.plot(xs, ms, ls, color=color, marker=marker, label=f"{tool} ZeRO-{stage}")
     ax_m.set_yscale("log")
-    for ax, title, yl in ((ax_t, "consolidation time (median, cold cache)", "seconds"),
-                          (ax_m, "peak resident memory (process tree, log scale)", "MB")):
+    for ax, title, yl in (
+        (ax_t, "consolidation time (median, cold cache)", "seconds"),
+        (ax_m, "peak resident memory (process tree, log scale)", "MB"),
+    ):
         ax.set_title(title)
         ax.set_xlabel("model parameters (M)")
         ax.set_ylabel(yl)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     m = results.get("machine", {})
-    fig.suptitle(f"ckpt consolidate vs zero_to_fp32 — GPT-2, DP 4, bf16; {m.get('nproc')} CPUs, "
-                 f"{m.get('ram_total_gib')} GiB RAM, caches {'dropped' if m.get('caches_dropped') else 'warm'}", fontsize=10)
+    fig.suptitle(
+        f"ckpt consolidate vs zero_to_fp32 — GPT-2, DP 4, bf16; {m.get('nproc')} CPUs, "
+        f"{m.get('ram_total_gib')} GiB RAM, caches {'dropped' if m.get('caches_dropped') else 'warm'}",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -1060,8 +1210,10 @@ def main(argv: list[str] | None = None) -> int:
         a = ap.parse_args(argv)
         return build_worker(a.size, a.stage, Path(a.out))
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sizes", default="124M,355M,774M", help="comma list of %s" % ",".join(SIZES))
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--sizes", default="124M,355M,774M", help=f"comma list of {','.join(SIZES)}")
     ap.add_argument("--stages", default="2,3", help="comma list of ZeRO stages (2, 3)")
     ap.add_argument("--only", default="", help="comma list of SIZE:STAGE to restrict to, e.g. 774M:3")
     ap.add_argument("--runs", type=int, default=3)
@@ -1070,10 +1222,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-only", action="store_true", help="build the checkpoints, measure nothing")
     ap.add_argument("--force-build", action="store_true", help="build even when the memory estimate says it won't fit")
     ap.add_argument("--fresh", action="store_true", help="start a new results.json instead of merging into it")
-    ap.add_argument("--no-prewarm", action="store_true",
-                    help="after dropping the page cache, do NOT re-read the Python packages (fully cold runs)")
-    ap.add_argument("--live-code", action="store_true",
-                    help="run the working tree's ckpttools instead of a snapshot taken at start")
+    ap.add_argument(
+        "--no-prewarm",
+        action="store_true",
+        help="after dropping the page cache, do NOT re-read the Python packages (fully cold runs)",
+    )
+    ap.add_argument(
+        "--live-code", action="store_true", help="run the working tree's ckpttools instead of a snapshot taken at start"
+    )
     ap.add_argument("--render-only", action="store_true", help="re-render results.md and the plot from results.json")
     a = ap.parse_args(argv)
 
@@ -1091,8 +1247,9 @@ def main(argv: list[str] | None = None) -> int:
     if any(s not in (2, 3) for s in stages):
         ap.error("--stages takes 2 and/or 3")
     only = {tuple(x.split(":")) for x in a.only.split(",") if x.strip()}
-    configs = [(sz, st) for sz in sorted(sizes, key=list(SIZES).index) for st in stages
-               if not only or (sz, str(st)) in only]
+    configs = [
+        (sz, st) for sz in sorted(sizes, key=list(SIZES).index) for st in stages if not only or (sz, str(st)) in only
+    ]
 
     cache = a.cache.expanduser().resolve()
     cache.mkdir(parents=True, exist_ok=True)
@@ -1109,8 +1266,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir()
 
     can_drop, why = drop_caches()
-    print(f"page cache drop: {'permitted' if can_drop else 'NOT permitted (' + why + '); caches stay warm, one warm-up per tool'}",
-          flush=True)
+    print(
+        f"page cache drop: {'permitted' if can_drop else 'NOT permitted (' + why + '); caches stay warm, one warm-up per tool'}",
+        flush=True,
+    )
     if not a.live_code and not a.build_only:
         snap = snapshot_ckpttools(cache / "code-snapshot")
     else:
@@ -1141,13 +1300,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[build] {ckpt_name(size, stage)}: {b['skipped']}", flush=True)
             if a.build_only:
                 continue
-            entry = {"name": ckpt_name(size, stage), "size": size, "zero_stage": stage, "skipped": b["skipped"],
-                     "run_command": command.strip()}
+            entry = {
+                "name": ckpt_name(size, stage),
+                "size": size,
+                "zero_stage": stage,
+                "skipped": b["skipped"],
+                "run_command": command.strip(),
+            }
         elif a.build_only:
             continue
         else:
-            entry = bench_checkpoint(size, stage, b["path"], b["meta"], a.runs, work, log_dir, can_drop,
-                                     not a.no_prewarm)
+            entry = bench_checkpoint(
+                size, stage, b["path"], b["meta"], a.runs, work, log_dir, can_drop, not a.no_prewarm
+            )
             entry["run_command"] = command.strip()
             entry["bench_wall_s"] = round(time.time() - t0, 1)
         results["checkpoints"] = [e for e in results["checkpoints"] if e["name"] != entry["name"]] + [entry]

@@ -20,6 +20,7 @@ are host memory, so the RSS column is the upper bound for both.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import json
@@ -30,11 +31,16 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent
 sys.path.insert(0, str(HERE.parent))
 import ds_launch  # noqa: E402
+
 MiB = 1 << 20
 
 
@@ -61,7 +67,7 @@ def _status_kib(field: str) -> int:
 class PeakRSS:
     """Peak resident memory during a block: VmHWM after resetting it, plus a psutil sampler."""
 
-    def __enter__(self) -> PeakRSS:
+    def __enter__(self) -> Self:
         import psutil
 
         self.proc = psutil.Process()
@@ -96,10 +102,8 @@ class PeakRSS:
 def trim_heap() -> None:
     """Hand free heap pages back to the OS, so later allocations show up as RSS growth instead of
     silently reusing memory the training step freed."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def state_dict_bytes(sd: dict) -> int:
@@ -125,16 +129,20 @@ def run_case(case: str, args: argparse.Namespace) -> None:
     deepspeed.init_distributed(dist_backend="gloo")
     rank = torch.distributed.get_rank()
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64, vocab_size=args.vocab,
-                        n_positions=128)
+    config = GPT2Config(
+        n_layer=args.layers, n_embd=args.hidden, n_head=args.hidden // 64, vocab_size=args.vocab, n_positions=128
+    )
     model = GPT2LMHeadModel(config)
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
         "steps_per_print": 10**9,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
         "bf16": {"enabled": True},
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                              "stage3_gather_16bit_weights_on_model_save": False},
+        "zero_optimization": {
+            "stage": 3,
+            "stage3_param_persistence_threshold": 0,
+            "stage3_gather_16bit_weights_on_model_save": False,
+        },
     }
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     ids = torch.randint(0, args.vocab, (1, 32))
@@ -166,10 +174,17 @@ def run_case(case: str, args: argparse.Namespace) -> None:
             with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
                 result = save_pretrained(engine, Path(tmp) / "model", budget)
             held = result.peak_gathered_bytes
-            row.update({"budget": budget, "gathers": result.gathers, "written": result.total_size,
-                        "peak_buffer_bytes": result.peak_buffer_bytes})
-    row.update({"seconds": time.perf_counter() - t0, "held_bytes": held, "rss_delta": peak.delta,
-                "rss_hwm_ok": peak.hwm_ok})
+            row.update(
+                {
+                    "budget": budget,
+                    "gathers": result.gathers,
+                    "written": result.total_size,
+                    "peak_buffer_bytes": result.peak_buffer_bytes,
+                }
+            )
+    row.update(
+        {"seconds": time.perf_counter() - t0, "held_bytes": held, "rss_delta": peak.delta, "rss_hwm_ok": peak.hwm_ok}
+    )
     if rank == 0:
         Path(args.json).write_text(json.dumps(row))
     torch.distributed.barrier()
@@ -205,9 +220,11 @@ def launch(case: str, args: argparse.Namespace, tmp: Path) -> dict:
 def table(rows: list[dict]) -> str:
     m = rows[0]
     lines = [
-        f"GPT-2 shape: {m['layers']} layers, {m['params'] / 1e6:.1f} M params, "
-        f"{m['model_bytes'] / MiB:.1f} MiB in bf16; "
-        f"largest param {m['largest_param_bytes'] / MiB:.1f} MiB. ZeRO-3, DP=2, CPU/gloo; rank 0.",
+        (
+            f"GPT-2 shape: {m['layers']} layers, {m['params'] / 1e6:.1f} M params, "
+            f"{m['model_bytes'] / MiB:.1f} MiB in bf16; "
+            f"largest param {m['largest_param_bytes'] / MiB:.1f} MiB. ZeRO-3, DP=2, CPU/gloo; rank 0."
+        ),
         "",
         "| method | gather budget | gathers | full tensors held at once | share of model | peak RSS growth | time |",
         "|---|---|---|---|---|---|---|",
@@ -232,8 +249,9 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--budgets", default="64MiB,16MiB,4MiB",
-                    help="max_gather_bytes values to try (64MiB is the library default)")
+    ap.add_argument(
+        "--budgets", default="64MiB,16MiB,4MiB", help="max_gather_bytes values to try (64MiB is the library default)"
+    )
     ap.add_argument("--md", type=Path, help="also write the Markdown table here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)

@@ -52,7 +52,7 @@ SETTLE_S = 2.0
 SCALING_SHARD = "200MB"  # small enough that 8 ranks each get shards of a 1.3B bf16 model (~14 files)
 
 # Llama shapes from a config (no download); everything else is LlamaConfig's defaults (untied head).
-SIZES: dict[str, dict[str, int]] = {
+SIZES: dict[str, dict[str, Any]] = {
     "30M": {"hidden_size": 256, "num_hidden_layers": 4, "intermediate_size": 688, "num_attention_heads": 4,
             "num_key_value_heads": 4, "vocab_size": 32000},
     "1.3B": {"hidden_size": 2048, "num_hidden_layers": 24, "intermediate_size": 5504, "num_attention_heads": 16,
@@ -590,7 +590,7 @@ def machine(cache: Path) -> dict[str, Any]:
 
     du = shutil.disk_usage(cache)
     mounts = subprocess.run(["df", "-hT", str(cache)], check=False, capture_output=True, text=True).stdout.strip()
-    versions = {}
+    versions: dict[str, str | None] = {}
     from importlib import metadata
 
     for mod in ("torch", "deepspeed", "transformers", "safetensors", "numpy"):
@@ -647,8 +647,8 @@ def table(results: dict[str, Any], ids: list[str], ref: str | None, floors: tupl
     read_f, write_f, both_f = (_floor(results, f) for f in floors)
     max_f = max(read_f, write_f) if read_f and write_f else None
     ref_t = med(runs.get(ref, []), "durable_s") if ref else None
-    lines = ["| tool | n | exits s | durable s | CPU s | peak RSS MB | disk read GB | disk written GB | ranks' read() GB "
-             "| vs DeepSpeed | x max floor | x concurrent floor |",
+    lines = [("| tool | n | exits s | durable s | CPU s | peak RSS MB | disk read GB | disk written GB | ranks' read() GB "
+              "| vs DeepSpeed | x max floor | x concurrent floor |"),
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for i in ids:
         rs = runs.get(i)
@@ -660,7 +660,7 @@ def table(results: dict[str, Any], ids: list[str], ref: str | None, floors: tupl
             continue
         d = med(rs, "durable_s")
         rss = med(rs, "peak_rss_tree")
-        vs = d / ref_t if ref_t and i != ref else None
+        vs = d / ref_t if d is not None and ref_t and i != ref else None
         cpu = statistics.median(r["user_s"] + r["sys_s"] for r in ok)
         rchar = [r["rank_io"]["rchar"] for r in ok if r.get("rank_io", {}).get("ranks")]
         lines.append(f"| {i} | {len(ok)} | {_f(med(rs, 'wall_s'))} | {_f(d)} | {_f(cpu, '{:.1f}')} "

@@ -150,7 +150,7 @@ def bench(size: str, stage: int, ckpt: Path, runs: int, work: Path, log: Path, l
     commands = tools(ckpt, tag, work)
     names = list(commands)
     for rnd in range(runs):
-        for tool in names[rnd % len(names):] + names[: rnd % len(names)]:  # the order rotates round by round
+        for tool in names[rnd % len(names) :] + names[: rnd % len(names)]:  # the order rotates round by round
             cmd, out = commands[tool]
             shutil.rmtree(out, ignore_errors=True)
             os.sync()
@@ -160,7 +160,9 @@ def bench(size: str, stage: int, ckpt: Path, runs: int, work: Path, log: Path, l
             r = measured(cmd, out, log)
             r.update(cache_dropped=dropped, prewarm_s=warm_s)
             entry["runs"].setdefault(tool, []).append(r)
-            print(f"  {name} {tool}: {r['wall_s']:.2f} s, rc {r['returncode']}, peak files {r['peak_files']}", flush=True)
+            print(
+                f"  {name} {tool}: {r['wall_s']:.2f} s, rc {r['returncode']}, peak files {r['peak_files']}", flush=True
+            )
     entry["identical"] = same_universal(work / "ucp", work / "dsu", tag)
     if load:
         for tool, folder, universal in (("ckpt --dp 2", work / "dp2", False), ("ckpt --universal", work / "ucp", True),
@@ -171,8 +173,8 @@ def bench(size: str, stage: int, ckpt: Path, runs: int, work: Path, log: Path, l
 
 
 def summary_md(results: list[dict[str, Any]]) -> str:
-    lines = ["| checkpoint | tool | median time s | peak RSS MB | written MB | files created (peak) | time ratio vs "
-             "ds_to_universal | memory ratio |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [("| checkpoint | tool | median time s | peak RSS MB | written MB | files created (peak) | time ratio vs "
+              "ds_to_universal | memory ratio |"), "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for entry in results:
         med = {t: {k: statistics.median(r[k] for r in rs) for k in ("wall_s", "peak_rss_tree", "write_bytes", "peak_files")}
                for t, rs in entry["runs"].items()}  # fmt: skip
@@ -245,8 +247,12 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     (args.out / "reshard.json").write_text(json.dumps({"machine": bc.machine_info(args.cache, *bc.drop_caches()),
                                                        "results": results}, indent=1, default=str))  # fmt: skip
-    md = "# `ckpt reshard` vs DeepSpeed `ds_to_universal`\n\nCommand: `python scripts/bench_reshard.py " + " ".join(
-        argv) + "`\n\n" + summary_md(results)
+    md = (
+        "# `ckpt reshard` vs DeepSpeed `ds_to_universal`\n\nCommand: `python scripts/bench_reshard.py "
+        + " ".join(argv)
+        + "`\n\n"
+        + summary_md(results)
+    )
     (args.out / "reshard.md").write_text(md)
     print(md)
     return 0

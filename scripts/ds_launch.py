@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -46,7 +46,7 @@ def worker_env(accelerator: str = "cpu", threads: int = 1, base: Mapping[str, st
     return env
 
 
-def torchrun_cmd(nproc: int, script: Path | str, args: list[str], port: int | None = None) -> list[str]:
+def torchrun_cmd(nproc: int, script: Path | str, args: Sequence[object], port: int | None = None) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", "1",
             "--master_addr", "127.0.0.1", "--master_port", str(port or free_port()), str(script), *map(str, args)]  # fmt: skip
 
@@ -100,7 +100,7 @@ class Run:
         return self.output[-n:]
 
 
-def torchrun(nproc: int, script: Path | str, args: list[str], *, env: Mapping[str, str] | None = None,
+def torchrun(nproc: int, script: Path | str, args: Sequence[object], *, env: Mapping[str, str] | None = None,
              cwd: Path | str | None = None, timeout: float | None = None, log: Path | None = None,
              before_attempt: Callable[[], None] | None = None, attempts: int = 3) -> Run:  # fmt: skip
     """Run `script` on `nproc` ranks and return its exit code and output (also appended to `log`).

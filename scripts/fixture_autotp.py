@@ -331,6 +331,7 @@ def write_references(spec: dict, out: Path, engine, ckpt: Path, losses: list[flo
                                 "live": fp32_only if dp_rank == 0 else None,
                                 "live_shapes": {k: list(v.shape) for k, v in live.items()}})  # fmt: skip
     meta: dict = {}
+    tag = ""  # rank 0's, the only rank that uses it
     if dist.get_rank() == 0:
         ref = out / "reference"
         for info in everyone:

@@ -129,7 +129,8 @@ def param_groups(model: nn.Module) -> list[dict]:
     """A weight-decay / no-decay split, then DeepSpeed's own split of the expert params into MoE groups."""
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 
-    decay, no_decay = [], []
+    decay: list[Any] = []
+    no_decay: list[Any] = []
     for n, p in model.named_parameters():
         (no_decay if n.endswith(".bias") or n.startswith("ln.") else decay).append(p)
     groups = [{"params": decay, "weight_decay": 0.01, "name": "decay"},

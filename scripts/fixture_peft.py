@@ -25,6 +25,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -159,7 +160,7 @@ def build_peft(base, spec: dict):
     from peft import LoraConfig, get_peft_model
 
     names = list(spec["adapters"])
-    model = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **spec["adapters"][names[0]]), names[0])
+    model: Any = get_peft_model(base, LoraConfig(task_type="CAUSAL_LM", **spec["adapters"][names[0]]), names[0])
     for name in names[1:]:
         model.add_adapter(name, LoraConfig(task_type="CAUSAL_LM", **spec["adapters"][name]))
     if len(names) > 1:

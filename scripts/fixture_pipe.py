@@ -23,6 +23,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 warnings.filterwarnings("ignore")
@@ -48,6 +49,8 @@ KIND = "pipeline"
 
 class ScaledLinear(nn.Linear):
     """A Linear with a persistent float buffer (so stage files carry buffer_names)."""
+
+    scale: torch.Tensor  # the buffer registered below, as the type checker should see it
 
     def __init__(self, d_in: int, d_out: int) -> None:
         super().__init__(d_in, d_out)
@@ -155,7 +158,9 @@ def stage_full_state(engine, state_keys=("exp_avg", "exp_avg_sq")) -> dict:
 def merge_stages(parts: list[dict]) -> tuple[dict, dict, dict]:
     """One dict from every stage's (stage order), a key held by several stages (tied) from the first; also, per
     such key, whether all copies are bit-identical, and every stage's copy as `<stage>/<key>`."""
-    merged, equal, copies = {}, {}, {}
+    merged: dict[str, Any] = {}
+    equal: dict[str, Any] = {}
+    copies: dict[str, Any] = {}
     for part in parts:
         for k, v in part.items():
             if k in merged:

@@ -24,7 +24,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,8 +35,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
 
 SEED = 1234
 VOCAB = 24
@@ -54,6 +53,10 @@ class ToyModel(nn.Module):
     Linear(8, 12), Linear(12, 7), a frozen Linear(8, 5) used in forward, a persistent
     float buffer, a persistent int64 buffer (changes during training) and a
     non-persistent buffer."""
+
+    scale: torch.Tensor  # the buffers registered below, as the type checker should see them
+    counts: torch.Tensor
+    mask: torch.Tensor
 
     def __init__(self) -> None:
         super().__init__()
@@ -113,13 +116,13 @@ def quiet_loggers() -> None:
         from deepspeed.utils import logger as ds_logger
 
         ds_logger.setLevel(logging.ERROR)
-    except Exception:
+    except Exception:  # noqa: BLE001, S110 - quieter logs are a nicety: a run never fails over them
         pass
     try:
         import transformers
 
         transformers.logging.set_verbosity_error()
-    except Exception:
+    except Exception:  # noqa: BLE001, S110 - quieter logs are a nicety: a run never fails over them
         pass
 
 
@@ -128,9 +131,8 @@ def save_st(tensors: dict, path: Path) -> None:
     from safetensors.torch import save_file
 
     out = {}
-    for k, v in tensors.items():
-        if not isinstance(v, torch.Tensor):  # lazy GatheredTensor etc.
-            v = v.contiguous()
+    for k, value in tensors.items():
+        v = value if isinstance(value, torch.Tensor) else value.contiguous()  # lazy GatheredTensor etc.
         out[k] = v.detach().cpu().clone().contiguous()
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(out, str(path), metadata={"format": "pt"})
@@ -147,9 +149,14 @@ def find_steps(obj, path="", out=None):
     if isinstance(obj, dict):
         for k, v in obj.items():
             p = f"{path}[{k!r}]"
-            if k == "step" or k == "base_optimizer_state_step":
+            if k in {"step", "base_optimizer_state_step"}:
                 if isinstance(v, torch.Tensor):
-                    out.append((p, f"tensor(dim={v.dim()}, dtype={dtype_name(v.dtype)}, value={v.item() if v.numel() == 1 else '?'})"))
+                    out.append(
+                        (
+                            p,
+                            f"tensor(dim={v.dim()}, dtype={dtype_name(v.dtype)}, value={v.item() if v.numel() == 1 else '?'})",
+                        )
+                    )
                 else:
                     out.append((p, f"{type(v).__name__}({v})"))
             else:
@@ -229,7 +236,7 @@ def model_facts(module: nn.Module, param_groups_named) -> dict:
     named = dict(module.named_parameters())  # deduplicated (aliases dropped)
     # tied: state_dict keys that are parameters but not in named_parameters
     tied = {}
-    ptr_owner = {}
+    ptr_owner: dict[int, str] = {}
     for n, p in module.named_parameters(remove_duplicate=False):
         key = id(p)
         if key in ptr_owner:
@@ -364,7 +371,8 @@ def optimizer_state_facts(engine) -> dict:
     base = getattr(engine.optimizer, "optimizer", None)
     if base is None:
         return {}
-    tensor_keys, scalar_keys = set(), set()
+    tensor_keys: set[str] = set()
+    scalar_keys: set[str] = set()
     for st in base.state.values():
         for k, v in st.items():
             (tensor_keys if isinstance(v, torch.Tensor) and v.dim() > 0 else scalar_keys).add(k)
@@ -395,7 +403,7 @@ def probe_optimizer_state_api(engine, keys, stage: int) -> dict:
             if stage == 3:
                 v = safe_get_full_optimizer_state(params[0], key)
             else:
-                v = mapped._hp_mapping.get_optim_state_fragment(key)
+                v = mapped._hp_mapping.get_optim_state_fragment(key)  # type: ignore[union-attr]  # None: recorded
         except Exception as e:  # noqa: BLE001 - recorded
             return f"{type(e).__name__}: {e}"
         return "None" if v is None else f"tensor{tuple(v.shape)}"
@@ -544,7 +552,7 @@ def tiny_gpt2_config(tokenizer):
 
 
 def run_trainer(spec: dict, out: Path) -> None:
-    import deepspeed
+    import deepspeed  # noqa: F401 - imported up front: a missing or broken DeepSpeed fails here, not inside the Trainer
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
     quiet_loggers()
@@ -590,7 +598,7 @@ def run_trainer(spec: dict, out: Path) -> None:
     quiet_loggers()
     trainer.train()
 
-    engine = trainer.model_wrapped
+    engine: Any = trainer.model_wrapped  # the DeepSpeed engine (typed as the wrapped module)
     write_engine_references(engine, out / "reference", spec["zero_stage"])
     if rank() == 0:
         import torch.distributed as dist
@@ -618,8 +626,11 @@ def run_trainer(spec: dict, out: Path) -> None:
         meta.update(model_facts(engine.module, groups_named))
         if sub is not None:
             meta["sub_groups"] = sub
-        meta["param_group_weight_decay"] = [g["weight_decay"] for g in engine.optimizer.optimizer.param_groups] \
-            if hasattr(engine.optimizer, "optimizer") else None
+        meta["param_group_weight_decay"] = (
+            [g["weight_decay"] for g in engine.optimizer.optimizer.param_groups]
+            if hasattr(engine.optimizer, "optimizer")
+            else None
+        )
         meta["tag"] = tag
         meta["global_steps"] = engine.global_steps
         meta["ds_config"] = engine.config if isinstance(engine.config, dict) else None
@@ -850,18 +861,18 @@ def run_zero2fp32(ckpt_dir: Path, out_file: Path, info_file: Path, tag: str | No
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     quiet_loggers()
-    info = {"checkpoint_dir": str(ckpt_dir), "tag": tag}
+    info: dict[str, Any] = {"checkpoint_dir": str(ckpt_dir), "tag": tag}
     try:
         sd = get_fp32_state_dict_from_zero_checkpoint(str(ckpt_dir), tag=tag)
-    except Exception as e:  # e.g. BF16_Optimizer checkpoints are rejected
+    except Exception as e:  # noqa: BLE001 - recorded: e.g. BF16_Optimizer checkpoints are rejected
         info["ok"] = False
         info["error"] = f"{type(e).__name__}: {e}"
     else:
         info["ok"] = True
         info["keys"] = list(sd.keys())
         info["dtypes"] = {k: dtype_name(v.dtype) for k, v in sd.items()}
-        aliases = {}
-        seen = {}
+        aliases: dict[str, str] = {}
+        seen: dict[tuple[Any, ...], str] = {}
         for k, v in sd.items():
             if isinstance(v, torch.Tensor):
                 key = (v.data_ptr(), v.storage_offset(), tuple(v.shape))

@@ -24,12 +24,14 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 WORKER = HERE / "fixture_worker.py"
 sys.path.insert(0, str(HERE))
 import ds_launch  # noqa: E402
+
 DEFAULT_OUT = REPO / "fixtures"
 
 Z3_SUB_GROUP_SIZE = 64
@@ -69,12 +71,20 @@ def _specs() -> dict[str, dict]:
                 specs[s["name"]] = s
     extras = [
         _engine_spec(
-            1, 2, "bf16", name="z1_dp2_bf16_bf16opt", bf16_optimizer=True,
+            1,
+            2,
+            "bf16",
+            name="z1_dp2_bf16_bf16opt",
+            bf16_optimizer=True,
             notes="ZeRO-1 + bf16 + data_types.grad_accum_dtype=fp32 -> DeepSpeed uses BF16_Optimizer "
             "(optim files have no zero_stage/loss_scaler; zero_to_fp32 rejects them).",
         ),
         _engine_spec(
-            2, 2, "bf16", name="z2_dp2_bf16_elastic", elastic=True,
+            2,
+            2,
+            "bf16",
+            name="z2_dp2_bf16_elastic",
+            elastic=True,
             notes="zero_optimization.elastic_checkpoint=true: base_optimizer_state is a list of lean "
             "per-group dicts (padding stripped) plus base_optimizer_state_step.",
         ),
@@ -83,22 +93,38 @@ def _specs() -> dict[str, dict]:
     ]
     for s in extras:
         specs[s["name"]] = s
-    trainers = [
+    trainers: list[dict[str, Any]] = [
         {
-            "kind": "trainer", "name": "trainer_z2_bf16", "zero_stage": 2, "dp": 2, "dtype": "bf16",
+            "kind": "trainer",
+            "name": "trainer_z2_bf16",
+            "zero_stage": 2,
+            "dp": 2,
+            "dtype": "bf16",
             "ds_optimizer": False,
             "notes": "HF Trainer + ZeRO-2, no 'optimizer' block in the DS config: the Trainer's own "
             "torch AdamW is passed to DeepSpeed as a client optimizer (step is a 0-dim tensor).",
         },
         {
-            "kind": "trainer", "name": "trainer_z3_gather_bf16", "zero_stage": 3, "dp": 2, "dtype": "bf16",
-            "gather": True, "ds_optimizer": True, "sub_group_size": TRAINER_Z3_SUB_GROUP_SIZE,
+            "kind": "trainer",
+            "name": "trainer_z3_gather_bf16",
+            "zero_stage": 3,
+            "dp": 2,
+            "dtype": "bf16",
+            "gather": True,
+            "ds_optimizer": True,
+            "sub_group_size": TRAINER_Z3_SUB_GROUP_SIZE,
             "notes": "HF Trainer + ZeRO-3, stage3_gather_16bit_weights_on_model_save=true "
             "(model.safetensors present); DS 'optimizer' block AdamW with 'auto' params (FusedAdam).",
         },
         {
-            "kind": "trainer", "name": "trainer_z3_nogather_bf16", "zero_stage": 3, "dp": 2, "dtype": "bf16",
-            "gather": False, "ds_optimizer": True, "sub_group_size": TRAINER_Z3_SUB_GROUP_SIZE,
+            "kind": "trainer",
+            "name": "trainer_z3_nogather_bf16",
+            "zero_stage": 3,
+            "dp": 2,
+            "dtype": "bf16",
+            "gather": False,
+            "ds_optimizer": True,
+            "sub_group_size": TRAINER_Z3_SUB_GROUP_SIZE,
             "notes": "HF Trainer + ZeRO-3, stage3_gather_16bit_weights_on_model_save=false: no "
             "model.safetensors in checkpoint-N/, only global_stepN/ holds weights.",
         },
@@ -184,11 +210,11 @@ def _extra_specs() -> list[dict]:
         if not path.is_file():
             continue
         mod_spec = importlib.util.spec_from_file_location(path.stem, path)
-        assert mod_spec and mod_spec.loader
+        assert mod_spec
+        assert mod_spec.loader
         module = importlib.util.module_from_spec(mod_spec)
         mod_spec.loader.exec_module(module)
-        for spec in module.specs():
-            specs.append({"worker": worker, **spec})
+        specs.extend({"worker": worker, **spec} for spec in module.specs())
     return specs
 
 
@@ -207,8 +233,9 @@ def fp16_supported() -> tuple[bool, str]:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     ok = r.stdout.strip().endswith("True")
     why = (
-        "" if ok else
-        "DeepSpeed's CPU accelerator reports is_fp16_supported() == False on this machine "
+        ""
+        if ok
+        else "DeepSpeed's CPU accelerator reports is_fp16_supported() == False on this machine "
         "(torch.ops.mkldnn._is_mkldnn_fp16_supported() is False), and "
         "DeepSpeedEngine._do_sanity_check raises ValueError('Type fp16 is not supported on your device.')"
     )
@@ -229,7 +256,9 @@ def _run(cmd: list[str], log: Path, cwd: Path, timeout: int = 600) -> None:
     with open(log, "ab") as fh:
         fh.write(("\n$ " + " ".join(cmd) + "\n").encode())
         fh.flush()
-        r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=ds_launch.worker_env(), timeout=timeout)
+        r = subprocess.run(
+            cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, env=ds_launch.worker_env(), timeout=timeout
+        )
     if r.returncode != 0:
         tail = log.read_text(errors="replace")[-6000:]
         raise RuntimeError(f"command failed (rc={r.returncode}): {' '.join(cmd)}\n--- log tail ---\n{tail}")
@@ -272,8 +301,12 @@ def make_fixture(name: str, out_dir: Path, log_dir: Path | None = None) -> Path:
         mode = spec.get("mode", spec["kind"])
         if "worker" in spec:
             run = ds_launch.torchrun(
-                spec["world_size"], HERE / spec["worker"], ["build", "--spec", json.dumps(spec), "--out", str(fdir)],
-                cwd=tmp, timeout=900, log=log,
+                spec["world_size"],
+                HERE / spec["worker"],
+                ["build", "--spec", json.dumps(spec), "--out", str(fdir)],
+                cwd=tmp,
+                timeout=900,
+                log=log,
             )
             if run.rc != 0:
                 raise RuntimeError(f"worker {spec['worker']} failed (rc={run.rc})\n--- log tail ---\n{run.tail()}")
@@ -291,16 +324,29 @@ def make_fixture(name: str, out_dir: Path, log_dir: Path | None = None) -> Path:
         info_file = tmp / "zero2fp32.json"
         tag_args = ["--tag", spec["zero_to_fp32_tag"]] if spec.get("zero_to_fp32_tag") else []
         _run(
-            [sys.executable, str(WORKER), "zero2fp32", "--ckpt", str(ckpt),
-             "--out", str(fdir / "reference" / "zero_to_fp32.safetensors"), "--info", str(info_file), *tag_args],
-            log, tmp,
+            [
+                sys.executable,
+                str(WORKER),
+                "zero2fp32",
+                "--ckpt",
+                str(ckpt),
+                "--out",
+                str(fdir / "reference" / "zero_to_fp32.safetensors"),
+                "--info",
+                str(info_file),
+                *tag_args,
+            ],
+            log,
+            tmp,
         )
         info = json.loads(info_file.read_text())
         meta["zero_to_fp32"] = {
             "ok": info["ok"],
             "source": str(ckpt.relative_to(fdir)),
             **({"error": info["error"]} if not info["ok"] else {}),
-            **({"dtypes": info["dtypes"], "aliased_in_api_output": info["aliased_in_api_output"]} if info["ok"] else {}),
+            **(
+                {"dtypes": info["dtypes"], "aliased_in_api_output": info["aliased_in_api_output"]} if info["ok"] else {}
+            ),
             **({"tag": spec["zero_to_fp32_tag"]} if spec.get("zero_to_fp32_tag") else {}),
         }
         removed = [] if spec.get("keep_recovery_scripts") else _drop_recovery_scripts(fdir)
@@ -330,8 +376,17 @@ def _fmt_kb(n: int) -> str:
     return f"{n / 1024:.0f} KB"
 
 
-def write_readme(out: Path, index: list[str], timings: dict, total: float, jobs: int, cmd: str, fp16_why: str,
-                 n_full: int | None = None, added: dict | None = None) -> None:
+def write_readme(
+    out: Path,
+    index: list[str],
+    timings: dict,
+    total: float,
+    jobs: int,
+    cmd: str,
+    fp16_why: str,
+    n_full: int | None = None,
+    added: dict | None = None,
+) -> None:
     """`n_full`: how many fixtures the timed full run built (default: all in `index`); `added`: build_times.json
     "added" ({command, per_fixture_s, total_s}) for fixtures built later with --only."""
     v = _versions()
@@ -355,14 +410,21 @@ def write_readme(out: Path, index: list[str], timings: dict, total: float, jobs:
         table=table,
         n=len(index),
         n_full=n_full if n_full is not None else len(index),
-        added=(f"\n- Added later: {', '.join(f'`{k}`' for k in added['per_fixture_s'])}, built with\n"
-               f"  `{added['command']}` ({added['total_s']:.0f} s in all)." if added else ""),
+        added=(
+            f"\n- Added later: {', '.join(f'`{k}`' for k in added['per_fixture_s'])}, built with\n"
+            f"  `{added['command']}` ({added['total_s']:.0f} s in all)."
+            if added
+            else ""
+        ),
         total_size=f"{total_size / 1024 / 1024:.2f} MB",
         biggest=f"{biggest.relative_to(out)} ({_fmt_kb(biggest.stat().st_size)})",
         total_time=f"{total:.0f} s ({total / 60:.1f} min)",
         jobs=jobs,
-        fp16=("fp16 fixtures (`z2_dp2_fp16`, `z3_dp2_fp16`) are **skipped**: " + fp16_why + "."
-              if fp16_why else "fp16 fixtures were built."),
+        fp16=(
+            "fp16 fixtures (`z2_dp2_fp16`, `z3_dp2_fp16`) are **skipped**: " + fp16_why + "."
+            if fp16_why
+            else "fp16 fixtures were built."
+        ),
         z3sg=Z3_SUB_GROUP_SIZE,
         tz3sg=TRAINER_Z3_SUB_GROUP_SIZE,
     )
@@ -741,8 +803,11 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="fixtures built in parallel (default 1)")
     ap.add_argument("--list", action="store_true", help="list fixture names and exit")
     ap.add_argument("--logs", help="keep per-fixture logs in this folder")
-    ap.add_argument("--readme-only", action="store_true",
-                    help="only rewrite README.md from the fixtures and build_times.json already in --out")
+    ap.add_argument(
+        "--readme-only",
+        action="store_true",
+        help="only rewrite README.md from the fixtures and build_times.json already in --out",
+    )
     a = ap.parse_args(argv)
 
     if a.list:
@@ -756,9 +821,18 @@ def main(argv=None) -> int:
         ok16, why16 = fp16_supported()
         index = json.loads((out / "index.json").read_text())
         added = bt.get("added")
-        timings = {**bt["per_fixture_s"], **(added or {}).get("per_fixture_s", {})}
-        write_readme(out, index, timings, bt["total_s"], bt["jobs"], bt["command"], why16 if not ok16 else "",
-                     n_full=len(bt["per_fixture_s"]), added=added)
+        timings: dict[str, float] = {**bt["per_fixture_s"], **(added or {}).get("per_fixture_s", {})}
+        write_readme(
+            out,
+            index,
+            timings,
+            bt["total_s"],
+            bt["jobs"],
+            bt["command"],
+            why16 if not ok16 else "",
+            n_full=len(bt["per_fixture_s"]),
+            added=added,
+        )
         print(f"wrote {out / 'README.md'}")
         return 0
     names = a.only or default_names()
@@ -770,14 +844,14 @@ def main(argv=None) -> int:
         skipped = [n for n, s in SPECS.items() if s["dtype"] == "fp16"]
         print(f"skipping {skipped}: {why16}", flush=True)
 
-    timings: dict[str, float] = {}
+    timings = {}
     failures: dict[str, str] = {}
 
     def build(n: str) -> None:
         t = time.time()
         try:
             make_fixture(n, out, log_dir=a.logs)
-        except Exception as e:  # keep going; report at the end
+        except Exception as e:  # noqa: BLE001 - keep going; report at the end
             failures[n] = str(e)
             print(f"FAILED {n} ({time.time() - t:.1f}s)\n{e}", flush=True)
             return
@@ -806,14 +880,30 @@ def main(argv=None) -> int:
         if new:
             prev = bt.get("added", {})
             per = {**prev.get("per_fixture_s", {}), **new}
-            bt["added"] = {"command": "python scripts/make_fixtures.py --only " + " ".join(per),
-                           "per_fixture_s": per, "total_s": round(sum(per.values()), 1)}
+            bt["added"] = {
+                "command": "python scripts/make_fixtures.py --only " + " ".join(per),
+                "per_fixture_s": per,
+                "total_s": round(sum(per.values()), 1),
+            }
             times_path.write_text(json.dumps(bt, indent=1) + "\n")
     if a.only is None and not failures:
-        cmd = "python scripts/make_fixtures.py" + (f" --out {a.out}" if Path(a.out).resolve() != DEFAULT_OUT else "") \
+        cmd = (
+            "python scripts/make_fixtures.py"
+            + (f" --out {a.out}" if Path(a.out).resolve() != DEFAULT_OUT else "")
             + (f" --jobs {a.jobs}" if a.jobs != 1 else "")
-        times_path.write_text(json.dumps({"command": cmd, "jobs": a.jobs, "total_s": round(total, 1),
-                                          "per_fixture_s": {k: round(v, 1) for k, v in timings.items()}}, indent=1) + "\n")
+        )
+        times_path.write_text(
+            json.dumps(
+                {
+                    "command": cmd,
+                    "jobs": a.jobs,
+                    "total_s": round(total, 1),
+                    "per_fixture_s": {k: round(v, 1) for k, v in timings.items()},
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         write_readme(out, index, timings, total, a.jobs, cmd, why16 if not ok16 else "")
         print(f"wrote {out / 'README.md'}")
     return 1 if failures else 0

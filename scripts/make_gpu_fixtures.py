@@ -37,6 +37,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 os.environ["DS_ACCELERATOR"] = os.environ.get("GPU_FIXTURES_ACCELERATOR", "cuda")
 HERE = Path(__file__).resolve().parent
@@ -48,9 +49,13 @@ import fixture_worker as fw  # noqa: E402  (ToyModel, decay_groups, reference wr
 STEPS = 3
 Z3_SUB_GROUP_SIZE = 64
 RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
-FP16_BLOCK = {"enabled": True, "loss_scale": 0, "initial_scale_power": 8,
-              # so that the dynamic scaler moves within 3 clean steps (256 -> 512 after step 3)
-              "loss_scale_window": 2}
+FP16_BLOCK = {
+    "enabled": True,
+    "loss_scale": 0,
+    "initial_scale_power": 8,
+    # so that the dynamic scaler moves within 3 clean steps (256 -> 512 after step 3)
+    "loss_scale_window": 2,
+}
 FP16_OVERFLOW_BLOCK = {"enabled": True, "loss_scale": 0, "initial_scale_power": 20, "hysteresis": 1}
 MAX_STEPS = 40
 
@@ -60,8 +65,15 @@ def specs(dp: int) -> dict[str, dict]:
     for stage in (2, 3):
         for dtype, offload in (("fp16", False), ("bf16", True)):
             name = f"gpu_z{stage}_dp{dp}_{dtype}" + ("_offload" if offload else "")
-            s = {"kind": "engine", "name": name, "zero_stage": stage, "dp": dp, "dtype": dtype,
-                 "torch_adam": False, "offload": offload}
+            s: dict[str, Any] = {
+                "kind": "engine",
+                "name": name,
+                "zero_stage": stage,
+                "dp": dp,
+                "dtype": dtype,
+                "torch_adam": False,
+                "offload": offload,
+            }
             if stage == 3:
                 s["sub_group_size"] = Z3_SUB_GROUP_SIZE
             out[name] = s
@@ -69,11 +81,19 @@ def specs(dp: int) -> dict[str, dict]:
     # Adam step < global_steps); trained until 2 steps were really taken.
     for stage in (2, 3):
         name = f"gpu_z{stage}_dp{dp}_fp16_overflow"
-        s = {"kind": "engine", "name": name, "zero_stage": stage, "dp": dp, "dtype": "fp16",
-             "torch_adam": False, "offload": False, "fp16_block": dict(FP16_OVERFLOW_BLOCK),
-             "min_good_steps": 2,
-             "notes": "fp16 with initial_scale_power 20 and hysteresis 1: the first steps overflow and "
-             "are skipped (scale halves each time) until 2 steps are taken; see per_step."}
+        s = {
+            "kind": "engine",
+            "name": name,
+            "zero_stage": stage,
+            "dp": dp,
+            "dtype": "fp16",
+            "torch_adam": False,
+            "offload": False,
+            "fp16_block": dict(FP16_OVERFLOW_BLOCK),
+            "min_good_steps": 2,
+            "notes": "fp16 with initial_scale_power 20 and hysteresis 1: the first steps overflow and "
+            "are skipped (scale halves each time) until 2 steps are taken; see per_step.",
+        }
         if stage == 3:
             s["sub_group_size"] = Z3_SUB_GROUP_SIZE
         out[name] = s
@@ -96,7 +116,7 @@ def ds_config(spec: dict) -> dict:
 
 def scaler_info(opt) -> dict:
     ls = getattr(opt, "loss_scaler", None)
-    info = {"wrapper_cur_scale": float(opt.cur_scale) if hasattr(opt, "cur_scale") else None}
+    info: dict[str, Any] = {"wrapper_cur_scale": float(opt.cur_scale) if hasattr(opt, "cur_scale") else None}
     if ls is not None:
         info["class"] = f"{type(ls).__module__}.{type(ls).__name__}"
         attrs = {}
@@ -151,14 +171,16 @@ def run_worker(spec: dict, out: Path) -> None:
         engine.backward(loss)
         scale_before = float(getattr(engine.optimizer, "cur_scale", 1.0))
         engine.step()
-        per_step.append({
-            "step": i + 1,
-            "loss_rank0_unscaled": float(loss.item()),
-            "scale_used": scale_before,
-            "overflow": bool(getattr(engine.optimizer, "overflow", False)),
-            "scale_after": float(getattr(engine.optimizer, "cur_scale", 1.0)),
-            "skipped_steps_after": int(engine.skipped_steps),
-        })
+        per_step.append(
+            {
+                "step": i + 1,
+                "loss_rank0_unscaled": float(loss.item()),
+                "scale_used": scale_before,
+                "overflow": bool(getattr(engine.optimizer, "overflow", False)),
+                "scale_after": float(getattr(engine.optimizer, "cur_scale", 1.0)),
+                "skipped_steps_after": int(engine.skipped_steps),
+            }
+        )
 
     ckpt = out / "checkpoint"
     engine.save_checkpoint(str(ckpt))
@@ -168,8 +190,13 @@ def run_worker(spec: dict, out: Path) -> None:
     if r == 0:
         import deepspeed.comm as dcomm
 
-        meta = {"name": spec["name"], "kind": "engine", "zero_stage": spec["zero_stage"],
-                "dp": spec["dp"], "dtype": spec["dtype"]}
+        meta = {
+            "name": spec["name"],
+            "kind": "engine",
+            "zero_stage": spec["zero_stage"],
+            "dp": spec["dp"],
+            "dtype": spec["dtype"],
+        }
         meta.update(fw.common_meta(engine))
         if spec["zero_stage"] == 3:
             meta["sub_group_size"] = spec["sub_group_size"]
@@ -231,8 +258,7 @@ def _run(cmd: list[str], log: Path, timeout: int = 420) -> None:
     with open(log, "ab") as fh:
         fh.write(("\n$ " + " ".join(cmd) + "\n").encode())
         fh.flush()
-        r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), timeout=timeout,
-                           cwd=str(HERE.parent))
+        r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env(), timeout=timeout, cwd=str(HERE.parent))
     if r.returncode != 0:
         tail = log.read_text(errors="replace")[-5000:]
         raise RuntimeError(f"command failed (rc={r.returncode}): {' '.join(cmd)}\n--- log tail ---\n{tail}")
@@ -253,13 +279,28 @@ def make_one(spec: dict, out_dir: Path, log_dir: Path) -> Path:
         (fdir / "meta.partial.json").unlink()
         ckpt = fdir / "checkpoint"
         info_file = tmp / "zero2fp32.json"
-        _run([sys.executable, str(HERE / "fixture_worker.py"), "zero2fp32", "--ckpt", str(ckpt),
-              "--out", str(fdir / "reference" / "zero_to_fp32.safetensors"), "--info", str(info_file)], log)
+        _run(
+            [
+                sys.executable,
+                str(HERE / "fixture_worker.py"),
+                "zero2fp32",
+                "--ckpt",
+                str(ckpt),
+                "--out",
+                str(fdir / "reference" / "zero_to_fp32.safetensors"),
+                "--info",
+                str(info_file),
+            ],
+            log,
+        )
         info = json.loads(info_file.read_text())
         meta["zero_to_fp32"] = {
-            "ok": info["ok"], "source": "checkpoint",
+            "ok": info["ok"],
+            "source": "checkpoint",
             **({"error": info["error"]} if not info["ok"] else {}),
-            **({"dtypes": info["dtypes"], "aliased_in_api_output": info["aliased_in_api_output"]} if info["ok"] else {}),
+            **(
+                {"dtypes": info["dtypes"], "aliased_in_api_output": info["aliased_in_api_output"]} if info["ok"] else {}
+            ),
         }
         removed = []
         for p in sorted(fdir.rglob("*")):
@@ -318,13 +359,17 @@ def main(argv=None) -> int:
     build = {}
 
     if not a.no_prebuild:
+
         def prebuild(op):
             t = time.time()
             try:
-                _run([sys.executable, str(Path(__file__).resolve()), "prebuild", "--op", op],
-                     log_dir / f"prebuild_{op}.log", timeout=360)
+                _run(
+                    [sys.executable, str(Path(__file__).resolve()), "prebuild", "--op", op],
+                    log_dir / f"prebuild_{op}.log",
+                    timeout=360,
+                )
                 build[op] = {"ok": True, "s": round(time.time() - t, 1)}
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - recorded: the fixtures that need the op are skipped
                 build[op] = {"ok": False, "s": round(time.time() - t, 1), "error": str(e)[-3000:]}
             print(f"prebuild {op}: {build[op]['ok']} ({build[op]['s']} s)", flush=True)
 
@@ -344,7 +389,7 @@ def main(argv=None) -> int:
             try:
                 make_one(s, out, log_dir)
                 results[n] = "ok"
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - recorded; the other fixtures still build
                 results[n] = f"FAILED: {str(e)[-3000:]}"
         timings[n] = round(time.time() - t, 1)
         print(f"{n}: {results[n][:2000]} ({timings[n]} s)", flush=True)

@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 from ckpttools import dtypes, torchwriter  # noqa: E402
 from ckpttools.crc import crc32_zeros  # noqa: E402
 from ckpttools.reader import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint  # noqa: E402
-from ckpttools.sources import read_checkpoint  # noqa: E402
 from ckpttools.reshard import _rank_files  # noqa: E402
+from ckpttools.sources import read_checkpoint  # noqa: E402
 from ckpttools.torchfile import LazyTensor, Record, StorageRef, TorchSize, load_pickle  # noqa: E402
 
 TEMPLATES = {2: ROOT / "fixtures/z2_dp2_bf16/checkpoint", 3: ROOT / "fixtures/z3_dp2_bf16/checkpoint"}

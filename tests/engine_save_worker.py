@@ -18,6 +18,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -26,9 +27,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT))
 
+import fixture_worker as fw  # noqa: E402  (ToyModel, tokenizer, dataset, quiet loggers)
 import torch  # noqa: E402
 
-import fixture_worker as fw  # noqa: E402  (ToyModel, tokenizer, dataset, quiet loggers)
 from ckpttools.engine_save import save_pretrained_from_engine  # noqa: E402
 
 SEED = 1234
@@ -85,9 +86,12 @@ def step(engine, kind: str, batch) -> float:
 def released(engine) -> bool:
     """After our save every non-persistent ZeRO-3 param is partitioned again (its full tensor freed)."""
     for p in engine.module.parameters():
-        if hasattr(p, "ds_id") and not getattr(p, "ds_persist", False):
-            if p.ds_status.name != "NOT_AVAILABLE" or p.data.numel() != 0:
-                return False
+        if (
+            hasattr(p, "ds_id")
+            and not getattr(p, "ds_persist", False)
+            and (p.ds_status.name != "NOT_AVAILABLE" or p.data.numel() != 0)
+        ):
+            return False
     return True
 
 
@@ -96,7 +100,7 @@ def error_paths(engine, out: Path) -> None:
     from ckpttools import engine_save
     from ckpttools.errors import OutputError
 
-    outcome = {}
+    outcome: dict[str, Any] = {}
     try:
         save_pretrained_from_engine(engine, out / "hf")  # exists: refused before any gather, on every rank
         outcome["exists"] = "no error"
@@ -109,14 +113,14 @@ def error_paths(engine, out: Path) -> None:
             raise OSError("simulated disk error")
         return original(self, entry)
 
-    engine_save._ShardWriter._write_tensor = failing
+    engine_save._ShardWriter._write_tensor = failing  # type: ignore[method-assign]
     try:
         save_pretrained_from_engine(engine, out / "hf_fail", max_gather_bytes=512)
         outcome["write_error"] = "no error"
     except Exception as e:  # noqa: BLE001
         outcome["write_error"] = f"{type(e).__name__}: {e}"
     finally:
-        engine_save._ShardWriter._write_tensor = original
+        engine_save._ShardWriter._write_tensor = original  # type: ignore[method-assign]
     outcome["partial_left"] = sorted(p.name for p in out.iterdir() if p.name.startswith("."))
     (out / f"errors_rank{rank()}.json").write_text(json.dumps(outcome))
 
@@ -126,7 +130,7 @@ def run_case(kind: str, stage: int, out: Path) -> None:
 
     torch.manual_seed(SEED)
     if kind == "toy":
-        model = fw.ToyModel()
+        model: Any = fw.ToyModel()
         decay, no_decay = fw.decay_groups(model.named_parameters())
         params = [{"params": [p for _, p in decay]}, {"params": [p for _, p in no_decay], "weight_decay": 0.0}]
         vocab = fw.VOCAB
@@ -146,9 +150,9 @@ def run_case(kind: str, stage: int, out: Path) -> None:
     if kind == "gpt2" and rank() == 0:
         model.config.save_pretrained(ckpt)  # as the Trainer does: makes ckpt an HF checkpoint folder
 
-    results = {}
+    results: dict[str, Any] = {}
     results["hf"] = save_pretrained_from_engine(engine, out / "hf").to_dict()
-    small = {"toy": (300, 200), "gpt2": ("4KB", 2048)}[kind]
+    small: tuple[Any, int] = {"toy": (300, 200), "gpt2": ("4KB", 2048)}[kind]
     results["hf_sharded"] = save_pretrained_from_engine(
         engine, out / "hf_sharded", max_shard_size=small[0], max_gather_bytes=small[1], chunk_bytes=64
     ).to_dict()
@@ -199,25 +203,43 @@ def run_trainer(out: Path) -> None:
         "gradient_clipping": "auto",
     }
     args = TrainingArguments(
-        output_dir=str(out / "out"), use_cpu=True, bf16=True, deepspeed=ds_cfg, per_device_train_batch_size=2,
-        max_steps=2, save_strategy="steps", save_steps=1, logging_steps=1, report_to=[], learning_rate=1e-2,
-        seed=SEED, data_seed=SEED, disable_tqdm=True, dataloader_num_workers=0,
+        output_dir=str(out / "out"),
+        use_cpu=True,
+        bf16=True,
+        deepspeed=ds_cfg,
+        per_device_train_batch_size=2,
+        max_steps=2,
+        save_strategy="steps",
+        save_steps=1,
+        logging_steps=1,
+        report_to=[],
+        learning_rate=1e-2,
+        seed=SEED,
+        data_seed=SEED,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
     )
     on_save = ConsolidateCallback(max_shard_size="8KB")  # engine reached only through the `model` callbacks get
-    trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=fw.TinyDataset(tokenizer),
-                      processing_class=tokenizer, callbacks=[on_save])
+    trainer = Trainer(
+        model=GPT2LMHeadModel(config),
+        args=args,
+        train_dataset=fw.TinyDataset(tokenizer),
+        processing_class=tokenizer,
+        callbacks=[on_save],
+    )
     at_end = ConsolidateCallback(trainer, on_save=False, on_train_end=True, final_dir=out / "final")
     trainer.add_callback(at_end)
     fw.quiet_loggers()
     trainer.train()
-    reference = trainer.model_wrapped._zero3_consolidated_16bit_state_dict()
+    wrapped: Any = trainer.model_wrapped  # the DeepSpeed engine (typed as the wrapped module)
+    reference = wrapped._zero3_consolidated_16bit_state_dict()
     if rank() == 0:
         fw.save_st(reference, out / "reference.safetensors")
         results = {
             "on_save": [r.to_dict() for r in on_save.results],
             "at_end": [r.to_dict() for r in at_end.results],
             "engine_type": type(at_end.engine(None)).__name__,
-            "gather_flag": trainer.model_wrapped.zero_gather_16bit_weights_on_model_save(),
+            "gather_flag": wrapped.zero_gather_16bit_weights_on_model_save(),
         }
         (out / "result.json").write_text(json.dumps(results, indent=1))
 

@@ -22,8 +22,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote, urlsplit
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".model", ".gguf", ".zip")
 GITATTRIBUTES = "".join(f"*{s} filter=lfs diff=lfs merge=lfs -text\n" for s in LFS_SUFFIXES).encode()
@@ -93,7 +96,7 @@ class LocalHub:
         self.server.hub = self  # type: ignore[attr-defined]
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
-    def __enter__(self) -> LocalHub:
+    def __enter__(self) -> Self:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self
 
@@ -183,7 +186,7 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         self.query = {k: v[0] for k, v in parse_qs(parts.query).items()}
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        entry = {"method": self.command, "path": parts.path, "query": self.query, "status": None}
+        entry: dict[str, Any] = {"method": self.command, "path": parts.path, "query": self.query, "status": None}
         with self.hub.lock:
             self.hub.log.append(entry)
             fault = next(
@@ -308,7 +311,8 @@ class _Handler(BaseHTTPRequestHandler):
         raise HubError(404, f"no route for {c} /api/models/{repo_id}/{verb}")
 
     def _tree(self, repo: Repo, sha: str, sub: str) -> list[dict[str, Any]]:
-        out, dirs = [], set()
+        out: list[dict[str, Any]] = []
+        dirs: set[str] = set()
         for path, blob in sorted(repo.commits[sha].items()):
             if sub and not path.startswith(sub.rstrip("/") + "/"):
                 continue

@@ -13,6 +13,7 @@ A mutation may find that it does not apply to a fixture (no frozen params, a sin
 from __future__ import annotations
 
 import enum
+import functools
 import io
 import itertools
 import json
@@ -30,7 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 OPTIM_RE = re.compile(r"^(bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
@@ -336,9 +337,10 @@ def inject_top(pkl: bytes, key: str, value_ops: bytes) -> bytes:
 def tensor_offset_ops(pkl: bytes) -> list[tuple[int, int, Any]]:
     """(position, length, value) of every tensor's storage_offset argument: the op right after BINPERSID."""
     ops = list(pickletools.genops(pkl))
-    found = []
+    found: list[tuple[int, int, Any]] = []
     for (op, _, _), (nop, arg, npos) in itertools.pairwise(ops):
         if op.name == "BINPERSID" and nop.name in ("BININT1", "BININT2", "BININT", "LONG1"):
+            assert npos is not None  # genops over bytes always knows the position
             length = {"BININT1": 2, "BININT2": 3, "BININT": 5}.get(nop.name) or 2 + pkl[npos + 1]
             found.append((npos, length, arg))
     return found
@@ -506,7 +508,7 @@ def _flip_in(ctx: Ctx, region: str, path: Path | None = None) -> str:
 
 for _region in ("pickle", "tensor", "local_header", "central_dir", "anywhere"):
     family(f"flip_{_region}", "byte", weight=2 if _region in ("pickle", "anywhere") else 1)(
-        lambda ctx, _r=_region: _flip_in(ctx, _r)
+        functools.partial(_flip_in, region=_region)
     )
 
 
@@ -628,7 +630,8 @@ def m_stale(ctx: Ctx) -> str:
         raise NotApplicable("a stage-0 checkpoint is one file")
     path = ctx.pick_rank_file()
     own = path.read_bytes()
-    same_shape, other = [], []
+    same_shape: list[Any] = []
+    other: list[Any] = []
     for info in ctx.infos.values():
         for tag_dir in info.tag_dirs:
             cand = tag_dir / path.name
@@ -651,7 +654,7 @@ def m_stray(ctx: Ctx) -> str:
     if not info.optim_files:
         raise NotApplicable("no optimizer files")
     rank0 = tag / info.optim_files[0]
-    prefix = OPTIM_RE.match(info.optim_files[0])[1] or ""
+    prefix = cast("re.Match[str]", OPTIM_RE.match(info.optim_files[0]))[1] or ""  # optim_files all match it
     other_prefix = ctx.rng.choice([p for p in ("", "bf16_", "fp16_") if p != prefix])
     choices = {
         "extra_rank": (rank0, f"{prefix}zero_pp_rank_{info.dp}_mp_rank_00_optim_states.pt"),
@@ -781,6 +784,7 @@ def m_param_shapes_group(ctx: Ctx) -> str:
     files, where = _model_files_to_edit(ctx)
     how = ctx.rng.choice(["remove_group", "empty_group", "empty_list", "none", "extra_empty_group", "duplicate_group"])
     group_seed = ctx.rng.random()
+    desc = ""  # files is never empty
     for path in files:
         g_rng = random.Random(group_seed)  # the same group in every file
 
@@ -881,8 +885,8 @@ def m_change_shape(ctx: Ctx) -> str:
     pick = random.Random(ctx.rng.random())
 
     def fn(obj: dict) -> str:
-        tables = obj.get("param_shapes") if key == "param_shapes" else [obj.get("frozen_param_shapes")]
-        tables = [t for t in tables or [] if isinstance(t, dict) and t]
+        found = obj.get("param_shapes") if key == "param_shapes" else [obj.get("frozen_param_shapes")]
+        tables: list[dict] = [t for t in found or [] if isinstance(t, dict) and t]
         if not tables:
             raise NotApplicable(f"no {key}")
         table = pick.choice(tables)
@@ -1032,7 +1036,7 @@ def m_partition_count(ctx: Ctx) -> str:
 @family("tensor_to_scalar", "pickle", weight=2)
 def m_tensor_to_scalar(ctx: Ctx) -> str:
     path = ctx.pick_rank_file()
-    replacement = ctx.rng.choice([7, "str", None, [1, 2], {}, 0.5, b"bytes", -3])
+    replacement: Any = ctx.rng.choice([7, "str", None, [1, 2], {}, 0.5, b"bytes", -3])
 
     def fn(obj: dict) -> str:
         tensors = [p for p, v in walk(obj) if is_tensor(v) and editable(ctx.info, obj, p, v)]
@@ -1045,7 +1049,7 @@ def m_tensor_to_scalar(ctx: Ctx) -> str:
     return f"{ctx.rel(path)}: tensor {edit(path, fn)} -> {replacement!r}"
 
 
-TARGETED_KEYS = {
+TARGETED_KEYS: dict[str, list[tuple[str, ...]]] = {
     "optim": [("optimizer_state_dict",), ("optimizer_state_dict", "single_partition_of_fp32_groups"),
               ("optimizer_state_dict", "fp32_flat_groups"), ("optimizer_state_dict", "base_optimizer_state"),
               ("optimizer_state_dict", "optimizer_state_dict"), ("optimizer_state_dict", "partition_count"),
@@ -1417,7 +1421,7 @@ def m_persid(ctx: Ctx) -> str:
     path = ctx.pick_rank_file()
     name, pkl = pickle_entry(path)
     ops = list(pickletools.genops(pkl))
-    keys = []
+    keys: list[tuple[Any, Any]] = []  # (position, storage key) pairs from genops
     for i, (op, _, _) in enumerate(ops):
         if op.name != "BINPERSID":
             continue
@@ -1457,8 +1461,7 @@ def m_zip_name(ctx: Ctx) -> str:
             _set_utf8_flag(path, bad)
     elif kind == "extra_non_utf8_entry":
         write_zip(path, [(i.filename, d, zipfile.ZIP_STORED) for i, d in entries] + [("ZZZZ", b"x", 0)])
-        raw = path.read_bytes().replace(b"ZZZZ", b"\xc3\x28\xff\xfe")
-        path.write_bytes(raw)
+        path.write_bytes(path.read_bytes().replace(b"ZZZZ", b"\xc3\x28\xff\xfe"))
         _set_utf8_flag(path, b"\xc3\x28\xff\xfe")
     elif kind == "duplicate_data_pkl":
         pkl_name, _ = pickle_entry(path)

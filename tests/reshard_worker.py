@@ -43,6 +43,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -171,8 +172,9 @@ def build_engine(meta: dict, do_scramble: bool, load_universal: bool | None = No
         if [sorted(g) for g in names] != [sorted(g) for g in meta["param_groups"]]:
             raise RuntimeError(f"client param groups {names} differ from the fixture's {meta['param_groups']}")
         optimizer = FW.build_client_optimizer(model, client)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                               config=ds_config_for(meta, world(), load_universal))
+        engine, _, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=ds_config_for(meta, world(), load_universal)
+        )
         FW.quiet_loggers()
         clear_zero3_adagrad_param_groups(engine)
         return engine
@@ -253,7 +255,7 @@ def dump_state(engine, dump: Path, stage: int, load_path: str, state_keys=FW.ADA
             out[f"module/{n}"] = b.detach().cpu().clone().contiguous()
 
     per_rank = optimizer_facts(engine)
-    all_ranks = [None] * world()
+    all_ranks: list[Any] = [None] * world()
     dist.all_gather_object(all_ranks, per_rank)
     if rank() == 0:
         from safetensors.torch import save_file
@@ -302,33 +304,47 @@ def run_engine(job: dict) -> None:
     meta = json.loads(Path(job["fixture_meta"]).read_text())
     engine = build_engine(meta, job.get("scramble", True), job.get("load_universal"))
     t1 = time.time()
-    load_path, _client = engine.load_checkpoint(job["load"], load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
+    load_path, _client = engine.load_checkpoint(job["load"], load_optimizer_states=True, load_lr_scheduler_states=True)
     if load_path is None:
         raise RuntimeError(f"engine.load_checkpoint({job['load']!r}) returned None: nothing was loaded")
     t2 = time.time()
     if job.get("dump"):
-        dump_state(engine, Path(job["dump"]), meta["zero_stage"], str(load_path),
-                   meta.get("reference_state_keys", FW.ADAM_STATE_KEYS))
+        dump_state(
+            engine,
+            Path(job["dump"]),
+            meta["zero_stage"],
+            str(load_path),
+            meta.get("reference_state_keys", FW.ADAM_STATE_KEYS),
+        )
     t3 = time.time()
     steps = int(job.get("steps") or 0)
     losses = train_steps(engine, steps) if steps else []
     t4 = time.time()
-    after = None
+    after: list[Any] | None = None
     if steps:  # the step counters after training: catches e.g. one `step` tensor shared by several states
         import torch.distributed as dist
 
         after = [None] * world()
         dist.all_gather_object(after, optimizer_facts(engine))
     if rank() == 0 and job.get("losses"):
-        Path(job["losses"]).write_text(json.dumps({
-            "world_size": world(), "global_batch": GLOBAL_BATCH, "losses": losses,
-            "global_steps_after": engine.global_steps,
-            "optimizer_step_after": sorted({s for f in after or [] for s in f.get("state_steps", [])}),
-            "ranks_after": after,
-        }, indent=1, default=str))
-    log(f"{meta['name']} @ {world()} ranks from {job['load']}: engine {t1 - t0:.1f}s, load {t2 - t1:.1f}s, "
-        f"dump {t3 - t2:.1f}s, {steps} steps {t4 - t3:.1f}s; losses {losses}")
+        Path(job["losses"]).write_text(
+            json.dumps(
+                {
+                    "world_size": world(),
+                    "global_batch": GLOBAL_BATCH,
+                    "losses": losses,
+                    "global_steps_after": engine.global_steps,
+                    "optimizer_step_after": sorted({s for f in after or [] for s in f.get("state_steps", [])}),
+                    "ranks_after": after,
+                },
+                indent=1,
+                default=str,
+            )
+        )
+    log(
+        f"{meta['name']} @ {world()} ranks from {job['load']}: engine {t1 - t0:.1f}s, load {t2 - t1:.1f}s, "
+        f"dump {t3 - t2:.1f}s, {steps} steps {t4 - t3:.1f}s; losses {losses}"
+    )
     del engine
 
 
@@ -341,8 +357,12 @@ class GlobalPatches:
     def __init__(self) -> None:
         import torch.nn.functional as F
 
-        self.spaces = {"torch": torch, "torch.nn.functional": F, "torch.nn.Module": torch.nn.Module,
-                       "torch.Tensor": torch.Tensor}
+        self.spaces = {
+            "torch": torch,
+            "torch.nn.functional": F,
+            "torch.nn.Module": torch.nn.Module,
+            "torch.Tensor": torch.Tensor,
+        }
         self.saved = {name: dict(vars(ns)) for name, ns in self.spaces.items()}
 
     def restore(self) -> list[str]:
@@ -386,7 +406,7 @@ def run_jobs(jobs_file: Path) -> None:
         dist.all_gather_object(errors, err)
         if rank() == 0:
             bad = {r: e for r, e in enumerate(errors) if e}
-            status = {"ok": not bad, "seconds": round(time.time() - t0, 2)}
+            status: dict[str, Any] = {"ok": not bad, "seconds": round(time.time() - t0, 2)}
             if bad:
                 status["error"] = next(iter(bad.values()))
                 status["failed_ranks"] = sorted(bad)
@@ -452,15 +472,23 @@ def run_trainer(a) -> None:
     trainer.train(resume_from_checkpoint=str(resume))
     engine = trainer.model_wrapped
     if rank() == 0 and a.result:
-        Path(a.result).write_text(json.dumps({
-            "world_size": world(),
-            "global_step": trainer.state.global_step,
-            "engine_global_steps": engine.global_steps,
-            "dp_world_size": engine.seq_dp_world_size,
-            "log_history": trainer.state.log_history,
-        }, indent=1, default=str))
-    log(f"trainer {meta['name']} @ {world()} ranks resumed from {resume}: global_step "
-        f"{trainer.state.global_step} in {time.time() - t0:.1f}s")
+        Path(a.result).write_text(
+            json.dumps(
+                {
+                    "world_size": world(),
+                    "global_step": trainer.state.global_step,
+                    "engine_global_steps": engine.global_steps,
+                    "dp_world_size": engine.seq_dp_world_size,
+                    "log_history": trainer.state.log_history,
+                },
+                indent=1,
+                default=str,
+            )
+        )
+    log(
+        f"trainer {meta['name']} @ {world()} ranks resumed from {resume}: global_step "
+        f"{trainer.state.global_step} in {time.time() - t0:.1f}s"
+    )
 
 
 def main(argv=None) -> int:
@@ -471,8 +499,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=0, help="training steps after the load")
     ap.add_argument("--losses", help="rank 0 writes the global mean loss per step here (JSON)")
     ap.add_argument("--no-scramble", action="store_true", help="keep the model's init values before the load")
-    ap.add_argument("--jobs", help="JSON list of engine jobs (fixture_meta, load, dump, steps, losses, status) "
-                    "to run one after the other in this process group")
+    ap.add_argument(
+        "--jobs",
+        help="JSON list of engine jobs (fixture_meta, load, dump, steps, losses, status) "
+        "to run one after the other in this process group",
+    )
     ap.add_argument("--trainer", action="store_true", help="HF Trainer resume mode")
     ap.add_argument("--resume", help="trainer mode: checkpoint-N folder to resume from")
     ap.add_argument("--max-steps", type=int, default=3)
@@ -491,8 +522,16 @@ def main(argv=None) -> int:
         if not a.load:
             ap.error("--load is required (or --jobs)")
         init_dist()
-        run_engine({"fixture_meta": a.fixture_meta, "load": a.load, "dump": a.dump, "steps": a.steps,
-                    "losses": a.losses, "scramble": not a.no_scramble})
+        run_engine(
+            {
+                "fixture_meta": a.fixture_meta,
+                "load": a.load,
+                "dump": a.dump,
+                "steps": a.steps,
+                "losses": a.losses,
+                "scramble": not a.no_scramble,
+            }
+        )
     FW.finish_distributed()
     return 0
 

@@ -16,6 +16,7 @@ import pickle
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -67,7 +68,8 @@ def _one_error_line(res, code: int, *needles: str) -> str:
 def _load_hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    model, info = loaded  # (model, loading info)
     return model.eval(), info
 
 

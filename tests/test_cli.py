@@ -183,7 +183,7 @@ def test_existing_output_and_output_inside_input(z3, tmp_path):
 def test_too_little_disk_space_is_refused_before_writing(z3, tmp_path, monkeypatch):
     import collections
 
-    usage = collections.namedtuple("usage", "total used free")
+    usage = collections.namedtuple("usage", "total used free")  # noqa: PYI024 - shutil.disk_usage's own type is one
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**9, 10**9, 1000))
     _assert_one_line_error(run("consolidate", z3, "--out", tmp_path / "out"), "not enough free disk space")
     assert not (tmp_path / "out").exists()

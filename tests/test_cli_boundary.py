@@ -49,7 +49,10 @@ def test_an_internal_error_message_spanning_lines_stays_on_one(monkeypatch):
     res = _inspect_raising(monkeypatch, RuntimeError("first\n  second"))
     assert res.exit_code == 1
     assert _stderr_lines(res) == [
-        "Error: internal error (RuntimeError: first second); please report it, rerun with CKPT_DEBUG=1 for the traceback"
+        (
+            "Error: internal error (RuntimeError: first second); please report it, "
+            "rerun with CKPT_DEBUG=1 for the traceback"
+        )
     ]
     res = _inspect_raising(monkeypatch, AssertionError())
     assert _stderr_lines(res)[0].startswith("Error: internal error (AssertionError); please report it")
@@ -96,7 +99,7 @@ def test_click_usage_errors_and_help_are_not_internal_errors():
 
 def _imports(path: Path) -> set[str]:
     """Modules a file imports, relative ones resolved against ckpttools.cli."""
-    names = set()
+    names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names.update(a.name for a in node.names)

@@ -63,9 +63,9 @@ def test_fp32_is_bit_identical_to_zero_to_fp32(name, tmp_path):
     else:
         assert not missing_upstream
     assert set(ref) <= set(ours)
-    for key, expected in ref.items():
+    for key, tensor in ref.items():
         # zero_to_fp32's API returns frozen params 16-bit; its CLI and ckpt write them upcast (lossless).
-        expected = expected.float() if expected.is_floating_point() else expected
+        expected = tensor.float() if tensor.is_floating_point() else tensor
         assert ours[key].dtype == expected.dtype, key
         assert torch.equal(ours[key], expected), key
     # every element stored in the folder (buffers too; a tie stored once), as `ckpt verify` counts them
@@ -85,7 +85,7 @@ def test_16bit_is_bit_identical_to_the_engines_own_state_dict(name, tmp_path):
         assert torch.equal(ours[key], expected), key
 
 
-@pytest.mark.parametrize("name", [n for n in ENGINE if n.startswith("z3_dp3") or n.startswith("z2_dp2")][:2])
+@pytest.mark.parametrize("name", [n for n in ENGINE if n.startswith(("z3_dp3", "z2_dp2"))][:2])
 def test_16bit_cast_of_masters_matches_engine_even_when_not_stored(name, tmp_path):
     """ZeRO-1/2 16-bit output comes from the module copy; the fp32->16-bit cast must agree with it."""
     ckpt = read_checkpoint(FIXTURES / name / "checkpoint")
@@ -156,7 +156,7 @@ def test_overwrite_refuses_a_folder_holding_files_ckpt_did_not_write(tmp_path):
     consolidate(ckpt, out)
     (out / "notes.txt").write_text("mine")
     before = tree_digest(out)
-    with pytest.raises(OutputError, match="notes.txt"):
+    with pytest.raises(OutputError, match=r"notes\.txt"):
         consolidate(ckpt, out, overwrite=True)
     assert tree_digest(out) == before
 

@@ -359,7 +359,7 @@ def test_a_rank_lost_after_publishing_leaves_exit_0_and_the_output(tmp_path):
     """Rank 1 killed while rank 0, after publishing, is about to print (CKPT_TEST_SLOW_WRITE_MS holds it there)."""
     out = tmp_path / "out"
     port = ds_launch.free_port()
-    procs = []
+    procs: list[subprocess.Popen[str]] = []
     for rank in range(2):
         env = {**_env(), "WORLD_SIZE": "2", "RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "CKPT_DISTRIBUTED": "1", "CKPT_TEST_SLOW_WRITE_MS": "500"}  # fmt: skip
@@ -367,7 +367,8 @@ def test_a_rank_lost_after_publishing_leaves_exit_0_and_the_output(tmp_path):
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))  # fmt: skip
     _wait(lambda: out.exists() or procs[0].poll() is not None, timeout=240)
     procs[1].kill()
-    rc, stdout, err = procs[0].wait(timeout=120), *procs[0].communicate(timeout=120)
+    rc = procs[0].wait(timeout=120)
+    stdout, err = procs[0].communicate(timeout=120)
     procs[1].communicate()
     assert rc == 0, err
     if stdout:  # rank 1 went while rank 0 was about to print the result

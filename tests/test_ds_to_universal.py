@@ -30,7 +30,7 @@ CASES = ["z1_dp2_bf16", "z2_dp3_fp32", "z2_dp2_bf16", "z1_dp2_bf16_bf16opt", "z3
 
 def _root(name: str) -> Path:
     out = FIXTURES / name / "out"
-    return sorted(out.glob("checkpoint-*"))[-1] if out.exists() else FIXTURES / name / "checkpoint"
+    return max(out.glob("checkpoint-*")) if out.exists() else FIXTURES / name / "checkpoint"
 
 
 def _tag_dir(name: str) -> Path:
@@ -40,7 +40,8 @@ def _tag_dir(name: str) -> Path:
 
 def _deepspeed(tag_dir: Path, out: Path) -> None:
     args = argparse.Namespace(input_folder=str(tag_dir), output_folder=str(out), num_extract_workers=1,
-                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=True)  # fmt: skip
+                              num_merge_workers=1, keep_temp_folder=False, strict=True,
+                              inject_missing_state=True)  # fmt: skip
     dsu.main(args)
 
 

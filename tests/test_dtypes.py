@@ -3,7 +3,21 @@ import torch
 
 from ckpttools import dtypes
 
-SPECIAL = [0.0, -0.0, 1.0, -1.0, float("inf"), float("-inf"), float("nan"), 1e-45, -1e-40, 3.4e38, 65504.0, 65520.0, 1e-8]
+SPECIAL = [
+    0.0,
+    -0.0,
+    1.0,
+    -1.0,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    1e-45,
+    -1e-40,
+    3.4e38,
+    65504.0,
+    65520.0,
+    1e-8,
+]
 
 
 def _values():
@@ -14,8 +28,17 @@ def _values():
     return torch.cat([rand, ties, torch.tensor(SPECIAL)])
 
 
-@pytest.mark.parametrize("src,dst", [("float32", "bfloat16"), ("float32", "float16"), ("bfloat16", "float32"),
-                                     ("float16", "float32"), ("bfloat16", "float16"), ("float16", "bfloat16")])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ("float32", "bfloat16"),
+        ("float32", "float16"),
+        ("bfloat16", "float32"),
+        ("float16", "float32"),
+        ("bfloat16", "float16"),
+        ("float16", "bfloat16"),
+    ],
+)
 def test_cast_is_bit_identical_to_torch(src, dst):
     x = _values().to(getattr(torch, src))
     n = x.numel()
@@ -23,8 +46,9 @@ def test_cast_is_bit_identical_to_torch(src, dst):
     dtypes.cast(x.view(torch.uint8).numpy().tobytes(), dtypes.BY_NAME[src], out, dtypes.BY_NAME[dst], n)
     ours = torch.frombuffer(out, dtype=getattr(torch, dst))
     expected = x.to(getattr(torch, dst))
-    same = (ours.view(torch.int16 if ours.element_size() == 2 else torch.int32)
-            == expected.view(torch.int16 if expected.element_size() == 2 else torch.int32))
+    same = ours.view(torch.int16 if ours.element_size() == 2 else torch.int32) == expected.view(
+        torch.int16 if expected.element_size() == 2 else torch.int32
+    )
     nan = expected.isnan()
     assert bool((same | (nan & ours.isnan())).all())
 

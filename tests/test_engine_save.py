@@ -15,6 +15,7 @@ import struct
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -39,7 +40,6 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import ds_launch  # noqa: E402
 import fixture_worker as fw  # noqa: E402  (the toy model with tied/frozen/int/non-persistent buffers)
 
-
 # --------------------------------------------------------------------------------------------------
 # helpers
 # --------------------------------------------------------------------------------------------------
@@ -49,8 +49,16 @@ def tiny_gpt2(dtype=torch.bfloat16, tie=True):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=56, n_positions=32, bos_token_id=2,
-                        eos_token_id=2, tie_word_embeddings=tie)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=56,
+        n_positions=32,
+        bos_token_id=2,
+        eos_token_id=2,
+        tie_word_embeddings=tie,
+    )
     return GPT2LMHeadModel(config).to(dtype)
 
 
@@ -74,15 +82,16 @@ def header_metadata(path: Path) -> dict:
 
 def assert_same(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
     assert set(ours) == set(ref)
-    for k in ours:
-        assert ours[k].dtype == ref[k].dtype, k
-        assert torch.equal(ours[k], ref[k]), k
+    for k, tensor in ours.items():
+        assert tensor.dtype == ref[k].dtype, k
+        assert torch.equal(tensor, ref[k]), k
 
 
 def load_hf(folder: Path):
     from transformers import AutoModelForCausalLM
 
-    model, info = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)  # (model, loading info)
+    model, info = loaded
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     return model
 
@@ -126,8 +135,10 @@ def test_cast_to_fp32_sharded_with_index(tmp_path):
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
     state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     assert set(index["weight_map"]) == set(state)
-    assert index["metadata"] == {"total_size": sum(v.numel() * 4 for v in state.values()),
-                                 "total_parameters": sum(v.numel() for v in state.values())}
+    assert index["metadata"] == {
+        "total_size": sum(v.numel() * 4 for v in state.values()),
+        "total_parameters": sum(v.numel() for v in state.values()),
+    }
     for shard in shards:
         assert header_metadata(tmp_path / "out" / shard) == {"format": "pt"}
     assert_same(read_folder(tmp_path / "out"), {k: v.float() for k, v in state.items()})
@@ -143,7 +154,7 @@ def test_plain_module_keeps_alias_copies_buffers_and_frozen(tmp_path):
     result = save_pretrained_from_engine(model, tmp_path / "out")
     ours = read_folder(tmp_path / "out")
     state = model.state_dict()
-    assert list(ours) == [k for k in state]  # order too; no `mask` (non-persistent); head.weight as a copy
+    assert list(ours) == list(state)  # order too; no `mask` (non-persistent); head.weight as a copy
     assert "mask" not in ours and "frozen.weight" in ours and "head.weight" in ours
     assert_same(ours, dict(state))
     assert ours["counts"].dtype == torch.int64 and ours["counts"].tolist() == [7, 5, -3]
@@ -223,7 +234,7 @@ def test_existing_output_folder(tmp_path):
     names = [MANIFEST, "config.json", "generation_config.json", "keep.txt", "model.safetensors"]
     assert sorted(os.listdir(out)) == names
     load_hf(out)
-    with pytest.raises(OutputError, match="keep.txt, which ckpt did not write"):  # replace: only what ckpt wrote
+    with pytest.raises(OutputError, match=r"keep\.txt, which ckpt did not write"):  # replace: only what ckpt wrote
         save_pretrained_from_engine(model, out, if_exists="replace")
     (out / "keep.txt").unlink()
     save_pretrained_from_engine(model, out, if_exists="replace", max_shard_size="10KB")
@@ -261,13 +272,21 @@ def test_v5_weight_conversion_is_noted(tmp_path):
     from transformers import MixtralConfig, MixtralForCausalLM
 
     torch.manual_seed(0)
-    config = MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, num_key_value_heads=1, num_local_experts=2, num_experts_per_tok=1)
+    config = MixtralConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
     model = MixtralForCausalLM(config)
     result = save_pretrained_from_engine(model, tmp_path / "out")
     assert any("converts weights on load" in n for n in result.notes)
     loaded = load_hf(tmp_path / "out")
-    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values(), strict=False):
         assert torch.equal(a, b), k
 
 
@@ -404,7 +423,7 @@ def test_trainer_callback_zero3_without_gather_flag(trainer_run, tmp_path):
     for step in (1, 2):
         ckpt = run / f"checkpoint-{step}"
         names = os.listdir(ckpt)
-        assert "global_step%d" % step in names and "trainer_state.json" in names  # the Trainer's files stay
+        assert f"global_step{step}" in names and "trainer_state.json" in names  # the Trainer's files stay
         model = load_hf(ckpt)
         assert model.dtype == torch.bfloat16
         ours = read_folder(ckpt)

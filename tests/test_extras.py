@@ -139,7 +139,7 @@ def base_python(tmp_path_factory) -> Path:
         dist = importlib.metadata.distribution(name)
         for top in {f.parts[0] for f in dist.files or () if f.parts[0] not in ("..", "__pycache__")}:
             if not (site / top).exists():
-                (site / top).symlink_to(dist.locate_file(top))
+                (site / top).symlink_to(str(dist.locate_file(top)))
         todo += [Requirement(r) for r in dist.requires or ()]
     assert not {canonicalize_name(n) for n in EXTRA_ONLY} & seen, seen
     return python

@@ -212,7 +212,7 @@ def test_trainer_output_dir_with_a_final_model_pushes_that_model(models, tmp_pat
     res = push(None, out, "--repo", "org/final", "--dry-run", "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert [f["path"] for f in data["files"]] == _model_files(models / "fp32") + ["README.md"]
+    assert [f["path"] for f in data["files"]] == [*_model_files(models / "fp32"), "README.md"]
     assert data["folder"] == str(out) and "checkpoint-N folders and training state are left out" in res.stderr
     res = push(
         None, out, "--repo", "org/final", "--dry-run", "--step", "1", "--json"
@@ -278,7 +278,7 @@ def test_dry_run_sends_nothing_even_offline(model, tmp_path):
         assert hub.log == []
     data = json.loads(res.stdout)
     assert data["dry_run"] and data["commit_url"] is None
-    assert [f["path"] for f in data["files"]] == _model_files(model) + ["README.md"]
+    assert [f["path"] for f in data["files"]] == [*_model_files(model), "README.md"]
     assert data["total_size"] == sum(f["size"] for f in data["files"])
     text = push(None, model, "--repo", "org/dry", "--dry-run").stdout
     assert text.startswith("Dry run, nothing sent: would upload 6 files") and "generated model card" in text
@@ -363,10 +363,12 @@ def test_post_train_script_runs_the_whole_chain(hub, tmp_path):
     venv_bin = str(Path(sys.executable).parent)
     env |= {
         "CI": "true", "HF_ENDPOINT": hub.url, "HF_TOKEN": TOKEN, "HF_HUB_DISABLE_XET": "1", "CKPT_DTYPE": "bf16",
-        "PATH": os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin),  # use .venv/bin/ckpt
+        # use .venv/bin/ckpt
+        "PATH": os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep) if p != venv_bin),
     }  # fmt: skip
     proc = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "post_train.sh"), str(TRAINER / "checkpoint-2"), "org/ci", "--revision", "run-1"],
+        ["bash", str(ROOT / "scripts" / "post_train.sh"), str(TRAINER / "checkpoint-2"), "org/ci",
+         "--revision", "run-1"],
         check=False, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

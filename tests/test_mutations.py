@@ -36,7 +36,7 @@ import zipfile
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from click.testing import CliRunner
@@ -561,7 +561,7 @@ def _output_diff(command: str, ref: Reference, run: Run, ctx: mut.Ctx, out: Path
         except ValueError as e:
             return f"inspect --json printed no JSON ({e}): {run.stdout[:100]!r}"
         ignored = set().union(*(INSPECT_FROM_FILE.get(t, set()) for t in ctx.touched))
-        exp = {k: v for k, v in ref.inspect.items() if k not in ignored}
+        exp = {k: v for k, v in cast(dict, ref.inspect).items() if k not in ignored}  # set when ref.ok
         got = {k: v for k, v in got.items() if k not in ignored}
         if exp != got:
             keys = sorted(k for k in set(exp) | set(got) if exp.get(k) != got.get(k))
@@ -569,15 +569,15 @@ def _output_diff(command: str, ref: Reference, run: Run, ctx: mut.Ctx, out: Path
         return None
     if not out.is_dir():
         return f"exit 0 but no output folder {out.name}"
-    expected: dict[str, bytes | Path | None] = dict(_regular_files(ref.out))
+    expected: dict[str, bytes | Path | None] = dict(_regular_files(cast(Path, ref.out)))  # set when ref.ok
     for rel, root_rel in ref.verbatim.items():
         if root_rel in ctx.touched:
             src = ctx.root / root_rel
             expected[rel] = src.read_bytes() if src.is_file() and os.access(src, os.R_OK) else None
-    expected = {k: v for k, v in expected.items() if v is not None}
+    present: dict[str, bytes | Path] = {k: v for k, v in expected.items() if v is not None}
     got = _regular_files(out)
-    if set(expected) != set(got):
-        return f"files {sorted(set(expected) - set(got))[:4]} missing, {sorted(set(got) - set(expected))[:4]} extra"
+    if set(present) != set(got):
+        return f"files {sorted(set(present) - set(got))[:4]} missing, {sorted(set(got) - set(present))[:4]} extra"
     for rel in sorted(got):
         if got[rel].is_symlink():
             return f"{rel} is a symlink in the output"
@@ -586,7 +586,7 @@ def _output_diff(command: str, ref: Reference, run: Run, ctx: mut.Ctx, out: Path
         elif rel == ".ckpt-manifest.json":  # derived from the other files, which may differ (an edited config)
             d = _manifest_diff(got)
         else:
-            d = file_diff(expected[rel], got[rel], rel, frozenset(ctx.extra_keys))
+            d = file_diff(present[rel], got[rel], rel, frozenset(ctx.extra_keys))
         if d:
             return d
     return None
@@ -603,7 +603,7 @@ def _config_diff(ref: Reference, ctx: mut.Ctx, got: Path) -> str | None:
     """consolidate rewrites config.json (the dtype written): with an edited config.json, the expected file is the
     edited config as Python's json reads it, with the keys the tool rewrote in the reference run."""
     pristine = json.loads((ctx.info.src_root / "config.json").read_text())
-    ref_out = json.loads((ref.out / "config.json").read_text())
+    ref_out = json.loads((cast(Path, ref.out) / "config.json").read_text())  # set when ref.ok
     try:
         expected = json.loads((ctx.root / "config.json").read_bytes())
     except (ValueError, RecursionError, OSError) as e:

@@ -171,8 +171,8 @@ def test_holdings_compare_zip_directories_and_contents(tmp_path):
             for f, x in zip(folders, held, strict=True)]  # fmt: skip
     nodelocal.check_copies_agree(same)
     (folders[1] / "latest").write_text("global_step9")
-    bad = [{rel: replace(h, fingerprint=nodelocal.fingerprint(f / rel, h.size)) for rel, h in nodelocal.list_held(f).items()}
-           for f in folders]  # fmt: skip
+    bad = [{rel: replace(h, fingerprint=nodelocal.fingerprint(f / rel, h.size))
+            for rel, h in nodelocal.list_held(f).items()} for f in folders]  # fmt: skip
     with pytest.raises(CorruptCheckpointError, match="latest differs between rank 0"):
         nodelocal.check_copies_agree(bad)
     assert nodelocal.list_held(tmp_path / "absent") == {}

@@ -313,5 +313,5 @@ def test_a_frozen_tie_whose_record_was_lost_is_refused(tmp_path):
     assert obj["shared_params"]
     obj["shared_params"] = {}
     torch.save(obj, path)
-    with pytest.raises(CorruptCheckpointError, match="shares its storage with .*shared_params does not list it"):
+    with pytest.raises(CorruptCheckpointError, match=r"shares its storage with .*shared_params does not list it"):
         open_checkpoint(ckpt)

@@ -68,7 +68,9 @@ def test_a_rank_file_from_another_step(tmp_path, name):
 
 
 def _bump_step(osd):
-    state = osd["base_optimizer_state"]["state"] if "base_optimizer_state" in osd else osd["optimizer_state_dict"]["state"]
+    state = (
+        osd["base_optimizer_state"]["state"] if "base_optimizer_state" in osd else osd["optimizer_state_dict"]["state"]
+    )
     for entry in state.values():
         entry["step"] = entry["step"] + 1
 
@@ -127,7 +129,7 @@ def test_a_broken_config_json_is_one_line_before_anything_is_written(tmp_path, t
     shutil.copytree(FIXTURES / "trainer_z2_bf16" / "out" / "checkpoint-2", tmp_path / "ckpt")
     (tmp_path / "ckpt" / "config.json").write_text(text)
     before = tree_digest(tmp_path / "ckpt")
-    with pytest.raises(CkptError, match="config.json"):
+    with pytest.raises(CkptError, match=r"config\.json"):
         consolidate(tmp_path / "ckpt", tmp_path / "out")
     assert tree_digest(tmp_path / "ckpt") == before and not (tmp_path / "out").exists()
 

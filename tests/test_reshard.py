@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from ckpttools import consolidate
 from ckpttools.errors import OutputError, UsageError
-from ckpttools.sources import read_checkpoint
 from ckpttools.reshard import reshard, split_subgroups
+from ckpttools.sources import read_checkpoint
 
 from .conftest import FIXTURES, fixture_names, tree_digest
 
@@ -25,7 +25,7 @@ CASES = [("z1_dp2_fp32", 3), ("z2_dp2_bf16", 1), ("z3_dp3_fp32", 2), ("z3_dp1_bf
 
 def _src(name):
     out = FIXTURES / name / "out"
-    return sorted(out.glob("checkpoint-*"))[-1] if out.exists() else FIXTURES / name / "checkpoint"
+    return max(out.glob("checkpoint-*")) if out.exists() else FIXTURES / name / "checkpoint"
 
 
 @pytest.mark.parametrize("name,dp", CASES)
@@ -38,7 +38,10 @@ def test_consolidating_the_resharded_checkpoint_gives_identical_weights(name, dp
     for dtype in {"fp32", {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}[train_dtype]}:
         consolidate(_src(name), tmp_path / f"a{dtype}", dtype=dtype)
         consolidate(tmp_path / "rs", tmp_path / f"b{dtype}", dtype=dtype)
-        a, b = load_file(tmp_path / f"a{dtype}" / "model.safetensors"), load_file(tmp_path / f"b{dtype}" / "model.safetensors")
+        a, b = (
+            load_file(tmp_path / f"a{dtype}" / "model.safetensors"),
+            load_file(tmp_path / f"b{dtype}" / "model.safetensors"),
+        )
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -64,8 +67,11 @@ def _layout(obj):
     if isinstance(obj, torch.Tensor):
         return ("tensor", tuple(obj.shape), obj.dtype)
     if isinstance(obj, dict):
-        return {k: _layout(v) for k, v in obj.items() if k not in ("ds_config", "step", "lr_scheduler", "global_steps",
-                                                                     "global_samples", "ds_version", "module")}
+        return {
+            k: _layout(v)
+            for k, v in obj.items()
+            if k not in ("ds_config", "step", "lr_scheduler", "global_steps", "global_samples", "ds_version", "module")
+        }
     if isinstance(obj, (list, tuple)):
         return [_layout(v) for v in obj]
     if hasattr(obj, "__dict__") and type(obj).__module__.startswith("deepspeed.utils"):
@@ -73,8 +79,15 @@ def _layout(obj):
     return obj if isinstance(obj, (int, str, type(None))) else type(obj).__name__
 
 
-@pytest.mark.parametrize("src,dst", [("z1_dp2_bf16", "z1_dp4_bf16"), ("z2_dp4_fp32", "z2_dp2_fp32"),
-                                     ("z3_dp2_bf16", "z3_dp4_bf16"), ("z3_dp4_fp32", "z3_dp1_fp32")])
+@pytest.mark.parametrize(
+    "src,dst",
+    [
+        ("z1_dp2_bf16", "z1_dp4_bf16"),
+        ("z2_dp4_fp32", "z2_dp2_fp32"),
+        ("z3_dp2_bf16", "z3_dp4_bf16"),
+        ("z3_dp4_fp32", "z3_dp1_fp32"),
+    ],
+)
 def test_layout_equals_what_deepspeed_itself_writes_at_the_new_size(src, dst, tmp_path):
     """Same model and config saved by DeepSpeed at DP=M: padding, partitions, sub-groups, mappings all match."""
     m = read_checkpoint(_src(dst)).dp_world_size
@@ -95,7 +108,7 @@ def test_round_trip_returns_the_original_bytes(tmp_path):
     for path in (src / "global_step2").glob("*optim_states.pt"):
         a = torch.load(path, weights_only=False)["optimizer_state_dict"]
         b = torch.load(tmp_path / "n" / "global_step2" / path.name, weights_only=False)["optimizer_state_dict"]
-        for x, y in zip(a["single_partition_of_fp32_groups"], b["single_partition_of_fp32_groups"]):
+        for x, y in zip(a["single_partition_of_fp32_groups"], b["single_partition_of_fp32_groups"], strict=False):
             assert torch.equal(x, y)
         for g, state in a["base_optimizer_state"]["state"].items():
             for k, v in state.items():
@@ -128,7 +141,14 @@ def test_trainer_folder_files_and_rng_states_follow(tmp_path):
     src = _src("trainer_z2_bf16")
     result = reshard(src, tmp_path / "rs", dp=3)
     names = {p.name for p in (tmp_path / "rs").iterdir()}
-    assert {"config.json", "trainer_state.json", "tokenizer.json", "latest", "rng_state_0.pth", "rng_state_1.pth"} <= names
+    assert {
+        "config.json",
+        "trainer_state.json",
+        "tokenizer.json",
+        "latest",
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    } <= names
     assert "rng_state_2.pth" not in names and any("RNG" in n for n in result.notes)
     reshard(src, tmp_path / "one", dp=1)
     assert (tmp_path / "one" / "rng_state.pth").exists()
@@ -159,7 +179,9 @@ def test_universal_matches_ds_to_universal_and_converts_back(name, dp, tmp_path)
     for pdir in params:
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
             ours = torch.load(pdir / f"{state}.pt", weights_only=False)
-            theirs = torch.load(tmp_path / "ds" / "global_step2" / "zero" / pdir.name / f"{state}.pt", weights_only=False)
+            theirs = torch.load(
+                tmp_path / "ds" / "global_step2" / "zero" / pdir.name / f"{state}.pt", weights_only=False
+            )
             theirs = theirs["param"] if isinstance(theirs, dict) else theirs
             assert ours["param"].shape == read_checkpoint(src).masters[pdir.name].shape
             assert torch.equal(ours["param"].flatten(), theirs.flatten()), (pdir.name, state)
@@ -183,8 +205,9 @@ def test_universal_options_are_exclusive(tmp_path):
 def test_zero3_subgroups_get_their_own_step_tensor(tmp_path):
     """torch AdamW keeps `step` as a tensor; shared between sub-groups it would advance once per sub-group."""
     reshard(_src("z3_dp3_fp32"), tmp_path / "rs", dp=2)
-    state = torch.load(tmp_path / "rs" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
-                       weights_only=False)["optimizer_state_dict"]["optimizer_state_dict"]["state"]
+    state = torch.load(
+        tmp_path / "rs" / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", weights_only=False
+    )["optimizer_state_dict"]["optimizer_state_dict"]["state"]
     steps = [s["step"] for s in state.values()]
     assert len(steps) > 1 and all(torch.is_tensor(s) and s.item() == 2 for s in steps)
     assert len({s.untyped_storage().data_ptr() for s in steps}) == len(steps)

@@ -36,6 +36,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ pytestmark = pytest.mark.slow
 
 pytest.importorskip("deepspeed")
 _reshard_module = pytest.importorskip("ckpttools.reshard", reason="ckpttools.reshard is not there yet")
-reshard = getattr(_reshard_module, "reshard", None)
+reshard: Any = getattr(_reshard_module, "reshard", None)
 if reshard is None:
     pytest.skip("ckpttools.reshard has no reshard()", allow_module_level=True)
 
@@ -58,6 +59,7 @@ WORKER = Path(__file__).resolve().parent / "reshard_worker.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 import ds_launch  # noqa: E402
 from ds_launch import Run  # noqa: E402
+
 STEPS = 3
 BATCH_TIMEOUT = 1200
 SINGLE_TIMEOUT = 420
@@ -87,7 +89,7 @@ def _meta(name: str) -> dict:
 # --------------------------------------------------------------------------------------------------------
 
 
-def torchrun(nproc: int, args: list[str], timeout: int = SINGLE_TIMEOUT) -> Run:
+def torchrun(nproc: int, args: list[object], timeout: int = SINGLE_TIMEOUT) -> Run:
     """The worker under torchrun; never raises for a failing command (the caller looks at rc/output)."""
     return ds_launch.torchrun(nproc, WORKER, args, cwd=ROOT, timeout=timeout)
 
@@ -145,8 +147,14 @@ class Load:
         return self.dir / "status.json"
 
     def job(self) -> dict:
-        return {"fixture_meta": str(self.meta), "load": str(self.load), "dump": str(self.dump), "steps": STEPS,
-                "losses": str(self.losses_file), "status": str(self.status)}
+        return {
+            "fixture_meta": str(self.meta),
+            "load": str(self.load),
+            "dump": str(self.dump),
+            "steps": STEPS,
+            "losses": str(self.losses_file),
+            "status": str(self.status),
+        }
 
     def ok(self) -> bool:
         if not self.status.exists():
@@ -213,9 +221,13 @@ class Lab:
     def _original(self, fixture: str) -> None:
         if fixture not in self.originals:
             n = _meta(fixture)["dp"]
-            self.originals[fixture] = Load(f"{fixture} (original) at {n}", FIXTURES / fixture / "meta.json",
-                                           FIXTURES / fixture / "checkpoint", n,
-                                           self.work / "loads" / f"{fixture}-original")
+            self.originals[fixture] = Load(
+                f"{fixture} (original) at {n}",
+                FIXTURES / fixture / "meta.json",
+                FIXTURES / fixture / "checkpoint",
+                n,
+                self.work / "loads" / f"{fixture}-original",
+            )
 
     def _reshard(self, fixture: str, m: int) -> None:
         src = FIXTURES / fixture / "checkpoint"
@@ -234,8 +246,14 @@ class Lab:
         self.time(f"reshard {fixture} -> {m}", time.time() - t0)
         self.reshard_results[(fixture, m)] = res if err is None else err
         self.digests.setdefault(fixture, [before, None])[1] = tree_digest(FIXTURES / fixture)
-        ld = Load(f"{fixture} resharded to {m}", FIXTURES / fixture / "meta.json", load_dir, m,
-                  self.work / "loads" / f"{fixture}-to{m}", error=err)
+        ld = Load(
+            f"{fixture} resharded to {m}",
+            FIXTURES / fixture / "meta.json",
+            load_dir,
+            m,
+            self.work / "loads" / f"{fixture}-to{m}",
+            error=err,
+        )
         self.resharded[(fixture, m)] = ld
 
     def _run_batch(self, world: int, loads: list[Load]) -> None:
@@ -254,19 +272,32 @@ class Lab:
                 ld.batched = True
                 st = json.loads(ld.status.read_text())
                 if not ld.ok():
-                    ld.error = (f"plain DeepSpeed load of {ld.key} at {ld.world} ranks failed"
-                                f"{' on ranks ' + str(st.get('failed_ranks')) if st.get('failed_ranks') else ''} "
-                                f"(in the --jobs batch, log {self.work / f'jobs-{world}.log'}; alone: "
-                                f"{self.single_command(ld)})\n{_short_error(st.get('error', ''))}")
+                    ld.error = (
+                        f"plain DeepSpeed load of {ld.key} at {ld.world} ranks failed"
+                        f"{' on ranks ' + str(st.get('failed_ranks')) if st.get('failed_ranks') else ''} "
+                        f"(in the --jobs batch, log {self.work / f'jobs-{world}.log'}; alone: "
+                        f"{self.single_command(ld)})\n{_short_error(st.get('error', ''))}"
+                    )
 
     @staticmethod
     def single_args(ld: Load) -> list:
-        return ["--fixture-meta", ld.meta, "--load", ld.load, "--dump", ld.dump, "--steps", STEPS,
-                "--losses", ld.losses_file]
+        return [
+            "--fixture-meta",
+            ld.meta,
+            "--load",
+            ld.load,
+            "--dump",
+            ld.dump,
+            "--steps",
+            STEPS,
+            "--losses",
+            ld.losses_file,
+        ]
 
     def single_command(self, ld: Load) -> str:
-        return (f"torchrun --nproc_per_node {ld.world} {WORKER.relative_to(ROOT)} "
-                + " ".join(map(str, self.single_args(ld))))
+        return f"torchrun --nproc_per_node {ld.world} {WORKER.relative_to(ROOT)} " + " ".join(
+            map(str, self.single_args(ld))
+        )
 
     def _run_single(self, ld: Load) -> None:
         for p in (ld.status, ld.dump, ld.info_file, ld.losses_file):
@@ -276,8 +307,10 @@ class Lab:
         ld.run = run
         (ld.dir / "worker.log").write_text(run.output)
         if run.rc != 0 or not ld.dump.exists() or not ld.losses_file.exists():
-            ld.error = (f"plain DeepSpeed load of {ld.key} at {ld.world} ranks failed (rc {run.rc}); "
-                        f"log {ld.dir / 'worker.log'}\n{_short_error(run.output)}")
+            ld.error = (
+                f"plain DeepSpeed load of {ld.key} at {ld.world} ranks failed (rc {run.rc}); "
+                f"log {ld.dir / 'worker.log'}\n{_short_error(run.output)}"
+            )
 
     def consolidated_dir(self, which: str, fixture: str, m: int | None, dtype: str) -> Path:
         """consolidate() output for the original (m None) or the resharded checkpoint; once each."""
@@ -360,8 +393,9 @@ def _compare(ours: dict, ref: dict, keys, what: str) -> list[str]:
             problems.append(f"{k}: {a.dtype}{tuple(a.shape)} vs {what} {b.dtype}{tuple(b.shape)}")
         elif not torch.equal(a, b):
             d = (a.double() - b.double()).abs()
-            problems.append(f"{k}: {int((d > 0).sum())}/{a.numel()} elements differ from {what}, max |diff| "
-                            f"{d.max().item():.3g}")
+            problems.append(
+                f"{k}: {int((d > 0).sum())}/{a.numel()} elements differ from {what}, max |diff| {d.max().item():.3g}"
+            )
     return problems
 
 
@@ -374,7 +408,7 @@ def _full_state_problems(ld: Load, fixture: str) -> list[str]:
 def _module_problems(ld: Load, fixture: str) -> list[str]:
     meta = _meta(fixture)
     ref = load_file(FIXTURES / fixture / "reference" / "bit16.safetensors")
-    ours = {k[len("module/"):]: v for k, v in ld.tensors().items() if k.startswith("module/")}
+    ours = {k[len("module/") :]: v for k, v in ld.tensors().items() if k.startswith("module/")}
     problems = _compare(ours, ref, sorted(ref), "reference/bit16")
     for n in meta.get("nonpersistent_buffers", []):  # not in any checkpoint: must still hold the model's value
         if n in ours and not torch.equal(ours[n], torch.ones_like(ours[n])):
@@ -385,11 +419,16 @@ def _module_problems(ld: Load, fixture: str) -> list[str]:
 def _check_losses(ours: list[float], ref: list[float], fp32: bool, what: str) -> None:
     tol = 1e-5 if fp32 else 1e-2
     assert len(ours) == len(ref) == STEPS, (ours, ref)
-    bad = [(i + 1, a, b) for i, (a, b) in enumerate(zip(ours, ref))
-           if not math.isfinite(a) or abs(a - b) > tol * abs(b)]
-    assert not bad, (f"{what}: losses differ beyond rel. {tol}: " +
-                     ", ".join(f"step +{i}: {a!r} vs {b!r} (rel {abs(a - b) / abs(b):.2e})" for i, a, b in bad)
-                     + f"\n  resharded: {ours}\n  original:  {ref}")
+    bad = [
+        (i + 1, a, b)
+        for i, (a, b) in enumerate(zip(ours, ref, strict=True))
+        if not math.isfinite(a) or abs(a - b) > tol * abs(b)
+    ]
+    assert not bad, (
+        f"{what}: losses differ beyond rel. {tol}: "
+        + ", ".join(f"step +{i}: {a!r} vs {b!r} (rel {abs(a - b) / abs(b):.2e})" for i, a, b in bad)
+        + f"\n  resharded: {ours}\n  original:  {ref}"
+    )
 
 
 def _folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -441,8 +480,17 @@ def test_negative_control_original_checkpoint_is_refused_at_another_dp(lab):
     fixture, m = "z2_dp2_fp32", 3
     out = lab.work / "negative"
     out.mkdir(exist_ok=True)
-    run = torchrun(m, ["--fixture-meta", FIXTURES / fixture / "meta.json", "--load", FIXTURES / fixture / "checkpoint",
-                       "--dump", out / "dump.safetensors"])
+    run = torchrun(
+        m,
+        [
+            "--fixture-meta",
+            FIXTURES / fixture / "meta.json",
+            "--load",
+            FIXTURES / fixture / "checkpoint",
+            "--dump",
+            out / "dump.safetensors",
+        ],
+    )
     lab.time(f"negative control {fixture} at {m} ranks (rc {run.rc})", run.seconds)
     assert run.rc != 0, "DeepSpeed loaded a 2-rank checkpoint at 3 ranks?\n" + run.tail()
     assert "DP world size of 2 but the current world size is 3" in run.output, run.tail()
@@ -455,7 +503,7 @@ def test_negative_control_original_checkpoint_is_refused_at_another_dp(lab):
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_reshard_leaves_the_input_untouched(case, prepared):
-    fixture, m = case
+    fixture, _m = case
     res = prepared.reshard_results[case]
     if isinstance(res, str):
         pytest.fail(res, pytrace=False)
@@ -483,7 +531,7 @@ def test_module_weights_frozen_params_and_buffers_after_loading_at_m(case, prepa
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_step_counters_and_loss_scale_survive(case, prepared):
-    fixture, m = case
+    fixture, _m = case
     ours, ref = prepared.resharded[case].info(), prepared.originals[fixture].info()
     for key in ("global_steps", "global_samples", "skipped_steps", "optimizer_step", "cur_scale"):
         assert ours[key] == ref[key], f"{key}: {ours[key]!r} after the resharded load, {ref[key]!r} from the original"
@@ -499,14 +547,14 @@ def test_step_counters_and_loss_scale_survive(case, prepared):
 def test_step_counters_advance_like_the_original_while_training(case, prepared):
     """After 3 more steps every optimizer state must be at step 2 + 3, as in the original run (a `step` tensor
     shared by several states after the load would advance once per state)."""
-    fixture, m = case
+    fixture, _m = case
     ours, ref = prepared.resharded[case].after_training(), prepared.originals[fixture].after_training()
     assert ref["optimizer_step_after"] == [2.0 + STEPS] and ref["global_steps_after"] == 2 + STEPS, ref
     per_rank = [r.get("state_steps") for r in ours["ranks_after"]]
     assert ours["global_steps_after"] == ref["global_steps_after"]
     assert all(s == ref["optimizer_step_after"] for s in per_rank), (
-        f"optimizer steps per rank after {STEPS} more steps: {per_rank}, the original has "
-        f"{ref['optimizer_step_after']}")
+        f"optimizer steps per rank after {STEPS} more steps: {per_rank}, the original has {ref['optimizer_step_after']}"
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -514,8 +562,12 @@ def test_training_continues_like_the_original_at_n(case, prepared):
     fixture, m = case
     ours = prepared.resharded[case].losses()
     ref = prepared.originals[fixture].losses()
-    _check_losses(ours, ref, _train_dtype(fixture) == "fp32",
-                  f"{fixture} resharded to {m} (at {m} ranks) vs the original (at {_meta(fixture)['dp']} ranks)")
+    _check_losses(
+        ours,
+        ref,
+        _train_dtype(fixture) == "fp32",
+        f"{fixture} resharded to {m} (at {m} ranks) vs the original (at {_meta(fixture)['dp']} ranks)",
+    )
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -551,8 +603,20 @@ def test_trainer_resumes_from_a_resharded_checkpoint(case, lab):
     for name in sorted(p.name for p in src.iterdir() if p.is_file() and not p.name.startswith("rng_state")):
         assert (ckpt / name).is_file(), f"{name} of the Trainer checkpoint folder is missing after reshard"
     result = work / "result.json"
-    run = torchrun(m, ["--trainer", "--fixture-meta", FIXTURES / fixture / "meta.json", "--resume", ckpt,
-                       "--max-steps", 3, "--result", result])
+    run = torchrun(
+        m,
+        [
+            "--trainer",
+            "--fixture-meta",
+            FIXTURES / fixture / "meta.json",
+            "--resume",
+            ckpt,
+            "--max-steps",
+            3,
+            "--result",
+            result,
+        ],
+    )
     lab.time(f"trainer resume {fixture} at {m} ranks (rc {run.rc})", run.seconds)
     (work / "worker.log").write_text(run.output)
     assert run.rc == 0, f"Trainer resume at {m} ranks failed (rc {run.rc}):\n{_short_error(run.output)}"
@@ -589,5 +653,7 @@ def test_universal_checkpoint_loads_in_deepspeed_at_another_size(fixture, m, tmp
     assert run.rc == 0, _short_error(run.output)
     ours = load_file(dump)
     ref = load_file(FIXTURES / fixture / "reference" / "full_state.safetensors")
-    problems = [k for k in ref if k.split("/")[0] in ("fp32", "exp_avg", "exp_avg_sq") and not torch.equal(ours[k], ref[k])]
+    problems = [
+        k for k in ref if k.split("/")[0] in ("fp32", "exp_avg", "exp_avg_sq") and not torch.equal(ours[k], ref[k])
+    ]
     assert not problems, problems

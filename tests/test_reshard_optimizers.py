@@ -44,6 +44,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -160,8 +161,10 @@ class Load:
     def require(self) -> None:
         if self.error:
             if self.universal and _meta(self.fixture)["zero_stage"] == 3 and DS_Z3_UNIVERSAL_LOADER in self.raw_error:
-                pytest.xfail(f"DeepSpeed 0.19.8's ZeRO-3 universal loader ({DS_Z3_UNIVERSAL_LOADER}) reads only "
-                             f"fp32/exp_avg/exp_avg_sq and state[0]['step']: {self.error.splitlines()[-1]}")
+                pytest.xfail(
+                    f"DeepSpeed 0.19.8's ZeRO-3 universal loader ({DS_Z3_UNIVERSAL_LOADER}) reads only "
+                    f"fp32/exp_avg/exp_avg_sq and state[0]['step']: {self.error.splitlines()[-1]}"
+                )
             pytest.fail(self.error, pytrace=False)
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -202,7 +205,8 @@ class Lab:
             if isinstance(src, str):
                 self.outputs[key] = f"no universal checkpoint to convert back: {src}"
                 return self.outputs[key]
-            kwargs, what = {"dp": 2}, f"reshard(<universal of {fixture}>, dp=2)"
+            kwargs: dict[str, Any] = {"dp": 2}
+            what = f"reshard(<universal of {fixture}>, dp=2)"
         else:
             src = FIXTURES / fixture / "checkpoint"
             kwargs = {"universal": True} if variant == "universal" else {"dp": VARIANTS[variant][0]}
@@ -213,7 +217,7 @@ class Lab:
         t0 = time.time()
         try:
             res = reshard(src, out, **kwargs)
-            self.outputs[key] = Path(res.output_dir)
+            self.outputs[key] = Path(cast(str, res.output_dir))  # set once it returns
         except Exception as e:  # noqa: BLE001 - reported by every test that needs it
             self.outputs[key] = f"{what} raised {type(e).__name__}: {e}"
         self.time(what, time.time() - t0)
@@ -235,8 +239,14 @@ class Lab:
         for fixture, variant in self.wanted:
             world, universal = VARIANTS[variant]
             src = FIXTURES / fixture / "checkpoint" if variant == "original" else self.output(fixture, variant)
-            ld = Load(fixture, variant, None if isinstance(src, str) else src, world, universal,
-                      self.work / "loads" / f"{fixture}-{variant}")
+            ld = Load(
+                fixture,
+                variant,
+                None if isinstance(src, str) else src,
+                world,
+                universal,
+                self.work / "loads" / f"{fixture}-{variant}",
+            )
             if isinstance(src, str):
                 ld.error = src
             self.loads[(fixture, variant)] = ld
@@ -270,8 +280,7 @@ class Lab:
                     st = json.loads(ld.status.read_text())
                     ld.raw_error = st.get("error", "")
                     ranks = f" on ranks {st['failed_ranks']}" if st.get("failed_ranks") else ""
-                    ld.error = (f"DeepSpeed load of {ld.key} failed{ranks} (log {log})\n"
-                                f"{_short_error(ld.raw_error)}")
+                    ld.error = f"DeepSpeed load of {ld.key} failed{ranks} (log {log})\n{_short_error(ld.raw_error)}"
             elif single:
                 ld.batched = True
                 ld.raw_error = run.output
@@ -349,8 +358,9 @@ def _compare(ours: dict, ref: dict, keys, what: str) -> list[str]:
             problems.append(f"{k}: {a.dtype}{tuple(a.shape)} vs {what} {b.dtype}{tuple(b.shape)}")
         elif not torch.equal(a, b):
             d = (a.double() - b.double()).abs()
-            problems.append(f"{k}: {int((d > 0).sum())}/{a.numel()} elements differ from {what}, max |diff| "
-                            f"{d.max().item():.3g}")
+            problems.append(
+                f"{k}: {int((d > 0).sum())}/{a.numel()} elements differ from {what}, max |diff| {d.max().item():.3g}"
+            )
     return problems
 
 
@@ -363,30 +373,38 @@ def _state_problems(ld: Load) -> list[str]:
     if info["dp_world_size"] != ld.world:
         problems.append(f"dp_world_size {info['dp_world_size']}, not {ld.world}")
     if info["global_steps"] != meta["global_steps"]:
-        problems.append(f"global_steps {info['global_steps']} after the load, the checkpoint has "
-                        f"{meta['global_steps']}")
+        problems.append(
+            f"global_steps {info['global_steps']} after the load, the checkpoint has {meta['global_steps']}"
+        )
     want_keys, want_steps = meta["optimizer_state_keys"], _expected_steps(meta)
     for r, facts in enumerate(info["ranks"]):
         if facts.get("base") != meta["optimizer"]:
             problems.append(f"rank {r}: the torch optimizer is {facts.get('base')}, not {meta['optimizer']}")
         if facts.get("state_keys") != want_keys:
-            problems.append(f"rank {r}: optimizer state keys {facts.get('state_keys')} after the load, the "
-                            f"checkpoint has {want_keys}")
+            problems.append(
+                f"rank {r}: optimizer state keys {facts.get('state_keys')} after the load, the "
+                f"checkpoint has {want_keys}"
+            )
         if not want_keys and facts.get("num_nonempty_state_entries"):
-            problems.append(f"rank {r}: {facts['num_nonempty_state_entries']} optimizer state entries after loading "
-                            "a checkpoint that has none")
+            problems.append(
+                f"rank {r}: {facts['num_nonempty_state_entries']} optimizer state entries after loading "
+                "a checkpoint that has none"
+            )
         if facts.get("state_steps") != want_steps:
-            problems.append(f"rank {r}: optimizer steps {facts.get('state_steps')} after the load, "
-                            f"expected {want_steps}")
+            problems.append(
+                f"rank {r}: optimizer steps {facts.get('state_steps')} after the load, expected {want_steps}"
+            )
         if facts.get("group_weight_decay") != meta["param_group_weight_decay"]:
-            problems.append(f"rank {r}: weight decay per group {facts.get('group_weight_decay')}, the checkpoint has "
-                            f"{meta['param_group_weight_decay']}")
+            problems.append(
+                f"rank {r}: weight decay per group {facts.get('group_weight_decay')}, the checkpoint has "
+                f"{meta['param_group_weight_decay']}"
+            )
     return problems
 
 
 def _module_problems(ld: Load) -> list[str]:
     ref = _ref(ld.fixture, "bit16")
-    ours = {k[len("module/"):]: v for k, v in ld.tensors().items() if k.startswith("module/")}
+    ours = {k[len("module/") :]: v for k, v in ld.tensors().items() if k.startswith("module/")}
     return _compare(ours, ref, sorted(ref), "reference/bit16")
 
 
@@ -398,17 +416,20 @@ def _training_problems(ld: Load) -> list[str]:
     if len(losses) != STEPS or not all(math.isfinite(x) for x in losses):
         problems.append(f"losses {losses}")
     if after["global_steps_after"] != meta["global_steps"] + STEPS:
-        problems.append(f"global_steps {after['global_steps_after']} after {STEPS} step(s), expected "
-                        f"{meta['global_steps'] + STEPS}")
+        problems.append(
+            f"global_steps {after['global_steps_after']} after {STEPS} step(s), expected {meta['global_steps'] + STEPS}"
+        )
     want_keys = KEYS_AFTER_A_STEP[meta["optimizer"]]
     want_steps = _expected_steps(meta, STEPS)
     for r, facts in enumerate(after["ranks_after"] or []):
         if facts.get("state_keys") != want_keys:
-            problems.append(f"rank {r}: optimizer state keys {facts.get('state_keys')} after training, "
-                            f"expected {want_keys}")
+            problems.append(
+                f"rank {r}: optimizer state keys {facts.get('state_keys')} after training, expected {want_keys}"
+            )
         if facts.get("state_steps") != want_steps:
-            problems.append(f"rank {r}: optimizer steps {facts.get('state_steps')} after training, "
-                            f"expected {want_steps}")
+            problems.append(
+                f"rank {r}: optimizer steps {facts.get('state_steps')} after training, expected {want_steps}"
+            )
     return problems
 
 

@@ -85,7 +85,7 @@ def loads(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_deepspeed_loads_the_new_stage_with_the_same_state(case, loads):
     fixture, stage, dp = case
-    res, d = loads[case]
+    _res, d = loads[case]
     status = json.loads((d / "status.json").read_text()) if (d / "status.json").exists() else {"ok": False}
     assert status["ok"], status.get("error", f"no result; see the jobs-{dp}.log beside {d}")
     dump = load_file(d / "dump.safetensors")
@@ -104,7 +104,7 @@ def test_deepspeed_loads_the_new_stage_with_the_same_state(case, loads):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_the_written_checkpoint_reads_back_at_the_new_stage(case, loads):
-    fixture, stage, dp = case
+    _fixture, stage, dp = case
     res, _ = loads[case]
     ckpt = open_checkpoint(res.output_dir)
     assert (ckpt.zero_stage, ckpt.dp_world_size) == (stage, dp)

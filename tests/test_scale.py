@@ -23,8 +23,8 @@ import pytest
 from ckpttools import dtypes
 from ckpttools.consolidate import plan_shards, plan_tensors
 from ckpttools.crosscheck import check_module_copies
-from ckpttools.sources import read_checkpoint
 from ckpttools.reshard import _rank_files
+from ckpttools.sources import read_checkpoint
 from ckpttools.torchfile import LazyTensor, PickledObject, TorchSize, load_pickle
 from ckpttools.universal import universal_files
 

@@ -1,5 +1,6 @@
 """The one staging helper: outputs appear only complete; failures, Ctrl-C and SIGTERM leave nothing behind."""
 
+import itertools
 import os
 import signal
 import subprocess
@@ -104,9 +105,11 @@ def test_a_write_back_error_fails_the_run_and_publishes_nothing(tmp_path, monkey
         return -1
 
     monkeypatch.setattr(staging, "_libc_syncfs", lambda: failing_syncfs)
-    with pytest.raises(OutputError, match="failed on the disk") as info:
-        with staged_folder(tmp_path / "out", overwrite=False) as tmp:
-            (tmp / "a.txt").write_text("x")
+    with (
+        pytest.raises(OutputError, match="failed on the disk") as info,
+        staged_folder(tmp_path / "out", overwrite=False) as tmp,
+    ):
+        (tmp / "a.txt").write_text("x")
     assert "nothing was published" in str(info.value)
     assert _siblings(tmp_path) == []
 
@@ -145,7 +148,7 @@ def test_write_behind_hands_over_every_byte_by_the_end(tmp_path, monkeypatch):
         behind.finish()
         size = fh.tell()
         staging.wait_for_hints()
-    assert calls[0][0] == 0 and all(a + n == b for (a, n, _), (b, _, _) in zip(calls, calls[1:]))
+    assert calls[0][0] == 0 and all(a + n == b for (a, n, _), (b, _, _) in itertools.pairwise(calls))
     assert calls[-1][0] + calls[-1][1] == size and len(calls) >= 2
     assert {advice for *_, advice in calls} == {os.POSIX_FADV_DONTNEED}
 
@@ -188,7 +191,7 @@ def test_a_forked_child_gets_a_new_hint_thread(tmp_path):
             signal.alarm(20)  # a hang fails the test instead of stalling it
             staging.wait_for_hints()
             os._exit(0)
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - a forked child reports anything at all as its exit status
             os._exit(1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -113,7 +114,8 @@ def _assert_equal_to_deepspeed(name: str, fp32_dir: Path, bf16_dir: Path) -> tup
     engine = _engine_merge(name)
     assert bf16.keys() == engine.keys()
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, engine[k]) for k, t in bf16.items())
-    model, info = AutoModelForCausalLM.from_pretrained(fp32_dir, output_loading_info=True)
+    loaded: Any = AutoModelForCausalLM.from_pretrained(fp32_dir, output_loading_info=True)  # (model, loading info)
+    model, info = loaded
     assert not info["missing_keys"], info
     assert not info["unexpected_keys"], info
     assert all(torch.equal(v, fp32[k]) for k, v in model.state_dict().items())

@@ -10,7 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -157,7 +157,7 @@ def test_a_tensor_parallel_universal_folder_consolidates_as_its_native_checkpoin
     (tmp_path / "ds" / "latest_universal").write_text("universal_tag")
     assert cli(["--input_folder", str(_ckpt(name) / TAG), "--output_folder", str(tmp_path / "ours" / "u")]) == 0
     capsys.readouterr()
-    native = consolidate(_ckpt(name), tmp_path / "native", dtype=dtype, check_existing=False)
+    consolidate(_ckpt(name), tmp_path / "native", dtype=dtype, check_existing=False)
     for universal in (tmp_path / "ds", tmp_path / "ours"):
         ckpt = open_checkpoint(universal)
         assert (ckpt.layout.kind, ckpt.layout.tp, ckpt.source_format) == ("tensor", 2, "universal")
@@ -195,7 +195,7 @@ def _check_tp2(dump: dict[str, torch.Tensor], name: str) -> None:
 
 def _convert(name: str, tmp_path: Path) -> Path:
     res = reshard(_ckpt(name), tmp_path / "universal", universal=True)
-    return Path(res.output_dir)
+    return Path(cast(str, res.output_dir))  # set once it returns
 
 
 @pytest.mark.slow

@@ -30,14 +30,22 @@ def _assert_same(a, b, where="root"):
             _assert_same(a[k], b[k], f"{where}.{k}")
     elif isinstance(b, (list, tuple)):
         assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_same(x, y, f"{where}[{i}]")
 
 
 def test_views_dtypes_and_scalars_match_torch_load(tmp_path):
     base = torch.arange(20, dtype=torch.float32)
-    obj = {"a": base, "view": base[3:9], "t": base.view(4, 5).t(), "bf16": base.bfloat16(), "i": torch.tensor(3),
-           "empty": torch.empty(0, dtype=torch.bfloat16), "size": torch.Size([2, 3]), "dtype": torch.float16}
+    obj = {
+        "a": base,
+        "view": base[3:9],
+        "t": base.view(4, 5).t(),
+        "bf16": base.bfloat16(),
+        "i": torch.tensor(3),
+        "empty": torch.empty(0, dtype=torch.bfloat16),
+        "size": torch.Size([2, 3]),
+        "dtype": torch.float16,
+    }
     torch.save(obj, tmp_path / "x.pt")
     with RecordReader() as reader:
         ours = _materialise(load_pickle(tmp_path / "x.pt"), reader)
@@ -72,7 +80,9 @@ class _Evil:
 def test_pickled_code_is_refused_and_never_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.save({"x": torch.ones(2), "evil": _Evil()}, tmp_path / "evil.pt")
-    with pytest.raises(UnsafeCheckpointError, match="refusing to unpickle 'posix.system'|refusing to unpickle 'os.system'"):
+    with pytest.raises(
+        UnsafeCheckpointError, match=r"refusing to unpickle 'posix\.system'|refusing to unpickle 'os\.system'"
+    ):
         load_pickle(tmp_path / "evil.pt")
     assert not (tmp_path / "pwned").exists()
 
@@ -135,7 +145,7 @@ def test_a_record_is_checked_from_the_pieces_ranks_read(tmp_path, pieces):
 
 
 def test_reads_in_pieces_mode_are_logged_not_checked(tmp_path):
-    path, lazy = _tensor_file(tmp_path)
+    _path, lazy = _tensor_file(tmp_path)
     with RecordReader(pieces=True) as reader:
         reader.readinto(lazy.record, 64, memoryview(bytearray(16)))
         reader.finish()  # nothing tracked: another rank may check this record

@@ -79,7 +79,7 @@ def _same(a, b):
     if isinstance(a, dict):
         return type(a) is type(b) and list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
     if hasattr(a, "__dict__") and not isinstance(a, type):
         return type(a) is type(b) and _same(vars(a), vars(b))
     return a == b

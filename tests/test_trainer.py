@@ -75,7 +75,7 @@ def test_gathered_16bit_weights_are_checked_against_the_shards(tmp_path):
     tampered = tmp_path / "tampered"
     shutil.copytree(_newest(names[0]), tampered)
     weights = load_file(tampered / "model.safetensors")
-    key = sorted(weights)[0]
+    key = min(weights)
     weights[key] = weights[key] + 1
     save_file(weights, tampered / "model.safetensors", metadata={"format": "pt"})
     result = consolidate(tampered, tmp_path / "hf2")
@@ -110,7 +110,7 @@ def test_check_keys_builds_the_model_and_refuses_a_foreign_config(tmp_path):
     config = json.loads((foreign / "config.json").read_text())
     config["n_layer"] = 3  # a config from another model: layer 2 would load with random weights
     (foreign / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CkptError, match="lacks .*transformer.h.2"):
+    with pytest.raises(CkptError, match=r"lacks .*transformer\.h\.2"):
         consolidate(foreign, tmp_path / "bad", check_keys=True)
     assert not (tmp_path / "bad").exists()
 
