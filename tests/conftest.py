@@ -21,6 +21,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# Modules whose tests time signals and kills against a run's progress: scripts/test runs them in a pass of their
+# own, one at a time, so a neighbour's load cannot move a signal past the moment it was aimed at.
+TIMING_MODULES = {"test_signals.py", "test_faults.py", "test_launch.py"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in TIMING_MODULES:
+            item.add_marker(pytest.mark.timing)
+
+
 def fixture_names(kind: str | None = None) -> list[str]:
     """Fixture folders relative to fixtures/: the CPU matrix, then those written on a GPU (gpu/...)."""
     names = json.loads((FIXTURES / "index.json").read_text())
