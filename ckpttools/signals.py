@@ -143,11 +143,15 @@ def _set_handlers() -> Callable[[], None]:
     return restore
 
 
-def install() -> None:
-    """The handler for this whole process: the `ckpt` command itself, never a program that imports ckpttools."""
+def install(early: list[int] | None = None) -> None:
+    """The handler for this whole process: the `ckpt` command itself, never a program that imports ckpttools.
+
+    `early`: signals a provisional handler recorded before this module could load; they count as received.
+    """
     if _on_main_thread():
         _set_handlers()
         _State.process = True
+        _State.received.extend(early or ())
 
 
 def installed() -> bool:

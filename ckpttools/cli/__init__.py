@@ -9,17 +9,31 @@ error boundary (`CkptGroup`) and what the commands share; `convert` holds consol
 library inside each command, so `ckpt consolidate` does not load huggingface_hub, transformers or torch.
 """
 
+# ruff: noqa: E402 - the signal handler goes in before the imports below, on purpose
+
 from __future__ import annotations
 
 import sys
 
-from ..signals import install as _install_signal_handler
-
 # `ckpt` itself (the console script, or `python -m ckpttools.cli`, whose argv[0] is "-m" while this package
 # loads): from here on a signal is one line and an exit code, never a traceback. A program importing the CLI
 # (tests, scripts) keeps its own handlers; run_guarded installs them around each command's body.
-if sys.argv and (sys.argv[0] == "-m" or sys.argv[0].rsplit("/", 1)[-1] in ("ckpt", "ckpt.exe")):
-    _install_signal_handler()
+_IS_CKPT = bool(sys.argv) and (sys.argv[0] == "-m" or sys.argv[0].rsplit("/", 1)[-1] in ("ckpt", "ckpt.exe"))
+_early_signals: list[int] = []
+if _IS_CKPT:
+    # First, before anything is imported: `_signal` is built into the interpreter, while `signal` (and so
+    # ckpttools.signals) imports enum, a few ms in which a signal would still land as a traceback. Signals that
+    # come meanwhile are recorded here and handed to the real handler below.
+    import _signal  # type: ignore[import-not-found]  # built into the interpreter; typeshed has no stub
+
+    for _signum in (_signal.SIGINT, _signal.SIGTERM, getattr(_signal, "SIGHUP", None)):
+        if _signum is not None:
+            _signal.signal(_signum, lambda signum, frame: _early_signals.append(signum))
+
+from ..signals import install as _install_signal_handler
+
+if _IS_CKPT:
+    _install_signal_handler(early=_early_signals)
 
 import click  # after the signal handler
 
