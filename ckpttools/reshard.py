@@ -297,6 +297,8 @@ def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int, scheme: _
             f"RNG states: carried over for {_ranks(0, old_dp)}; {_ranks(old_dp, new_dp)} start without one, so "
             f"{scheme.who} logs that it found no RNG file and continues with fresh random streams there"
         )
+    if new_dp == old_dp:
+        return f"RNG states: carried over for {_ranks(0, new_dp)}"
     return f"RNG states: carried over for {_ranks(0, new_dp)}; those of {_ranks(new_dp, old_dp)} are dropped"
 
 
