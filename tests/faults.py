@@ -1166,7 +1166,9 @@ def launcher_env_trial(campaign: Campaign, category: str, seed: int) -> Trial:
 
 def to_json(data: Any) -> str:
     return json.dumps(
-        data, indent=1, default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) else str(o)
+        data,
+        indent=1,
+        default=lambda o: dataclasses.asdict(o) if dataclasses.is_dataclass(o) and not isinstance(o, type) else str(o),
     )
 
 
