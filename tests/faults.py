@@ -701,13 +701,22 @@ def judge_signal_run(
 
 
 def _before_ckpt_code(campaign: Campaign, run: Run, fault: Fault, untouched: bool) -> bool:
-    """The signal ended the interpreter's own start-up: sent within it, nothing of ckpt's package in the
-    traceback, nothing on the disk changed, and the run died of the signal or of site's failed import."""
+    """The signal ended the interpreter's own start-up: nothing of ckpt's package in the traceback, nothing on
+    the disk changed, and the run died of the signal or of site's failed import; a silent kill only when no
+    handler but Python's own was in place when it was sent.
+
+    Judged by where the run was, not by the delay: on a loaded machine the interpreter's start-up (site, the
+    editable install's finder, the console script's own imports) stretches far past its idle length
+    (`campaign.boot_window`), and a traceback there shows only frames outside the package.
+    """
     signum = fault.signum
-    ended_by_it = run.returncode == -(signum or 0) or "init_import_site" in run.stderr
+    traceback = "Traceback" in run.stderr or "init_import_site" in run.stderr
+    silent_kill = run.returncode == -(signum or 0) and not run.stderr.strip()
+    python_only = signum == signal.SIGINT or run.handler_ready is False  # Python's own SIGINT handler, or none
+    ended_by_it = (traceback and signum == signal.SIGINT) or (silent_kill and python_only)
     return (
         signum != signal.SIGKILL
-        and fault.delay <= campaign.boot_window
+        and (fault.delay <= campaign.boot_window or "Traceback" in run.stderr or run.handler_ready is False)
         and "/ckpttools/" not in run.stderr
         and untouched
         and ended_by_it
