@@ -87,7 +87,34 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     if _cleanup_in_progress():
         sys.modules["ckpttools.staging"].defer_signal(signum)  # delivered again when the cleanup ends
         return
+    if _State.armed and not _State.live and _in_import(frame):
+        _redeliver_after_import(signum)
+        return
     _raise_pending()
+
+
+def _in_import(frame: FrameType | None) -> bool:
+    """The main thread is importing a module. An exception raised there can land in Python code that native
+    code called back (torch's import runs pybind11 registrations): C++ cannot pass it on and aborts the process
+    (SIGABRT, `terminate called after throwing an instance of 'pybind11::error_already_set'`), leaving the
+    staging folder behind. So a signal is delivered again once the import is over, a second or two at most."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _redeliver_after_import(signum: int) -> None:
+    def wait_then_send() -> None:
+        main = threading.main_thread().ident or 0
+        while _in_import(sys._current_frames().get(main)):
+            time.sleep(0.01)
+        with contextlib.suppress(OSError, ValueError):
+            signal.pthread_kill(main, signum)
+
+    with contextlib.suppress(RuntimeError):  # the interpreter is shutting down: the boundary's check remains
+        threading.Thread(target=wait_then_send, daemon=True, name="ckpt-signal-after-import").start()
 
 
 def _cleanup_in_progress() -> bool:
