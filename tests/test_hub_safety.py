@@ -24,6 +24,7 @@ from ckpttools.hub import MANIFEST
 
 from .conftest import FIXTURES
 from .hub_server import LocalHub
+from .test_hub import _one_error_line
 
 TOKEN = "hf_LocalToken_never_printed_27182"
 TRAINER_Z2 = FIXTURES / "trainer_z2_bf16" / "out"
@@ -88,15 +89,6 @@ def ckpt(*args, env=None, check=True):
     )
     assert not check or proc.returncode == 0, proc.stderr
     return proc
-
-
-def _one_error_line(res, code, *needles):
-    assert res.exit_code == code, res.output
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("Error: "), res.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-    assert "Traceback" not in res.output and res.stdout == ""
 
 
 def _paths(res) -> list[str]:
