@@ -7,34 +7,30 @@ The names below load on first use (PEP 562), so `import ckpttools.cli` costs wha
 from __future__ import annotations
 
 import importlib
-import sys
-import types
+
+from ckpttools._version import __version__
 
 TYPE_CHECKING = False  # not `from typing import TYPE_CHECKING`: typing costs 2 ms before the CLI's signal handler
-
-__version__ = "0.1.0"
 
 # Each public name -> the module that defines it.
 _EXPORTS = {
     "CheckpointNotFoundError": "errors", "CkptError": "errors", "CorruptCheckpointError": "errors",
     "OutputError": "errors", "UnsafeCheckpointError": "errors", "UnsupportedCheckpointError": "errors",
-    "ConsolidateResult": "consolidate", "consolidate": "consolidate",
-    "EngineSaveResult": "engine_save", "save_pretrained_from_engine": "engine_save",
-    "PushResult": "hub", "push": "hub",
-    "inspect_checkpoint": "inspect",
-    "ZeroCheckpoint": "reader",
-    "ReshardResult": "reshard", "reshard": "reshard",
-    "open_checkpoint": "sources", "read_checkpoint": "sources",
-    "read_universal": "universal",
-    "VerifyReport": "verify", "verify_folder": "verify",
+    "ConsolidateResult": "ops.consolidate", "consolidate": "ops.consolidate",
+    "EngineSaveResult": "live.engine_save", "save_pretrained_from_engine": "live.engine_save",
+    "PushResult": "ops.push", "push": "ops.push",
+    "inspect_checkpoint": "ops.inspect",
+    "ZeroCheckpoint": "layouts.zero",
+    "ReshardResult": "ops.reshard", "reshard": "ops.reshard",
+    "open_checkpoint": "layouts.registry", "read_checkpoint": "layouts.registry",
+    "read_universal": "layouts.universal",
+    "VerifyReport": "ops.verify", "verify_folder": "ops.verify",
 }  # fmt: skip
 
 if TYPE_CHECKING:
     from typing import Any
 
-    from .consolidate import ConsolidateResult, consolidate
-    from .engine_save import EngineSaveResult, save_pretrained_from_engine
-    from .errors import (
+    from ckpttools.errors import (
         CheckpointNotFoundError,
         CkptError,
         CorruptCheckpointError,
@@ -42,13 +38,15 @@ if TYPE_CHECKING:
         UnsafeCheckpointError,
         UnsupportedCheckpointError,
     )
-    from .hub import PushResult, push
-    from .inspect import inspect_checkpoint
-    from .reader import ZeroCheckpoint
-    from .reshard import ReshardResult, reshard
-    from .sources import open_checkpoint, read_checkpoint
-    from .universal import read_universal
-    from .verify import VerifyReport, verify_folder
+    from ckpttools.layouts.registry import open_checkpoint, read_checkpoint
+    from ckpttools.layouts.universal import read_universal
+    from ckpttools.layouts.zero import ZeroCheckpoint
+    from ckpttools.live.engine_save import EngineSaveResult, save_pretrained_from_engine
+    from ckpttools.ops.consolidate import ConsolidateResult, consolidate
+    from ckpttools.ops.inspect import inspect_checkpoint
+    from ckpttools.ops.push import PushResult, push
+    from ckpttools.ops.reshard import ReshardResult, reshard
+    from ckpttools.ops.verify import VerifyReport, verify_folder
 
 __all__ = [
     "CheckpointNotFoundError",
@@ -87,20 +85,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
-
-
-class _Package(types.ModuleType):
-    """`ckpttools.consolidate` and `ckpttools.reshard` stay the functions once their modules load.
-
-    Importing a submodule binds it on the package (`ckpttools.consolidate = <module>`); the functions of the
-    same name, which the package exports, would be hidden by their modules. (`from ckpttools.consolidate
-    import X` reads the module from sys.modules, as before.)
-    """
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _EXPORTS.get(name) == name:
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

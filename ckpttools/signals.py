@@ -85,7 +85,7 @@ def _on_main_thread() -> bool:
 def _handler(signum: int, frame: FrameType | None) -> None:
     _State.received.append(signum)
     if _cleanup_in_progress():
-        sys.modules["ckpttools.staging"].defer_signal(signum)  # delivered again when the cleanup ends
+        sys.modules["ckpttools.io.staging"].defer_signal(signum)  # delivered again when the cleanup ends
         return
     if _State.armed and not _State.live and _in_import(frame):
         _redeliver_after_import(signum)
@@ -120,7 +120,7 @@ def _redeliver_after_import(signum: int) -> None:
 def _cleanup_in_progress() -> bool:
     """Staging cleanup or a publish is running (`staging.shielded()`); never imports staging: unloaded, it runs
     nothing."""
-    staging = sys.modules.get("ckpttools.staging")
+    staging = sys.modules.get("ckpttools.io.staging")
     return staging is not None and bool(getattr(staging, "cleanup_in_progress", lambda: False)())
 
 

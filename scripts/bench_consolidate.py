@@ -137,7 +137,7 @@ def drop_caches() -> tuple[bool, str]:
 
 PREWARM = (
     "import torch, safetensors, safetensors.torch, numpy, deepspeed, deepspeed.utils.zero_to_fp32, "
-    "transformers, ckpttools.cli, ckpttools.consolidate, ckpttools.hf; "
+    "transformers, ckpttools.cli, ckpttools.ops.consolidate, ckpttools.ops.hf; "
     "from transformers import AutoConfig, GPT2LMHeadModel"
 )
 
@@ -165,7 +165,7 @@ def startup_costs() -> dict[str, float]:
             "-c",
             "import deepspeed.utils.zero_to_fp32",
         ],
-        "python -c 'import ckpttools.consolidate'": [sys.executable, "-c", "import ckpttools.consolidate"],
+        "python -c 'import ckpttools.ops.consolidate'": [sys.executable, "-c", "import ckpttools.ops.consolidate"],
         "python -c 'import transformers; GPT2LMHeadModel'": [
             sys.executable,
             "-c",

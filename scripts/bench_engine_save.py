@@ -7,7 +7,7 @@ Builds a GPT-2-shaped model (>= 8 layers) under ZeRO-3 (bf16, DP=2, CPU/gloo, ev
 trains one step, then on every rank either
 
   ds    engine._zero3_consolidated_16bit_state_dict()   (what save_16bit_model / Trainer.save_model gather)
-  ours  ckpttools.engine_save.save_pretrained_from_engine(engine, out, max_gather_bytes=B)  (and writes it)
+  ours  ckpttools.live.engine_save.save_pretrained_from_engine(engine, out, max_gather_bytes=B)  (and writes it)
 
 Each case runs in fresh processes (torchrun), so one case's freed memory cannot hide another's. On rank 0 it
 records: the bytes of full (gathered) tensors held at once - for `ours` the instrumented
@@ -193,7 +193,7 @@ def run_case(case: str, args: argparse.Namespace) -> None:
 
 def save_pretrained(engine, out: Path, budget: int):
     sys.path.insert(0, str(ROOT))
-    from ckpttools.engine_save import save_pretrained_from_engine
+    from ckpttools.live.engine_save import save_pretrained_from_engine
 
     return save_pretrained_from_engine(engine, out, max_gather_bytes=budget)
 

@@ -296,7 +296,7 @@ def cases(ckpt: Path, work: Path, ckpt_bin: str, cores: int) -> list[dict[str, A
     tag = (ckpt / "latest").read_text().strip()
     cons = [ckpt_bin, "consolidate", str(ckpt), "--overwrite", "-q", "--out"]
     c: list[dict[str, Any]] = []
-    default = min(8, cores)  # ckpttools.threads: this process's share of the cores, at most 8
+    default = min(8, cores)  # ckpttools.io.threads: this process's share of the cores, at most 8
     for w in sorted({1, 4, 8, 16, default}):
         label = f"ckpt consolidate bf16 --workers {w}" + (" (default)" if w == default else "")
         c.append(

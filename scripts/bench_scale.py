@@ -53,7 +53,7 @@ def _segments(ckpt: Any) -> int:
 
 def _pieces(files: dict[str, Any]) -> int:
     """Slices and fills of every new tensor in the planned files."""
-    from ckpttools.torchwriter import NewTensor
+    from ckpttools.io.torchwriter import NewTensor
 
     count, stack, seen = 0, list(files.values()), set()
     while stack:
@@ -72,7 +72,7 @@ def _pieces(files: dict[str, Any]) -> int:
 
 def _writer_plans(files: dict[str, Any]) -> tuple[int, int, int]:
     """What write_torch_files plans up front for these files: (data.pkl bytes, read/fill ops, tensor bytes)."""
-    from ckpttools.torchwriter import CHUNK_BYTES, _op_out_bytes, _plan_file
+    from ckpttools.io.torchwriter import CHUNK_BYTES, _op_out_bytes, _plan_file
 
     plans = [_plan_file(Path("/nonexistent") / name, obj, CHUNK_BYTES) for name, obj in files.items()]
     ops = [op for p in plans for _, _, storage_ops in p.storages for op in storage_ops]
@@ -81,7 +81,7 @@ def _writer_plans(files: dict[str, Any]) -> tuple[int, int, int]:
 
 def run_phase(root: Path, phase: str) -> dict[str, Any]:
     """One phase in this process: the read, then the phase's plan; times in s, memory in bytes."""
-    from ckpttools.sources import open_checkpoint
+    from ckpttools.layouts.registry import open_checkpoint
 
     base = _rss()
     t0 = time.perf_counter()
@@ -96,16 +96,17 @@ def run_phase(root: Path, phase: str) -> dict[str, Any]:
         out["parameters"] = sum(p.numel for p in ckpt.params)
         out["dp"], out["stage"] = ckpt.dp_world_size, ckpt.zero_stage
     elif phase == "check":
-        from ckpttools.crosscheck import _chunks, check_module_copies
+        from ckpttools.layouts.crosscheck import _chunks, check_module_copies
 
         chunks = _chunks(ckpt, False)
         out["windows"] = len(chunks)
         out["bytes_read"] = sum(c.count * (c.master.dtype.itemsize + c.copy.dtype.itemsize) for c in chunks)
         check_module_copies(ckpt)
     elif phase == "consolidate":
-        from ckpttools import dtypes, hf
-        from ckpttools.consolidate import plan_shards, plan_tensors
-        from ckpttools.writer import OutputTensor  # noqa: F401 - the plan's tensors
+        from ckpttools.io import dtypes
+        from ckpttools.io.safetensors_writer import OutputTensor  # noqa: F401 - the plan's tensors
+        from ckpttools.ops import hf
+        from ckpttools.ops.consolidate import plan_shards, plan_tensors
 
         config = hf.load_config(root / "config.json")
         for name, dtype in (("fp32", dtypes.FLOAT32), ("bf16", dtypes.BFLOAT16)):
@@ -114,7 +115,7 @@ def run_phase(root: Path, phase: str) -> dict[str, Any]:
             out[f"{name}_shards"] = len(shards)
             out[f"{name}_bytes"] = sum(t.nbytes for t in tensors)
     elif phase == "reshard":
-        from ckpttools.reshard import _rank_files
+        from ckpttools.ops.reshard import _rank_files
 
         target = max(1, ckpt.dp_world_size // 2)
         files = _rank_files(ckpt, target, ckpt.zero_stage)
@@ -122,7 +123,7 @@ def run_phase(root: Path, phase: str) -> dict[str, Any]:
         out["target_dp"], out["files"], out["pieces"] = target, len(files), _pieces(files)
         out["pickle_bytes"], out["ops"], out["tensor_bytes"] = _writer_plans(files)
     elif phase == "universal":
-        from ckpttools.universal import universal_files
+        from ckpttools.layouts.universal import universal_files
 
         files = universal_files(ckpt)
         out["plan_s"] = time.perf_counter() - t0

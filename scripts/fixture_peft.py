@@ -327,7 +327,7 @@ def save_adapters(spec: dict, out: Path) -> None:
     into <out>/ours and PEFT's own save_pretrained of the live model (its params gathered) into <out>/peft."""
     import deepspeed
 
-    from ckpttools.engine_save import save_pretrained_from_engine
+    from ckpttools.live.engine_save import save_pretrained_from_engine
 
     quiet_loggers()
     deepspeed.init_distributed(dist_backend="gloo")

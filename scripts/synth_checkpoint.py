@@ -3,11 +3,11 @@
 Every non-tensor entry comes from a real DeepSpeed fixture (`fixtures/z2_dp2_bf16`, `fixtures/z3_dp2_bf16`):
 ds_config, loss scaler, param_groups (hyper-parameters), step, versions, the model-states keys. Only the
 shapes change: the parameters become a Llama's, and the rank files are laid out for the requested DP size
-by `ckpttools.reshard`'s partition code (`_rank_files`, the code proven against DeepSpeed's own
+by `ckpttools.ops.reshard`'s partition code (`_rank_files`, the code proven against DeepSpeed's own
 `load_checkpoint`), plus what a real save has that a reshard does not write (ZeRO-3's `ds_id` on the fp32
 partitions, ZeRO-2's module weights as views of one flat 16-bit buffer per param group padded to 2*dp).
 
-`data.pkl` is written by `ckpttools.torchwriter`'s pickler (opcode for opcode what `torch.save` writes);
+`data.pkl` is written by `ckpttools.io.torchwriter`'s pickler (opcode for opcode what `torch.save` writes);
 the zip around it is written here, with each storage record's bytes skipped by `seek`, so a file of a
 terabyte takes a few KB on disk. The CRC-32 of each record is that of all-zero bytes (what a hole reads
 as), computed with GF(2) polynomial arithmetic (the "append n zeros" operator, by squaring), never by
@@ -35,12 +35,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from ckpttools import dtypes, torchwriter  # noqa: E402
-from ckpttools.crc import crc32_zeros  # noqa: E402
-from ckpttools.reader import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint  # noqa: E402
-from ckpttools.reshard import _rank_files  # noqa: E402
-from ckpttools.sources import read_checkpoint  # noqa: E402
-from ckpttools.torchfile import LazyTensor, Record, StorageRef, TorchSize, load_pickle  # noqa: E402
+from ckpttools.io import dtypes, torchwriter  # noqa: E402
+from ckpttools.io.crc import crc32_zeros  # noqa: E402
+from ckpttools.io.torchfile import LazyTensor, Record, StorageRef, TorchSize, load_pickle  # noqa: E402
+from ckpttools.layouts.registry import read_checkpoint  # noqa: E402
+from ckpttools.layouts.zero import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint  # noqa: E402
+from ckpttools.ops.reshard import _rank_files  # noqa: E402
 
 TEMPLATES = {2: ROOT / "fixtures/z2_dp2_bf16/checkpoint", 3: ROOT / "fixtures/z3_dp2_bf16/checkpoint"}
 SUB_GROUP_SIZE = 1_000_000_000  # the run's zero_optimization.sub_group_size (DeepSpeed's default)

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import fixture_worker as fw  # noqa: E402  (ToyModel, tokenizer, dataset, quiet loggers)
 import torch  # noqa: E402
 
-from ckpttools.engine_save import save_pretrained_from_engine  # noqa: E402
+from ckpttools.live.engine_save import save_pretrained_from_engine  # noqa: E402
 
 SEED = 1234
 
@@ -97,8 +97,8 @@ def released(engine) -> bool:
 
 def error_paths(engine, out: Path) -> None:
     """Errors reach every rank instead of leaving the others blocked in a collective."""
-    from ckpttools import engine_save
     from ckpttools.errors import OutputError
+    from ckpttools.live import engine_save
 
     outcome: dict[str, Any] = {}
     try:
@@ -187,7 +187,7 @@ def run_engine(stage: int, out: Path) -> None:
 def run_trainer(out: Path) -> None:
     from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
-    from ckpttools.integrations import ConsolidateCallback
+    from ckpttools.live.integrations import ConsolidateCallback
 
     fw.quiet_loggers()
     tokenizer = fw.build_tokenizer()

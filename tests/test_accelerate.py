@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 
 from ckpttools import CkptError, consolidate, reshard
 from ckpttools.cli import main
-from ckpttools.staging import MANIFEST
+from ckpttools.io.staging import MANIFEST
 
 from .conftest import FIXTURES, fixture_meta, fixture_names, tree_digest
 

@@ -12,7 +12,7 @@ import torch
 from click.testing import CliRunner
 
 from ckpttools.cli import main
-from ckpttools.torchfile import load_pickle
+from ckpttools.io.torchfile import load_pickle
 
 from .conftest import FIXTURES, fixture_names, tree_digest
 from .ranks import file_bytes
@@ -294,9 +294,9 @@ def test_a_missing_optional_module_names_its_extra(capsys):
 
 
 def test_a_rank_lost_after_publishing_is_a_note_and_exit_0(tmp_path, monkeypatch, capsys):
-    from ckpttools import staging
     from ckpttools.cli._common import _published_despite_lost_rank, run_guarded
-    from ckpttools.distributed import RankFailedError
+    from ckpttools.io import staging
+    from ckpttools.ranks.distributed import RankFailedError
 
     published = []
     monkeypatch.setattr(staging, "published_outputs", lambda: list(published))

@@ -28,7 +28,7 @@ def _inspect_raising(monkeypatch, exc):
     def boom(*args, **kwargs):
         raise exc
 
-    monkeypatch.setattr("ckpttools.inspect.inspect_checkpoint", boom)
+    monkeypatch.setattr("ckpttools.ops.inspect.inspect_checkpoint", boom)
     return CliRunner().invoke(main, ["inspect", str(FIXTURES / Z2 / "checkpoint")])
 
 

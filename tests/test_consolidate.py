@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 
 from ckpttools import consolidate
 from ckpttools.errors import OutputError
-from ckpttools.sources import read_checkpoint
+from ckpttools.layouts.registry import read_checkpoint
 
 from .conftest import FIXTURES, fixture_meta, fixture_names, tree_digest
 
@@ -89,8 +89,8 @@ def test_16bit_is_bit_identical_to_the_engines_own_state_dict(name, tmp_path):
 def test_16bit_cast_of_masters_matches_engine_even_when_not_stored(name, tmp_path):
     """ZeRO-1/2 16-bit output comes from the module copy; the fp32->16-bit cast must agree with it."""
     ckpt = read_checkpoint(FIXTURES / name / "checkpoint")
-    from ckpttools.torchfile import RecordReader
-    from ckpttools.writer import read_tensor
+    from ckpttools.io.safetensors_writer import read_tensor
+    from ckpttools.io.torchfile import RecordReader
 
     with RecordReader() as reader:
         for key, master in ckpt.masters.items():

@@ -3,8 +3,8 @@ import zlib
 
 import pytest
 
-from ckpttools import crc
-from ckpttools.threads import Workers
+from ckpttools.io import crc
+from ckpttools.io.threads import Workers
 
 
 @pytest.mark.parametrize("sizes", [(0, 5), (7, 0), (1, 1), (1000, 3), (12345, 678901)])

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from ckpttools.consolidate import DTYPES, _plan_output, _tensor_records
-from ckpttools.distributed import (
+from ckpttools.errors import CorruptCheckpointError, UsageError
+from ckpttools.layouts.registry import open_checkpoint
+from ckpttools.ops.consolidate import DTYPES, _plan_output, _tensor_records
+from ckpttools.ranks.distributed import (
     Launch,
     RankFailedError,
     describe_failure,
@@ -29,9 +31,7 @@ from ckpttools.distributed import (
     plan_by_bytes,
     records_to_verify,
 )
-from ckpttools.errors import CorruptCheckpointError, UsageError
 from ckpttools.signals import Interrupted
-from ckpttools.sources import open_checkpoint
 
 from .ranks import CKPT, TRAINER, Z2, Z3, _env, _on_ranks, _one_process, _tree_sha256, ds_launch, file_bytes
 
@@ -262,7 +262,7 @@ def test_reshard_on_ranks_is_byte_identical_to_one_process(tmp_path, ckpt_dir, w
 
 
 def test_one_rank_failing_a_reshard_fails_every_rank_and_leaves_nothing_behind(tmp_path):
-    from ckpttools.reshard import _records_read, _tag_files
+    from ckpttools.ops.reshard import _records_read, _tag_files
 
     ckpt_dir = tmp_path / "ckpt"
     shutil.copytree(Z2, ckpt_dir)

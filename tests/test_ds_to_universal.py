@@ -16,8 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from ckpttools import consolidate, open_checkpoint, read_checkpoint
-from ckpttools.ds_to_universal import cli, convert_to_universal
-from ckpttools.staging import MANIFEST
+from ckpttools.compat.ds_to_universal import cli, convert_to_universal
+from ckpttools.io.staging import MANIFEST
 
 from .conftest import FIXTURES
 

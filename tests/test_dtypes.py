@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from ckpttools import dtypes
+from ckpttools.io import dtypes
 
 SPECIAL = [
     0.0,
@@ -61,7 +61,7 @@ def test_names_round_trip_with_torch():
 @pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("dst", ["bfloat16", "float16"])
 def test_a_cast_split_over_threads_and_blocks_is_the_same(workers, dst):
-    from ckpttools.threads import Workers
+    from ckpttools.io.threads import Workers
 
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3 * dtypes.CAST_BLOCK + 7, generator=g) * 1e3  # parts end inside blocks
@@ -76,7 +76,7 @@ def test_a_cast_split_over_threads_and_blocks_is_the_same(workers, dst):
 
 
 def test_an_empty_cast_with_workers_does_nothing():
-    from ckpttools.threads import Workers
+    from ckpttools.io.threads import Workers
 
     with Workers(2) as pool:
         dtypes.cast(b"", dtypes.FLOAT32, bytearray(), dtypes.BFLOAT16, 0, pool)

@@ -21,17 +21,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpttools import consolidate, dtypes
-from ckpttools.engine_save import (
+from ckpttools import consolidate
+from ckpttools.errors import OutputError, UsageError
+from ckpttools.io import dtypes
+from ckpttools.io.staging import MANIFEST
+from ckpttools.live.engine_save import (
     _Entry,
     plan_gathers,
     plan_tensors,
     save_pretrained_from_engine,
     tied_target_matcher,
 )
-from ckpttools.errors import OutputError, UsageError
-from ckpttools.staging import MANIFEST
-from ckpttools.verify import verify_folder
+from ckpttools.ops.verify import verify_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "engine_save_worker.py"
@@ -247,7 +248,7 @@ def test_existing_output_folder(tmp_path):
 
 
 def test_failure_while_writing_publishes_nothing(tmp_path, monkeypatch):
-    from ckpttools import engine_save
+    from ckpttools.live import engine_save
 
     def boom(self, entry):
         raise OSError("disk full")
@@ -291,7 +292,7 @@ def test_v5_weight_conversion_is_noted(tmp_path):
 
 
 def test_callback_skips_checkpoints_that_hold_weights(tmp_path):
-    from ckpttools.integrations import ConsolidateCallback
+    from ckpttools.live.integrations import ConsolidateCallback
 
     model = tiny_gpt2()
     args = SimpleNamespace(output_dir=str(tmp_path))

@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from ckpttools import consolidate
 from ckpttools.cli import main
-from ckpttools.hub import MANIFEST
+from ckpttools.ops.push import MANIFEST
 
 from .conftest import FIXTURES, tree_digest
 from .hub_server import LocalHub

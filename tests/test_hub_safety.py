@@ -20,7 +20,7 @@ from click.testing import CliRunner
 
 from ckpttools import consolidate
 from ckpttools.cli import main
-from ckpttools.hub import MANIFEST
+from ckpttools.ops.push import MANIFEST
 
 from .conftest import FIXTURES
 from .hub_server import LocalHub
@@ -205,8 +205,8 @@ def no_consolidation(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("push did heavy work before its cheap checks")
 
-    monkeypatch.setattr(importlib.import_module("ckpttools.consolidate"), "consolidate", forbidden)
-    monkeypatch.setattr(importlib.import_module("ckpttools.hub"), "verify_folder", forbidden)
+    monkeypatch.setattr(importlib.import_module("ckpttools.ops.consolidate"), "consolidate", forbidden)
+    monkeypatch.setattr(importlib.import_module("ckpttools.ops.push"), "verify_folder", forbidden)
 
 
 @pytest.mark.parametrize(

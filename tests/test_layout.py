@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 
 from ckpttools.errors import CheckpointNotFoundError, CkptError, UnsafeCheckpointError, UnsupportedCheckpointError
-from ckpttools.layout import check_tag_name, classify_tag_files, locate
+from ckpttools.layouts.locate import check_tag_name, classify_tag_files, locate
 
 ZERO3 = [
     "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",

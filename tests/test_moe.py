@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from ckpttools import consolidate, read_checkpoint
 from ckpttools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError
-from ckpttools.moe import expert_dp_ranks, local_expert_name
-from ckpttools.torchfile import RecordReader
-from ckpttools.writer import read_tensor
+from ckpttools.io.safetensors_writer import read_tensor
+from ckpttools.io.torchfile import RecordReader
+from ckpttools.layouts.moe import expert_dp_ranks, local_expert_name
 
 from .conftest import FIXTURES, fixture_meta, fixture_names, tree_digest
 

@@ -26,10 +26,10 @@ from safetensors.torch import load_file
 
 from ckpttools import consolidate, read_checkpoint
 from ckpttools.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckpttools.moe import expert_dp_ranks
-from ckpttools.reshard import reshard
-from ckpttools.torchfile import RecordReader
-from ckpttools.writer import read_tensor
+from ckpttools.io.safetensors_writer import read_tensor
+from ckpttools.io.torchfile import RecordReader
+from ckpttools.layouts.moe import expert_dp_ranks
+from ckpttools.ops.reshard import reshard
 
 from .conftest import FIXTURES, fixture_meta, tree_digest
 

@@ -16,10 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from ckpttools import nodelocal, torchfile
 from ckpttools.errors import CorruptCheckpointError
-from ckpttools.sources import open_checkpoint
-from ckpttools.torchfile import RecordReader
+from ckpttools.io import torchfile
+from ckpttools.io.torchfile import RecordReader
+from ckpttools.layouts.registry import open_checkpoint
+from ckpttools.ranks import nodelocal
 
 from .conftest import FIXTURES
 from .ranks import CKPT, TRAINER, Z2, Z3, _env, _tree_sha256, ds_launch

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ckpttools import peft as ckpt_peft
-from ckpttools.consolidate import consolidate
 from ckpttools.errors import CkptError
+from ckpttools.ops import peft as ckpt_peft
+from ckpttools.ops.consolidate import consolidate
 
 from .conftest import FIXTURES, fixture_meta, fixture_names
 
@@ -283,7 +283,7 @@ def test_save_pretrained_from_engine_adapter_mode_writes_what_peft_saves(tmp_pat
 
 @pytest.mark.parametrize("name", ENGINE[:1])
 def test_a_resharded_peft_run_gives_the_same_adapter_folder_and_merge(name, tmp_path):
-    from ckpttools.reshard import reshard
+    from ckpttools.ops.reshard import reshard
 
     reshard(_ckpt(name), tmp_path / "dp1", dp=1)
     for sub in _adapter_dirs(name):  # the adapter configs beside the checkpoint come along
@@ -304,7 +304,7 @@ def test_a_frozen_tie_whose_record_was_lost_is_refused(tmp_path):
     """The base's tied embedding and head are both frozen: with shared_params gone they would be written twice,
     as two params, from one storage. Refused as damage instead."""
     from ckpttools.errors import CorruptCheckpointError
-    from ckpttools.sources import open_checkpoint
+    from ckpttools.layouts.registry import open_checkpoint
 
     ckpt = tmp_path / "ckpt"
     shutil.copytree(FIXTURES / "peft_engine_z1_bf16" / "checkpoint", ckpt)

@@ -1,4 +1,4 @@
-"""DeepSpeed PipelineModule checkpoints (fixtures/pp*, scripts/fixture_pipe.py): `ckpttools.pipeline.read_pipeline`
+"""DeepSpeed PipelineModule checkpoints (fixtures/pp*, scripts/fixture_pipe.py): `read_pipeline`
 merges the stages into whole-model keys (`tied_modules.embed.weight`, `1.weight`, ...), tied params once, and
 `consolidate` writes exactly what the live engines held (reference/*.safetensors); damaged folders fail with one
 clear line. The slow tests run real DeepSpeed (tests/pipe_load_worker.py): the original fixture loads with
@@ -20,13 +20,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpttools import dtypes
 from ckpttools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, UnsupportedCheckpointError
-from ckpttools.layout import CheckpointLocation, TagFiles, locate
-from ckpttools.pipeline import is_pipeline, pipeline_files, read_pipeline, read_pipeline_stages
-from ckpttools.reader import ZeroCheckpoint
-from ckpttools.torchfile import RecordReader
-from ckpttools.writer import read_tensor
+from ckpttools.io import dtypes
+from ckpttools.io.safetensors_writer import read_tensor
+from ckpttools.io.torchfile import RecordReader
+from ckpttools.layouts.locate import CheckpointLocation, TagFiles, locate
+from ckpttools.layouts.pipeline import is_pipeline, pipeline_files, read_pipeline, read_pipeline_stages
+from ckpttools.layouts.zero import ZeroCheckpoint
 
 from .conftest import FIXTURES, fixture_meta, fixture_names, tree_digest
 
@@ -143,7 +143,7 @@ def test_every_stage_reads_as_its_own_checkpoint(name: str) -> None:
 
 
 def _wired() -> bool:
-    from ckpttools.sources import open_checkpoint
+    from ckpttools.layouts.registry import open_checkpoint
 
     try:
         ckpt = open_checkpoint(FIXTURES / PIPE[0] / "checkpoint")
@@ -154,10 +154,10 @@ def _wired() -> bool:
 
 @pytest.fixture
 def pipeline_consolidate(monkeypatch: pytest.MonkeyPatch):
-    """ckpttools.consolidate, reading pipeline folders through read_pipeline until open_checkpoint dispatches."""
+    """ckpttools.ops.consolidate, reading pipeline folders through read_pipeline until open_checkpoint dispatches."""
     import importlib
 
-    mod = importlib.import_module("ckpttools.consolidate")  # the package exports a function of that name
+    mod = importlib.import_module("ckpttools.ops.consolidate")  # the package exports a function of that name
     if not _wired():
         monkeypatch.setattr(mod, "open_checkpoint", lambda path, **_: read(Path(path)))
     return mod.consolidate
@@ -182,7 +182,7 @@ def test_consolidate_writes_the_engines_weights(name: str, dtype: str, tmp_path:
 def test_read_checkpoint_dispatches_to_the_pipeline_reader() -> None:
     if not _wired():
         pytest.skip("read_checkpoint/open_checkpoint do not dispatch pipeline folders to read_pipeline yet")
-    from ckpttools.sources import open_checkpoint
+    from ckpttools.layouts.registry import open_checkpoint
 
     ckpt = open_checkpoint(FIXTURES / PIPE[0] / "checkpoint")
     assert ckpt.keys == fixture_meta(PIPE[0])["whole_model_keys"]
@@ -333,10 +333,10 @@ def test_deepspeed_loads_the_original_fixture_and_holds_its_reference(name: str,
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "dp"), [("pp2_dp2_z1_bf16", 1), ("pp2_dp1_z1_bf16", 2)])
 def test_deepspeed_loads_a_resharded_pipeline_checkpoint(name: str, dp: int, tmp_path: Path) -> None:
-    """ckpttools.reshard re-cuts every stage to the new DP size and keeps the layer files; the new folder loads at
+    """ckpttools.ops.reshard re-cuts every stage to the new DP size and keeps the layer files; the new folder loads at
     DP x stages processes and holds the original engines' state bit for bit."""
     pytest.importorskip("deepspeed")
-    from ckpttools.reshard import reshard
+    from ckpttools.ops.reshard import reshard
 
     meta = fixture_meta(name)
     out = tmp_path / "resharded"
@@ -367,7 +367,7 @@ def test_reshard_refuses_what_deepspeed_cannot_resume(tmp_path: Path) -> None:
     """A ZeRO-0 (BF16_Optimizer) pipeline checkpoint does not resume in DeepSpeed 0.19.8 even at its own size
     (natively or universally), and --stage is for plain DP: refused before anything is written."""
     from ckpttools.errors import UnsupportedCheckpointError
-    from ckpttools.reshard import reshard
+    from ckpttools.ops.reshard import reshard
 
     with pytest.raises(UnsupportedCheckpointError, match="saved without ZeRO"):
         reshard(FIXTURES / "pp2_dp2_z0_bf16" / "checkpoint", tmp_path / "a", dp=1)
@@ -392,7 +392,7 @@ def test_universal_folder_holds_every_param_once_and_the_stage_files(name: str, 
     """What PipelineEngine's universal load reads: zero/<whole-model name>/ per param (the tied one once, as both
     stages' optimizers look it up by the same name), zero/optimizer_state.pt, the stage files; no layer files
     (a universal load never calls load_state_dir)."""
-    from ckpttools.reshard import reshard
+    from ckpttools.ops.reshard import reshard
 
     meta = fixture_meta(name)
     src = FIXTURES / name / "checkpoint"
@@ -424,7 +424,7 @@ def test_universal_folder_holds_every_param_once_and_the_stage_files(name: str, 
     assert "single_partition_of_fp32_groups" not in common
     assert "base_optimizer_state" not in common
     assert tree_digest(src) == before
-    from ckpttools.sources import open_checkpoint
+    from ckpttools.layouts.registry import open_checkpoint
 
     with pytest.raises(UnsupportedCheckpointError, match="a pipeline universal checkpoint, which ckpttools does not"):
         open_checkpoint(tmp_path / "u")  # read back: not yet (DeepSpeed loads it)
@@ -442,7 +442,7 @@ def _set_tied_state(optim_file: Path, key: str, delta: float) -> None:
 def test_universal_refuses_tied_copies_that_differ(tmp_path: Path) -> None:
     """The universal folder holds one copy of the tied param for every stage: copies that differ (as BF16_Optimizer
     leaves exp_avg_sq a few ULPs apart) are refused with the first element that differs, nothing written."""
-    from ckpttools.reshard import reshard
+    from ckpttools.ops.reshard import reshard
 
     root, tag = copy_checkpoint("pp2_dp1_z1_bf16", tmp_path)
     _set_tied_state(tag / "bf16_zero_pp_rank_0_mp_rank_01_optim_states.pt", "exp_avg_sq", 1e-12)
@@ -507,7 +507,7 @@ def test_deepspeed_resumes_a_universal_pipeline_checkpoint(
     one more train_batch runs. DeepSpeed's universal load restores only optimizer-owned params: the persistent
     buffer `4.scale` keeps the loading model's own value (here scrambled; in a real run its init value)."""
     pytest.importorskip("deepspeed")
-    from ckpttools.reshard import reshard
+    from ckpttools.ops.reshard import reshard
 
     meta = fixture_meta(name)
     reshard(FIXTURES / name / "checkpoint", tmp_path / "u", universal=True)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from ckpttools import consolidate
 from ckpttools.errors import OutputError, UsageError
-from ckpttools.reshard import reshard, split_subgroups
-from ckpttools.sources import read_checkpoint
+from ckpttools.layouts.registry import read_checkpoint
+from ckpttools.ops.reshard import reshard, split_subgroups
 
 from .conftest import FIXTURES, fixture_names, tree_digest
 

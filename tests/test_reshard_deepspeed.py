@@ -1,4 +1,4 @@
-"""`ckpttools.reshard` against real DeepSpeed: a checkpoint written at N data-parallel ranks, resharded to M,
+"""`ckpttools.ops.reshard` against real DeepSpeed: a checkpoint written at N data-parallel ranks, resharded to M,
 must load with a plain `engine.load_checkpoint` at M ranks and hold exactly the state the N-rank engine had.
 
 For each case (source fixture written at N ranks, target M):
@@ -12,7 +12,7 @@ For each case (source fixture written at N ranks, target M):
   * step:     optimizer step, global steps/samples and loss scale equal what the N-rank engine loads;
   * training: 3 more steps at M ranks give the same global losses as 3 more steps of the ORIGINAL checkpoint at
               N ranks (same global batch of 12 rows; rel. 1e-5 fp32, 1e-2 bf16);
-  * consolidate: ckpttools.consolidate of the resharded checkpoint equals that of the original, tensor for
+  * consolidate: ckpttools.ops.consolidate of the resharded checkpoint equals that of the original, tensor for
               tensor, in fp32 and in the training dtype.
 Plus HF Trainer resumes at M ranks from resharded checkpoint-2 folders, the harness itself (the original loaded
 at its own N equals the reference bit for bit), and a negative control (the original N-rank checkpoint at M
@@ -47,10 +47,10 @@ from .conftest import FIXTURES, tree_digest
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("deepspeed")
-_reshard_module = pytest.importorskip("ckpttools.reshard", reason="ckpttools.reshard is not there yet")
+_reshard_module = pytest.importorskip("ckpttools.ops.reshard", reason="ckpttools.ops.reshard is not there yet")
 reshard: Any = getattr(_reshard_module, "reshard", None)
 if reshard is None:
-    pytest.skip("ckpttools.reshard has no reshard()", allow_module_level=True)
+    pytest.skip("ckpttools.ops.reshard has no reshard()", allow_module_level=True)
 
 from ckpttools import consolidate  # noqa: E402
 

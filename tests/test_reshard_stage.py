@@ -18,8 +18,8 @@ import torch
 from safetensors.torch import load_file
 
 from ckpttools.errors import UnsupportedCheckpointError, UsageError
-from ckpttools.reshard import reshard
-from ckpttools.sources import open_checkpoint
+from ckpttools.layouts.registry import open_checkpoint
+from ckpttools.ops.reshard import reshard
 
 from .conftest import FIXTURES, tree_digest
 

@@ -20,13 +20,13 @@ from typing import Any
 
 import pytest
 
-from ckpttools import dtypes
-from ckpttools.consolidate import plan_shards, plan_tensors
-from ckpttools.crosscheck import check_module_copies
-from ckpttools.reshard import _rank_files
-from ckpttools.sources import read_checkpoint
-from ckpttools.torchfile import LazyTensor, PickledObject, TorchSize, load_pickle
-from ckpttools.universal import universal_files
+from ckpttools.io import dtypes
+from ckpttools.io.torchfile import LazyTensor, PickledObject, TorchSize, load_pickle
+from ckpttools.layouts.crosscheck import check_module_copies
+from ckpttools.layouts.registry import read_checkpoint
+from ckpttools.layouts.universal import universal_files
+from ckpttools.ops.consolidate import plan_shards, plan_tensors
+from ckpttools.ops.reshard import _rank_files
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
 import synth_checkpoint as synth

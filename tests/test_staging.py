@@ -10,7 +10,7 @@ import textwrap
 import pytest
 
 from ckpttools.errors import OutputError
-from ckpttools.staging import StagedFolder, check_output_dir, staged_folder
+from ckpttools.io.staging import StagedFolder, check_output_dir, staged_folder
 
 
 def _siblings(folder):
@@ -67,7 +67,7 @@ def test_output_inside_or_around_the_input_is_refused(tmp_path):
 def test_sigterm_while_writing_leaves_nothing(tmp_path):
     script = textwrap.dedent(f"""
         import pathlib, sys, time
-        from ckpttools.staging import staged_folder
+        from ckpttools.io.staging import staged_folder
         with staged_folder(pathlib.Path({str(tmp_path / "out")!r}), overwrite=False) as tmp:
             (tmp / "part").write_text("x")
             print("writing", flush=True)
@@ -82,7 +82,7 @@ def test_sigterm_while_writing_leaves_nothing(tmp_path):
 
 def test_the_folder_reaches_the_disk_before_it_is_renamed(tmp_path, monkeypatch):
     """A crash after the rename must not leave a published folder of unwritten files."""
-    from ckpttools import staging
+    from ckpttools.io import staging
 
     events = []
     monkeypatch.setattr(staging.DiskFlush, "wait", lambda self: events.append(("flush", self.folder.name)))
@@ -98,7 +98,7 @@ def test_a_write_back_error_fails_the_run_and_publishes_nothing(tmp_path, monkey
     """EIO from syncfs: bytes the kernel accepted never reached the disk."""
     import errno
 
-    from ckpttools import staging
+    from ckpttools.io import staging
 
     def failing_syncfs(fd):
         staging.ctypes.set_errno(errno.EIO)
@@ -115,7 +115,7 @@ def test_a_write_back_error_fails_the_run_and_publishes_nothing(tmp_path, monkey
 
 
 def test_flush_falls_back_to_sync_without_syncfs(tmp_path, monkeypatch):
-    from ckpttools import staging
+    from ckpttools.io import staging
 
     calls = []
     monkeypatch.setattr(staging, "_libc_syncfs", lambda: None)
@@ -125,7 +125,7 @@ def test_flush_falls_back_to_sync_without_syncfs(tmp_path, monkeypatch):
 
 
 def test_syncfs_is_found_on_linux():
-    from ckpttools import staging
+    from ckpttools.io import staging
 
     if sys.platform.startswith("linux"):
         assert staging._libc_syncfs() is not None
@@ -134,7 +134,7 @@ def test_syncfs_is_found_on_linux():
 
 def test_write_behind_hands_over_every_byte_by_the_end(tmp_path, monkeypatch):
     """Ranges a window behind the writer while it writes, then the tail when the file is complete."""
-    from ckpttools import staging
+    from ckpttools.io import staging
 
     calls = []
     monkeypatch.setattr(staging.os, "posix_fadvise", lambda fd, off, n, advice: calls.append((off, n, advice)),
@@ -154,7 +154,7 @@ def test_write_behind_hands_over_every_byte_by_the_end(tmp_path, monkeypatch):
 
 
 def test_chunk_buffers_are_kept_for_the_next_file_only_inside_reused_buffers():
-    from ckpttools import writer
+    from ckpttools.io import safetensors_writer as writer
 
     first = writer._spare_buffers(4, 1024)
     writer._keep_buffers(first)
@@ -172,7 +172,7 @@ def test_chunk_buffers_are_kept_for_the_next_file_only_inside_reused_buffers():
 
 
 def test_a_pump_run_to_the_end_leaves_its_buffers_for_the_next_file():
-    from ckpttools import writer
+    from ckpttools.io import safetensors_writer as writer
 
     with writer.reused_buffers():
         pump = writer._ChunkPump([], None, 1024)
@@ -182,7 +182,7 @@ def test_a_pump_run_to_the_end_leaves_its_buffers_for_the_next_file():
 
 def test_a_forked_child_gets_a_new_hint_thread(tmp_path):
     """The parent's background thread does not exist in a child: the child must not wait on it forever."""
-    from ckpttools import staging
+    from ckpttools.io import staging
 
     staging.wait_for_hints()  # the parent's thread exists
     pid = os.fork()

@@ -11,7 +11,7 @@ import pytest
 
 from ckpttools import consolidate, reshard
 from ckpttools.errors import OutputError
-from ckpttools.staging import MANIFEST, StagedFolder, check_output_dir, read_manifest, staged_folder
+from ckpttools.io.staging import MANIFEST, StagedFolder, check_output_dir, read_manifest, staged_folder
 
 from .conftest import FIXTURES, tree_digest
 
@@ -211,7 +211,7 @@ def test_reshard_overwrite_follows_the_same_rule(tmp_path):
 
 
 def test_ds_to_universal_replaces_only_its_own_conversion(tmp_path):
-    from ckpttools.ds_to_universal import convert_to_universal
+    from ckpttools.compat.ds_to_universal import convert_to_universal
 
     root = tmp_path / "ckpt"
     shutil.copytree(SRC, root)
@@ -229,7 +229,7 @@ def test_ds_to_universal_replaces_only_its_own_conversion(tmp_path):
 
 
 def test_zero_to_fp32_never_replaces_a_file_it_did_not_write(tmp_path):
-    from ckpttools.zero_to_fp32 import _convert
+    from ckpttools.compat.zero_to_fp32 import _convert
 
     out = tmp_path / "out"
     out.mkdir()

@@ -12,9 +12,9 @@ import types
 
 import pytest
 
-from ckpttools import staging
 from ckpttools.errors import OutputError
-from ckpttools.staging import MANIFEST, StagedFolder, published_outputs, staged_folder
+from ckpttools.io import staging
+from ckpttools.io.staging import MANIFEST, StagedFolder, published_outputs, staged_folder
 
 
 def _siblings(folder):
@@ -167,7 +167,7 @@ def test_stale_staging_of_a_dead_run_is_removed_with_a_note(tmp_path):
 def test_a_killed_run_leaves_staging_the_next_run_removes(tmp_path):
     script = textwrap.dedent(f"""
         import pathlib, time
-        from ckpttools.staging import staged_folder
+        from ckpttools.io.staging import staged_folder
         with staged_folder(pathlib.Path({str(tmp_path / "out")!r}), overwrite=False) as tmp:
             (tmp / "part").write_text("x")
             print(tmp.name, flush=True)

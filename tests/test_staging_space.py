@@ -10,9 +10,11 @@ from typing import NamedTuple
 
 import pytest
 
-from ckpttools import consolidate, reshard, staging, writer
+from ckpttools import consolidate, reshard
 from ckpttools.errors import OutputError
-from ckpttools.staging import SPACE_MARGIN, check_free_space, staged_folder
+from ckpttools.io import safetensors_writer as writer
+from ckpttools.io import staging
+from ckpttools.io.staging import SPACE_MARGIN, check_free_space, staged_folder
 
 from .conftest import FIXTURES
 
@@ -118,7 +120,7 @@ def _ckpt(*args, precheck=True):
     """`ckpt ...`; precheck=False: without the free-space pre-check, so the disk fills while writing."""
     code = "import sys; from ckpttools.cli import main; sys.argv[0] = 'ckpt'; main()"
     if not precheck:
-        code = "import ckpttools.staging as s; s.check_free_space = lambda *a, **k: None; " + code
+        code = "import ckpttools.io.staging as s; s.check_free_space = lambda *a, **k: None; " + code
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     cmd = [sys.executable, "-c", code, *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, timeout=300)

@@ -16,13 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpttools import dtypes
-from ckpttools.consolidate import consolidate
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
-from ckpttools.sources import read_checkpoint
-from ckpttools.tensor import check_replicas, replica_mismatch
-from ckpttools.torchfile import RecordReader
-from ckpttools.writer import read_tensor
+from ckpttools.io import dtypes
+from ckpttools.io.safetensors_writer import read_tensor
+from ckpttools.io.torchfile import RecordReader
+from ckpttools.layouts.autotp import check_replicas, replica_mismatch
+from ckpttools.layouts.registry import read_checkpoint
+from ckpttools.ops.consolidate import consolidate
 
 from .conftest import FIXTURES, fixture_meta, tree_digest
 
@@ -153,7 +153,7 @@ def test_a_replicated_parameter_that_differs_between_tp_ranks_is_named(tmp_path)
     with pytest.raises(CorruptCheckpointError) as e:
         check_replicas(opened)
     assert "model.norm.weight (module) on TP rank 1 differs from TP rank 0's copy" in str(e.value)
-    from ckpttools.consolidate import consolidate
+    from ckpttools.ops.consolidate import consolidate
 
     with pytest.raises(CorruptCheckpointError, match="differs from TP rank 0's copy"):
         consolidate(ckpt, tmp_path / "out")  # every command runs the (sampled) replica check before writing
@@ -334,7 +334,7 @@ def test_deepspeed_loads_the_fixture_and_its_universal_conversion(name, tmp_path
 def test_deepspeed_loads_a_checkpoint_resharded_to_another_dp_size(name, tmp_path):
     """`reshard --dp 1` re-cuts every TP rank's ZeRO-1/2 files on its own (TP shards and the map unchanged); a DP 1 x
     TP 2 AutoTP engine loads it with plain load_checkpoint and holds exactly the saved state."""
-    from ckpttools.reshard import reshard
+    from ckpttools.ops.reshard import reshard
 
     before = tree_digest(FIXTURES / name)
     res = reshard(_ckpt(name), tmp_path / "dp1", dp=1)

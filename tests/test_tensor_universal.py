@@ -15,11 +15,11 @@ from typing import Any, cast
 import pytest
 import torch
 
-from ckpttools.ds_to_universal import cli
+from ckpttools.compat.ds_to_universal import cli
 from ckpttools.errors import CkptError
-from ckpttools.reshard import reshard
-from ckpttools.sources import open_checkpoint
-from ckpttools.staging import MANIFEST
+from ckpttools.io.staging import MANIFEST
+from ckpttools.layouts.registry import open_checkpoint
+from ckpttools.ops.reshard import reshard
 
 from .conftest import tree_digest
 from .test_tensor_parallel import (
@@ -151,7 +151,7 @@ def test_an_averaged_parameter_is_refused_not_concatenated(tmp_path):
 def test_a_tensor_parallel_universal_folder_consolidates_as_its_native_checkpoint(name, dtype, tmp_path, capsys):
     """DeepSpeed's own ds_to_universal output and ours hold the merged fp32 masters: consolidated, they give the
     bytes the native TP checkpoint gives."""
-    from ckpttools.consolidate import consolidate
+    from ckpttools.ops.consolidate import consolidate
 
     _deepspeed(_ckpt(name) / TAG, tmp_path / "ds" / "universal_tag")
     (tmp_path / "ds" / "latest_universal").write_text("universal_tag")
@@ -169,7 +169,7 @@ def test_a_tensor_parallel_universal_folder_consolidates_as_its_native_checkpoin
 
 def test_a_tensor_parallel_universal_folder_is_not_resharded_back(tmp_path, capsys):
     """Native TP shards from a universal folder are not written: refused in one line, nothing written."""
-    from ckpttools.reshard import reshard
+    from ckpttools.ops.reshard import reshard
 
     out = tmp_path / "u" / "universal_tag"
     assert cli(["--input_folder", str(_ckpt(NAMES[0]) / TAG), "--output_folder", str(out)]) == 0

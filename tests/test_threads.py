@@ -1,7 +1,7 @@
 import pytest
 
-from ckpttools import threads
 from ckpttools.errors import UsageError
+from ckpttools.io import threads
 
 
 def test_default_is_this_processs_share_of_the_cores(monkeypatch):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
-from ckpttools.torchfile import LazyTensor, RecordReader, lazy_tensors, load_pickle
+from ckpttools.io.torchfile import LazyTensor, RecordReader, lazy_tensors, load_pickle
 
 from .conftest import FIXTURES, fixture_names
 

@@ -8,10 +8,10 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from ckpttools.dtypes import FLOAT32
 from ckpttools.errors import CorruptCheckpointError
-from ckpttools.torchfile import RecordReader, lazy_tensors, load_pickle
-from ckpttools.torchwriter import Fill, NewTensor, Slice, write_torch_file, write_torch_files
+from ckpttools.io.dtypes import FLOAT32
+from ckpttools.io.torchfile import RecordReader, lazy_tensors, load_pickle
+from ckpttools.io.torchwriter import Fill, NewTensor, Slice, write_torch_file, write_torch_files
 
 from .conftest import FIXTURES, fixture_names
 
@@ -157,8 +157,8 @@ def test_writing_needs_neither_torch_nor_deepspeed_imported(tmp_path):
     torch.save(_deepspeed_like_state(), tmp_path / "src.pt")
     code = (
         "import sys\n"
-        "from ckpttools.torchfile import RecordReader, load_pickle\n"
-        "from ckpttools.torchwriter import write_torch_file\n"
+        "from ckpttools.io.torchfile import RecordReader, load_pickle\n"
+        "from ckpttools.io.torchwriter import write_torch_file\n"
         f"src = load_pickle({str(tmp_path / 'src.pt')!r})\n"
         f"write_torch_file({str(tmp_path / 'out.pt')!r}, src, RecordReader())\n"
         "assert 'torch' not in sys.modules and 'deepspeed' not in sys.modules, 'imported'\n"
@@ -181,9 +181,9 @@ def test_a_write_failure_stops_the_reader_thread(tmp_path):
 @pytest.mark.parametrize("chunk_bytes", [1000, 16 << 20])
 def test_slices_of_another_dtype_are_cast_like_torch(tmp_path, chunk_bytes):
     """A 16-bit module weight written from its fp32 master (ZeRO-3 -> 1/2) rounds to nearest even, as .to()."""
-    from ckpttools import dtypes
-    from ckpttools.torchfile import RecordReader, load_pickle
-    from ckpttools.torchwriter import Fill, NewTensor, Slice, write_torch_files
+    from ckpttools.io import dtypes
+    from ckpttools.io.torchfile import RecordReader, load_pickle
+    from ckpttools.io.torchwriter import Fill, NewTensor, Slice, write_torch_files
 
     x = torch.randn(20000) * 1e3
     x[5] = float("inf")

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from ckpttools import consolidate, inspect_checkpoint, open_checkpoint, read_checkpoint
 from ckpttools.errors import CkptError
-from ckpttools.reshard import reshard
+from ckpttools.ops.reshard import reshard
 
 from .conftest import FIXTURES, tree_digest
 from .test_reshard import _ds_to_universal, _src

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from ckpttools import consolidate
 from ckpttools.cli import main
-from ckpttools.verify import verify_folder
+from ckpttools.ops.verify import verify_folder
 
 from .conftest import FIXTURES, fixture_meta
 

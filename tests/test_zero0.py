@@ -1,4 +1,4 @@
-"""Stage-0 (no ZeRO) DeepSpeed checkpoints: `ckpttools.zero0` against the real fixtures z0_*.
+"""Stage-0 (no ZeRO) DeepSpeed checkpoints: `ckpttools.layouts.zero0` against the real fixtures z0_*.
 
 The optimizer lives in `mp_rank_00_model_states.pt["optimizer"]`; the reader must find every trained param's fp32
 master and Adam states there (bit-identical to what the live engine held: reference/full_state.safetensors), and
@@ -22,13 +22,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpttools.consolidate import consolidate
 from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, UsageError
-from ckpttools.layout import CheckpointLocation, locate
-from ckpttools.sources import read_checkpoint
-from ckpttools.torchfile import LazyTensor, RecordReader, load_pickle
-from ckpttools.torchwriter import write_torch_file, write_torch_files
-from ckpttools.zero0 import MODEL_FILE, _Ambiguous, _assign, _NoFit, check_zero0_reshard, read_zero0, zero0_rank_files
+from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
+from ckpttools.io.torchwriter import write_torch_file, write_torch_files
+from ckpttools.layouts.locate import CheckpointLocation, locate
+from ckpttools.layouts.registry import read_checkpoint
+from ckpttools.layouts.zero0 import (
+    MODEL_FILE,
+    _Ambiguous,
+    _assign,
+    _NoFit,
+    check_zero0_reshard,
+    read_zero0,
+    zero0_rank_files,
+)
+from ckpttools.ops.consolidate import consolidate
 
 from .conftest import FIXTURES, fixture_meta, tree_digest
 
@@ -39,7 +47,7 @@ KINDS = {
     "z0_dp2_fp32": "torch",
     "z0_dp2_fp32_client": "torch",
 }
-consolidate_module = importlib.import_module("ckpttools.consolidate")
+consolidate_module = importlib.import_module("ckpttools.ops.consolidate")
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "zero0_load_worker.py"
 
@@ -388,7 +396,7 @@ def test_cli_consolidates_and_reshards_stage0(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
     from ckpttools.cli import main
-    from ckpttools.sources import open_checkpoint
+    from ckpttools.layouts.registry import open_checkpoint
 
     src = checkpoint_root("z0_dp2_bf16")
     runner = CliRunner()

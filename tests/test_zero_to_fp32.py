@@ -20,9 +20,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from ckpttools import zero_to_fp32 as ours
-from ckpttools.staging import MANIFEST
-from ckpttools.zero_to_fp32 import GatheredTensor, cli
+from ckpttools.compat import zero_to_fp32 as ours
+from ckpttools.compat.zero_to_fp32 import GatheredTensor, cli
+from ckpttools.io.staging import MANIFEST
 
 from .conftest import FIXTURES
 
@@ -299,7 +299,7 @@ def test_load_state_dict_size_mismatch_raises_like_torch(capsys):
 def test_layouts_deepspeeds_script_refuses_convert_to_the_full_fp32_masters(name, tmp_path):
     """DeepSpeed's zero_to_fp32 fails on pipeline, AutoTP, ZeRO-0 and MoE folders (its errors are in each fixture's
     meta.json); ours writes the full fp32 state dict, the same tensors `ckpt consolidate` writes."""
-    from ckpttools.consolidate import consolidate
+    from ckpttools.ops.consolidate import consolidate
 
     assert not json.loads((FIXTURES / name / "meta.json").read_text())["zero_to_fp32"]["ok"]
     assert cli([str(FIXTURES / name / "checkpoint"), str(tmp_path / "ours"), "--safe_serialization"]) == 0

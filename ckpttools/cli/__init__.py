@@ -30,17 +30,17 @@ if _IS_CKPT:
         if _signum is not None:
             _signal.signal(_signum, lambda signum, frame: _early_signals.append(signum))
 
-from ..signals import install as _install_signal_handler
+from ckpttools.signals import install as _install_signal_handler
 
 if _IS_CKPT:
     _install_signal_handler(early=_early_signals)
 
 import click  # after the signal handler
 
-from .. import __version__
-from ._common import EPILOG, CkptGroup
-from .convert import consolidate_cmd, inspect_cmd, reshard_cmd
-from .hub import push_cmd, verify_cmd
+from ckpttools._version import __version__
+from ckpttools.cli._common import EPILOG, CkptGroup
+from ckpttools.cli.convert import consolidate_cmd, inspect_cmd, reshard_cmd
+from ckpttools.cli.hub import push_cmd, verify_cmd
 
 __all__ = ["main"]
 

@@ -1,6 +1,6 @@
 """`python -m ckpttools.cli ...`: the same as `ckpt ...`."""
 
-from . import main
+from ckpttools.cli import main
 
 if __name__ == "__main__":
     main()

@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import click
 
-from .. import signals
-from ..errors import CkptError
+from ckpttools import signals
+from ckpttools.errors import CkptError
 
 if TYPE_CHECKING:
-    from ..distributed import Launch, ProcessGroup
+    from ckpttools.ranks.distributed import Launch, ProcessGroup
 
 EXIT_CODES = """\b
 Exit codes: 0 success (also when a signal comes after the output was published),
@@ -120,7 +120,7 @@ def _published_outputs() -> list[Path]:
     """The output folders this process published that are still there (staging.published_outputs()); a
     temporary folder that was published and removed again (push's) does not count. Never imports staging:
     unloaded, it published nothing."""
-    staging = sys.modules.get("ckpttools.staging")
+    staging = sys.modules.get("ckpttools.io.staging")
     listed = getattr(staging, "published_outputs", None)
     return [Path(p) for p in listed() if Path(p).exists()] if listed is not None else []
 
@@ -148,7 +148,7 @@ def _was_interrupted(error: BaseException) -> int | bool | None:
     one (a signal inside a class body's `__set_name__` is re-raised as RuntimeError, caused by it). A CkptError
     is a message its raiser chose (push saying whether its commit landed): it stands, whatever caused it.
     """
-    from ..distributed import RankFailedError
+    from ckpttools.ranks.distributed import RankFailedError
 
     link: BaseException | None = error.__cause__ or error if isinstance(error, RankFailedError) else error
     for _ in range(16):  # the chain of causes, never past a CkptError
@@ -163,7 +163,7 @@ def _was_interrupted(error: BaseException) -> int | bool | None:
 def _missing_extra(error: ModuleNotFoundError, command: str | None) -> str | None:
     """The line naming the pip extra that provides the missing module (ckpttools.extras), or None."""
     try:
-        from ..extras import describe_missing
+        from ckpttools.extras import describe_missing
     except ImportError:  # pragma: no cover - extras.py ships with the package
         return None
     return describe_missing(error, command)
@@ -238,7 +238,7 @@ def run_on_ranks(launch: Launch, body: Callable[[ProcessGroup], object]) -> None
     remaining ranks once one has exited. A rank lost after rank 0 published the output does not make the run
     a failure: the output is complete, rank 0 says so in a note and exits 0.
     """
-    from ..distributed import join_group
+    from ckpttools.ranks.distributed import join_group
 
     joined: list[ProcessGroup] = []
     code = run_guarded(lambda: joined.append(join_group(launch)), silent_interrupt=launch.rank != 0,
@@ -276,7 +276,7 @@ def _signal_after_the_body(code: int, published_before: int, rank: int) -> int:
 def _published_despite_lost_rank(group: ProcessGroup, body: Callable[[ProcessGroup], object], noted: list[str]) -> None:
     """`body(group)`; a failure after this rank published the output (a peer lost after the rename) becomes a
     note, since the output is complete."""
-    from ..distributed import RankFailedError, RankLostError
+    from ckpttools.ranks.distributed import RankFailedError, RankLostError
 
     before = len(_published_outputs())
     try:
@@ -311,8 +311,8 @@ def launch_for(distributed: bool, quiet: bool, workers: int | None) -> Iterator[
     `workers` (--workers), else this process's share of the cores, which follows LOCAL_WORLD_SIZE only with
     --distributed; both settings end with the block (a program running several commands, a test).
     """
-    from ..distributed import ignored_launcher_note, launch_from_env
-    from ..threads import set_workers, share_cores_with_local_ranks
+    from ckpttools.io.threads import set_workers, share_cores_with_local_ranks
+    from ckpttools.ranks.distributed import ignored_launcher_note, launch_from_env
 
     launch = launch_from_env() if distributed else None
     note = None if distributed else ignored_launcher_note()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ._common import (
+from ckpttools.cli._common import (
     DTYPE,
     EPILOG,
     SIZE,
@@ -30,7 +30,7 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
-    from ..distributed import ProcessGroup
+    from ckpttools.ranks.distributed import ProcessGroup
 
 
 @click.command("consolidate", epilog=EPILOG)
@@ -103,7 +103,7 @@ def consolidate_cmd(
     model with the adapters merged into the base weights. With --distributed under torchrun the ranks
     share the shards, balanced by bytes, into one folder on a filesystem they all see; only rank 0 prints.
     """
-    from ..consolidate import consolidate
+    from ckpttools.ops.consolidate import consolidate
 
     def run(group: ProcessGroup | None = None) -> None:
         rank0 = group is None or group.rank == 0
@@ -175,7 +175,7 @@ def reshard_cmd(
     becomes native shards again. With --distributed under torchrun the ranks share the rank files (or
     universal parameter folders), balanced by bytes, into one folder they all see; only rank 0 prints.
     """
-    from ..reshard import reshard
+    from ckpttools.ops.reshard import reshard
 
     def run(group: ProcessGroup | None = None) -> None:
         rank0 = group is None or group.rank == 0
@@ -217,7 +217,7 @@ def _dp_name(dp: int | None) -> str:
 @json_option
 def inspect_cmd(path: Path, tag: str | None, step: int | None, best: bool, as_json: bool) -> None:
     """Describe a ZeRO checkpoint: stage, DP size, dtype, sizes, ties, Trainer state."""
-    from ..inspect import inspect_checkpoint
+    from ckpttools.ops.inspect import inspect_checkpoint
 
     data = inspect_checkpoint(path, tag=tag, step=step, best=best)
     emit(data, as_json, _human_inspect)
@@ -225,7 +225,7 @@ def inspect_cmd(path: Path, tag: str | None, step: int | None, best: bool, as_js
 
 def _parallel(d: dict[str, Any]) -> str:
     """`DP 2`, `DP 2 x TP 2 (tensor-parallel (AutoTP))`: the degrees that are not 1."""
-    from ..parallel import KIND_NAMES, ParallelLayout
+    from ckpttools.model.parallel import KIND_NAMES, ParallelLayout
 
     p = d.get("parallel") or {"kind": "dp", "dp": d["dp_world_size"]}
     layout = ParallelLayout(p["kind"], p["dp"], p.get("tp", 1), p.get("pp", 1), p.get("ep", 1))

@@ -1,4 +1,4 @@
-"""`ckpt verify` and `ckpt push`: parse, call ckpttools.verify / ckpttools.hub, print.
+"""`ckpt verify` and `ckpt push`: parse, call ckpttools.ops.verify / ckpttools.ops.push, print.
 
 huggingface_hub (and, for verify, transformers) are imported inside the commands, so `ckpt consolidate`
 does not pay for them.
@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from .. import signals
-from ._common import (
+from ckpttools import signals
+from ckpttools.cli._common import (
     DTYPE,
     SIZE,
     echo_error,
@@ -28,7 +28,7 @@ from ._common import (
 )
 
 if TYPE_CHECKING:
-    from ..verify import VerifyReport
+    from ckpttools.ops.verify import VerifyReport
 
 VERIFY_EPILOG = """\b
 Examples:
@@ -108,8 +108,8 @@ def verify_cmd(
     quiet: bool,
 ) -> None:
     """Check a consolidated folder (or a PEFT adapter folder) the way from_pretrained / PEFT will read it."""
-    from ..errors import UsageError
-    from ..verify import verify_folder
+    from ckpttools.errors import UsageError
+    from ckpttools.ops.verify import verify_folder
 
     if against is None and (tag is not None or step is not None):
         raise UsageError("--tag and --step choose the checkpoint for --against; pass --against too")
@@ -184,7 +184,7 @@ def push_cmd(
     as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
     """Verify a model or adapter folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub."""
-    from ..hub import COMMIT_STATE, push
+    from ckpttools.ops.push import COMMIT_STATE, push
 
     _quiet_hub(quiet, bars=progress_enabled(quiet))
     try:

@@ -1,0 +1,314 @@
+"""Hugging Face side of the output: what keys the model expects, config.json, the companion files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import shutil
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttools.errors import CkptError
+from ckpttools.io.dtypes import DType
+
+
+class ConfigError(CkptError):
+    """A config.json that cannot be used: unreadable, not UTF-8, not JSON, not an object."""
+
+
+def load_config(path: Path) -> dict[str, Any]:
+    """Read and validate a config.json once; a UTF-8 byte-order mark is tolerated (and not written back).
+
+    Raises:
+        ConfigError: one line naming the file and what is wrong with it.
+    """
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from e
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); fix or replace the model config") from e
+    try:
+        config = json.loads(text)
+    except RecursionError as e:
+        raise ConfigError(f"{path} nests too deeply to be a model config") from e
+    except ValueError as e:  # JSONDecodeError, and integers longer than Python's digit limit
+        raise ConfigError(f"{path} is not valid JSON ({str(e)[:100]}); fix or replace the model config") from e
+    if not isinstance(config, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(config).__name__}, not an object; fix or replace the model config"
+        )
+    return config
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's config.json, validated, and the companion files (tokenizer, generation config) beside it."""
+
+    folder: Path
+    config: dict[str, Any]
+    side_files: list[str]  # names in `folder`, config.json excluded
+    standard_name: bool = True  # the file is `folder/config.json`, as transformers reads it
+
+
+def find_config(root: Path, given: Path | str | None = None) -> ModelConfig | None:
+    """`given` (a config.json or a folder holding one), else `root/config.json`, else None.
+
+    Raises:
+        ConfigError: `given` is not there, or a config.json is unusable.
+    """
+    if given is not None:
+        path = Path(given)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"--config {given}: no such config.json (pass the file, or the folder holding it)")
+    else:
+        path = root / "config.json"
+        if not path.is_file():
+            return None
+    from ckpttools.layouts.locate import HF_SIDE_FILES
+
+    side = [name for name in HF_SIDE_FILES if (path.parent / name).is_file()]
+    return ModelConfig(path.parent, load_config(path), side, path.name == "config.json")
+
+
+def read_config(path: Path) -> dict[str, Any] | None:
+    """The config as a dict, or None when it is absent or unusable (callers that only peek at it)."""
+    try:
+        return load_config(path)
+    except ConfigError:
+        return None
+
+
+@dataclass
+class MetaModel:
+    """What from_pretrained would build from config.json: keys, shapes, which are parameters, ties, renames."""
+
+    architecture: str
+    shapes: dict[str, tuple[int, ...]]
+    parameters: set[str]
+    tied: dict[str, str]  # target -> source
+    ignore_unexpected: list[str]
+    ignore_missing: list[str]
+    keep_fp32: list[str]
+    rename: Callable[[str], tuple[str, bool]]  # file key -> (model key, produced by a merging converter)
+
+
+def build_meta_model(folder: Path) -> MetaModel | str:
+    """Build the model class named in config.json on the meta device; a one-line reason when it cannot."""
+    import logging
+
+    import torch
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    transformers.logging.set_verbosity_error()
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - the reason is reported, the check skipped
+        return f"transformers cannot read config.json ({type(e).__name__}: {e})"
+    archs = getattr(config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        return f"architecture {archs[0] if archs else '(none in config.json)'} is not a transformers class"
+    try:
+        with torch.device("meta"):
+            model = cls(config)
+    except Exception as e:  # noqa: BLE001
+        return f"{cls.__name__} cannot be built from config.json ({type(e).__name__}: {e})"
+    state = model.state_dict()
+    return MetaModel(
+        architecture=cls.__name__,
+        shapes={k: tuple(v.shape) for k, v in state.items()},
+        parameters={n for n, _ in model.named_parameters(remove_duplicate=False)},
+        tied={str(k): str(v) for k, v in (getattr(model, "all_tied_weights_keys", None) or {}).items()},
+        ignore_unexpected=list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []),
+        ignore_missing=list(getattr(model, "_keys_to_ignore_on_load_missing", None) or []),
+        keep_fp32=list(getattr(model, "_keep_in_fp32_modules", None) or [])
+        + list(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
+        rename=_renamer(model, state),
+    )
+
+
+def _renamer(model: Any, state: dict[str, Any]) -> Callable[[str], tuple[str, bool]]:
+    """The key renaming transformers 5 applies on load (legacy names, fused MoE experts, base-model prefix).
+
+    These are transformers internals; when they are not there the keys are compared as they are.
+    """
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        mapping = get_model_conversion_mapping(model)
+    except Exception:  # noqa: BLE001
+        return lambda key: (key, False)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> tuple[str, bool]:
+        try:
+            new, pattern = rename_source_key(key, renamings, converters, prefix, state)
+            if new not in state and key in state:
+                new, pattern = rename_source_key(key, [], [], prefix, state)
+        except Exception:  # noqa: BLE001
+            return key, False
+        return new, pattern is not None
+
+    return rename
+
+
+@dataclass
+class KeyReport:
+    """The output's keys against the model: what from_pretrained would report, plus placeholders."""
+
+    loaded: dict[str, str] = field(default_factory=dict)  # file key -> model key, for the keys that load
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    mismatched: list[str] = field(default_factory=list)
+    placeholders: list[str] = field(default_factory=list)
+
+    def messages(self, arch: str, *, ignore_missing: bool = False) -> list[str]:
+        problems = []
+        if self.placeholders:
+            problems.append(
+                f"empty placeholder tensors where {arch} expects weights (a ZeRO-3 save without gathering?): "
+                f"{names(self.placeholders)}"
+            )
+        if self.mismatched:
+            problems.append(f"shape mismatch: {names(self.mismatched, 3)}")
+        if self.missing and not ignore_missing:
+            lacking = names(sorted(self.missing))
+            problems.append(f"{arch} expects keys the folder lacks (they would load as random weights): {lacking}")
+        if self.unexpected:
+            problems.append(
+                f"keys {arch} does not have (they would be ignored; wrong prefix?): {names(sorted(self.unexpected))}"
+            )
+        return problems
+
+
+def names(items: Iterable[str], n: int = 4) -> str:
+    """The first `n` names, and how many there are in all."""
+    items = list(items)
+    return ", ".join(items[:n]) + (f", ... ({len(items)} in all)" if len(items) > n else "")
+
+
+def compare_keys(model: MetaModel, shapes: Mapping[str, tuple[int, ...]]) -> KeyReport:
+    """Compare output keys and shapes with the model, after the renames transformers applies on load."""
+    report = KeyReport()
+    for key, shape in shapes.items():
+        target, converted = model.rename(key)
+        if target not in model.shapes:
+            if not any(re.search(p, key) for p in model.ignore_unexpected):
+                report.unexpected.append(key)
+            continue
+        report.loaded[key] = target
+        want = model.shapes[target]
+        if converted or tuple(shape) == want:
+            continue
+        if math.prod(shape) == 0 and math.prod(want) != 0:
+            report.placeholders.append(f"{key} {list(shape)}")
+        else:
+            report.mismatched.append(f"{key} is {list(shape)}, {model.architecture} expects {list(want)}")
+    present = set(report.loaded.values())
+    report.missing = [
+        k for k in model.shapes
+        if k not in present and not (k in model.tied and model.tied[k] in present)
+        and not any(re.search(p, k) for p in model.ignore_missing)
+    ]  # fmt: skip
+    return report
+
+
+def start_key_check(folder: Path, shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    """Run `compare_keys` in a child process (importing transformers overlaps the writing); see finish_key_check."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckpttools.ops.hf", str(folder)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+    )  # fmt: skip
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(json.dumps({k: list(v) for k, v in shapes.items()}))
+        proc.stdin.close()
+    except OSError:  # the child died early; finish_key_check reports it
+        pass
+    return proc
+
+
+def finish_key_check(proc: Any) -> tuple[str, KeyReport] | str:
+    """(architecture, KeyReport) from the child, or a one-line reason the keys could not be checked."""
+    out = proc.stdout.read()  # stdin was written and closed at the start
+    proc.wait()
+    try:
+        data = json.loads(out.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return f"the model check exited with code {proc.returncode}"
+    if "error" in data:
+        return str(data["error"])
+    return str(data["architecture"]), KeyReport(**data["report"])
+
+
+def _key_check_main(folder: Path) -> dict[str, Any]:
+    shapes = {k: tuple(v) for k, v in json.loads(sys.stdin.read()).items()}
+    model = build_meta_model(folder)
+    if isinstance(model, str):
+        return {"error": model}
+    report = compare_keys(model, shapes)
+    return {"architecture": model.architecture, "report": dataclasses.asdict(report)}
+
+
+def write_config(src: Path | dict[str, Any], dst: Path, dtype: DType) -> None:
+    """Write config.json with its dtype set to the dtype written (v5 loads with dtype="auto")."""
+    config = dict(src) if isinstance(src, dict) else load_config(src)
+    name = dtype.name
+    if "torch_dtype" in config or "dtype" not in config:
+        config["torch_dtype"] = name
+    config["dtype"] = name
+    dst.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_index(folder: Path, name: str, weight_map: dict[str, str], total_size: int, total_parameters: int) -> str:
+    """The shard index save_pretrained writes (transformers 5 needs its `metadata`); returns its file name."""
+    index = {
+        "metadata": {"total_size": total_size, "total_parameters": total_parameters},
+        "weight_map": weight_map,
+    }
+    (folder / name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return name
+
+
+def copy_side_files(root: Path, names: Iterable[str], out: Path) -> list[str]:
+    copied = []
+    for name in names:
+        if name == "config.json":
+            continue
+        shutil.copy2(root / name, out / name)
+        copied.append(name)
+    return copied
+
+
+def existing_weight_files(root: Path) -> list[Path]:
+    """The 16-bit weights a Trainer saved next to the ZeRO shards (safetensors only)."""
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError):
+            return []
+        return sorted({root / f for f in weight_map.values() if "/" not in f and ".." not in f})
+    single = root / "model.safetensors"
+    return [single] if single.is_file() else []
+
+
+if __name__ == "__main__":  # the child process of start_key_check
+    print(json.dumps(_key_check_main(Path(sys.argv[1]))))

@@ -1,0 +1,74 @@
+"""A summary of a ZeRO checkpoint without reading any tensor bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ckpttools.io import dtypes
+from ckpttools.layouts.crosscheck import check_module_copies
+from ckpttools.layouts.registry import open_checkpoint
+from ckpttools.layouts.zero import ZeroCheckpoint
+from ckpttools.ops import hf
+from ckpttools.ops.consolidate import DTYPES, plan_tensors, source_summary
+
+
+def _trainer_state(root: Path) -> dict[str, Any]:
+    try:
+        state = json.loads((root / "trainer_state.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(state, dict):
+        return {}
+    losses = [e["loss"] for e in state.get("log_history", []) if isinstance(e, dict) and "loss" in e]
+    return {
+        "global_step": state.get("global_step"),
+        "epoch": state.get("epoch"),
+        "last_loss": losses[-1] if losses else None,
+        "best_model_checkpoint": state.get("best_model_checkpoint"),
+    }
+
+
+def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    """Everything `ckpt inspect` reports, as plain JSON-able values."""
+    loc = ckpt.location
+    config_path = loc.root / "config.json"
+    config = hf.load_config(config_path) if config_path.is_file() else None
+    trainable = list(ckpt.masters.values())
+    frozen = [ckpt.bit16[n] for n in ckpt.frozen_names]
+    sizes, elements = {}, 0
+    for dtype in DTYPES.values():
+        tensors, _ = plan_tensors(ckpt, dtype, hf_folder=config is not None, config=config or {})
+        sizes[dtype.name] = sum(t.nbytes for t in tensors)  # float32/bfloat16/float16, as every --json spells it
+        elements = sum(t.source.numel() for t in tensors)  # what consolidate writes and verify counts
+    tags = sorted(p.name for p in loc.root.iterdir() if p.is_dir() and any(p.glob("*_model_states.pt")))
+    existing = hf.existing_weight_files(loc.root)
+    return {
+        **source_summary(ckpt),
+        "optimizer": ckpt.optimizer_kind,
+        "optimizer_states": ckpt.state_keys,
+        "format": ckpt.source_format,
+        "parallel": ckpt.layout.as_dict(),
+        "tags": tags,
+        "trainer_output_dir": str(loc.output_dir) if loc.output_dir else None,
+        "num_parameters": elements,  # every element consolidate writes (buffers too, a tie once), as verify counts
+        "trainable_parameters": sum(s.numel() for s in trainable),
+        "frozen_parameters": sum(s.numel() for s in frozen),
+        "num_trainable": len(trainable),
+        "num_frozen": len(frozen),
+        "num_buffers": len(ckpt.buffers),
+        "tied": dict(ckpt.shared_params),
+        "frozen_excluded": ckpt.frozen_excluded,
+        "gathered_16bit_weights": [p.name for p in existing],
+        "hf_files": loc.side_files,
+        "trainer_state": _trainer_state(loc.root),
+        "output_bytes": sizes,
+        "fp32_master_bytes": sum(s.numel() for s in trainable) * dtypes.FLOAT32.itemsize,
+    }
+
+
+def inspect_checkpoint(path: Path | str, **kwargs: Any) -> dict[str, Any]:
+    ckpt = open_checkpoint(path, **kwargs)
+    check_module_copies(ckpt)  # cheap (a few thousand elements per rank's piece): a mixed-up checkpoint is refused
+    return summarize(ckpt)

@@ -1,0 +1,914 @@
+"""Push a consolidated folder, a PEFT adapter folder, or a ZeRO checkpoint consolidated on the way, to the Hub.
+
+Thin over `huggingface_hub.HfApi` (create_repo -> branch -> upload_folder, the flow of `hf upload`), with:
+cheap checks first (options, token and write rights through `whoami` and `repo_info`, free space in the
+temporary folder) before any consolidation or verification; verification before anything is sent; an
+allowlist of the files a model repo holds (never training state or other outputs lying around); private repos
+by default; a model card with provenance added to the upload without touching the user's folder; and every
+Hub or network failure turned into one line: AuthError (exit 4) when logging in is what helps, RemoteError
+(exit 3) when a retry may (a re-run resumes, as files already on the Hub are not sent again).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckpttools._version import __version__
+from ckpttools.errors import (
+    AuthError,
+    CheckpointNotFoundError,
+    CkptError,
+    OutputError,
+    RemoteError,
+    UsageError,
+    VerificationError,
+)
+from ckpttools.ops import hf
+from ckpttools.ops.verify import ADAPTER_CONFIG, WEIGHT_NAMES, VerifyReport, verify_folder
+
+MANIFEST = ".ckpt-manifest.json"  # written by ckpt into each output folder; never uploaded
+
+
+def _anywhere(*patterns: str) -> tuple[str, ...]:
+    """Each pattern at the top and at any depth (huggingface_hub's `*` crosses folder boundaries)."""
+    return tuple(p for pattern in patterns for p in (pattern, f"*/{pattern}"))
+
+
+# What a model repo holds (transformers' and PEFT's file names), at any depth: everything else needs --include.
+ALLOWED = _anywhere(
+    "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin", "pytorch_model*.bin.index.json",
+    "adapter_model.bin", "adapter_config.json", "config.json", "generation_config.json",
+    "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json",
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "*.tiktoken",
+    "chat_template.jinja", "chat_template.json", "additional_chat_templates/*.jinja", "README.md",
+)  # fmt: skip
+# Training state and other outputs: never uploaded, whatever --include says.
+NEVER = _anywhere(
+    ".*", "global_step*", "checkpoint-*", "zero/*", "runs/*", "*_optim_states.pt", "*_model_states.pt",
+    "rng_state*.pth", "random_states_*.pkl", "optimizer.pt", "optimizer.bin", "scheduler.pt", "scaler.pt",
+    "training_args.bin", "trainer_state.json", "latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py",
+)  # fmt: skip
+WEIGHT_FILE_RE = re.compile(r"\.(safetensors|bin)$")
+PIPELINE_TAGS = (  # architecture suffix -> pipeline_tag, only where the task is unambiguous
+    ("ForCausalLM", "text-generation"), ("LMHeadModel", "text-generation"), ("ForMaskedLM", "fill-mask"),
+    ("ForSequenceClassification", "text-classification"), ("ForTokenClassification", "token-classification"),
+    ("ForQuestionAnswering", "question-answering"), ("ForImageClassification", "image-classification"),
+)  # fmt: skip
+PEFT_TASKS = {  # adapter_config.json task_type -> pipeline_tag
+    "CAUSAL_LM": "text-generation", "SEQ_2_SEQ_LM": "text2text-generation", "SEQ_CLS": "text-classification",
+    "TOKEN_CLS": "token-classification", "QUESTION_ANS": "question-answering",
+    "FEATURE_EXTRACTION": "feature-extraction",
+}  # fmt: skip
+REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+LOGIN = "log in with `hf auth login` or set HF_TOKEN (or pass --token)"
+
+
+class HubOfflineError(UsageError):
+    """HF_HUB_OFFLINE is set: a push cannot work, and retrying will not help (exit 2, not 3)."""
+
+
+class PushRefusedError(VerificationError):
+    """The folder failed verification, so nothing was sent. `problems` lists why."""
+
+    def __init__(self, message: str, problems: list[str]) -> None:
+        super().__init__(message)
+        self.problems = problems
+
+
+@dataclass
+class PushResult:
+    """What was (or, with dry_run, would be) pushed, and where it landed."""
+
+    repo_id: str
+    endpoint: str
+    revision: str
+    visibility: str  # "private" / "public"; in a dry run, what a new repo would get
+    dry_run: bool
+    folder: str | None  # the folder pushed; None when a checkpoint was consolidated into a temporary one
+    source: dict[str, Any] | None  # the ZeRO checkpoint the weights come from, when known
+    files: list[dict[str, Any]]  # path, size, and sha256 for weight files
+    total_size: int
+    dtype: str | None  # "float32" / "bfloat16" / "float16", as torch and config.json spell it
+    num_parameters: int
+    architecture: str | None
+    verified: bool
+    kind: str = "model"  # "model" or "adapter" (a PEFT adapter folder)
+    base_model: str | None = None  # for an adapter: the model it applies to
+    problems: list[str] = field(default_factory=list)  # verification problems pushed anyway (--force)
+    repo_url: str | None = None
+    commit_url: str | None = None
+    oid: str | None = None
+    pr_url: str | None = None
+    commit_recovered: bool = False  # the commit request failed or was interrupted, but the Hub's head has it
+    notes: list[str] = field(default_factory=list)
+    card: str | None = field(default=None, repr=False)  # the generated README.md, when one is added
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        del data["card"]
+        return data
+
+
+# --- environment -----------------------------------------------------------------------------------------
+
+
+def offline_mode() -> bool:
+    """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, as huggingface_hub reads them (it blocks even 127.0.0.1)."""
+    from huggingface_hub import constants
+
+    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return constants.is_offline_mode() or env.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def check_online() -> None:
+    if offline_mode():
+        raise HubOfflineError(
+            "HF_HUB_OFFLINE is set, so nothing can be pushed; unset it (or set HF_HUB_OFFLINE=0) for this command. "
+            "--dry-run works offline"
+        )
+
+
+def _token_found(token: str | None) -> bool:
+    """Whether any token is configured, without an OIDC exchange or network call."""
+    if token or os.environ.get("HF_TOKEN") or os.environ.get("HF_OIDC_RESOURCE"):
+        return True
+    from huggingface_hub import constants
+
+    return Path(constants.HF_TOKEN_PATH).is_file()
+
+
+# --- choosing what to push ---------------------------------------------------------------------------------
+
+
+def _foreign_folder(folder: Path, adapters: bool) -> str | None:
+    """Why a sub-folder is not part of the model pushed (a checkpoint, another output, a second model), or None."""
+    try:
+        names = set(os.listdir(folder))
+    except OSError:
+        return "unreadable"
+    if MANIFEST in names:
+        return "another ckpt output"
+    if names & {"latest", "latest_universal", "trainer_state.json", "zero"} or any(
+        n.endswith(("_model_states.pt", "_optim_states.pt")) for n in names
+    ):
+        return "a training checkpoint"
+    if adapters and ADAPTER_CONFIG in names:
+        return None  # PEFT saves each adapter other than `default` in a sub-folder named after it
+    if names & {"config.json", ADAPTER_CONFIG, *WEIGHT_NAMES}:
+        return "a second model"
+    return None
+
+
+def list_upload_files(
+    folder: Path, include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> tuple[list[str], list[str]]:
+    """The files under `folder` that go into the repo (posix paths, sorted), and the sub-folders left out (why).
+
+    The allowlist (ALLOWED, plus `include`) picks files at any depth, `exclude` and NEVER (training state,
+    hidden files, the ckpt manifest) drop them, by huggingface_hub's own pattern matching. Sub-folders that are
+    checkpoints or ckpt outputs are never entered; a sub-folder holding a second model (config.json, weights)
+    gives only the files `include` names (sentence-transformers' `1_Pooling/config.json`, say).
+    """
+    from huggingface_hub.utils import filter_repo_objects
+
+    adapters = (folder / ADAPTER_CONFIG).is_file()
+    found: list[str] = []
+    optional: list[str] = []  # sub-folders holding a second model: only --include picks files there
+    skipped: list[str] = []
+    for root, dirs, names in os.walk(folder):
+        here = Path(root)
+        rel_root = here.relative_to(folder).as_posix()
+        prefix = "" if rel_root == "." else f"{rel_root}/"
+        inside_second = any(prefix.startswith(o) for o in optional)
+        kept = []
+        for d in sorted(dirs):
+            why = "hidden" if d.startswith(".") else _foreign_folder(here / d, adapters)
+            if why == "a second model" and not inside_second:
+                optional.append(f"{prefix}{d}/")
+            if why is None or why == "a second model":
+                kept.append(d)
+            if why not in (None, "hidden"):
+                skipped.append(
+                    f"{prefix}{d}/ ({why}{'; --include to add its files' if why == 'a second model' else ''})"
+                )
+        dirs[:] = kept
+        found += [prefix + n for n in names if (here / n).is_file()]
+    ignore = [*NEVER, *exclude]
+    second = {f for f in found if any(f.startswith(o) for o in optional)}
+    chosen = set(filter_repo_objects([f for f in found if f not in second], allow_patterns=[*ALLOWED, *include],
+                                     ignore_patterns=ignore))  # fmt: skip
+    if include:
+        chosen |= set(filter_repo_objects(sorted(second), allow_patterns=list(include), ignore_patterns=ignore))
+    return sorted(chosen), skipped
+
+
+def _matches(rel: str, patterns: Sequence[str]) -> bool:
+    from huggingface_hub.utils import filter_repo_objects
+
+    return bool(patterns) and any(True for _ in filter_repo_objects([rel], allow_patterns=list(patterns)))
+
+
+def _is_checkpoint(path: Path, opts: dict[str, Any]) -> bool:
+    """True for a raw DeepSpeed checkpoint (to consolidate first), False for a folder to push as it is."""
+    from ckpttools.layouts.locate import locate
+
+    explicit = any(opts.get(k) for k in ("tag", "step", "best"))
+    has_weights = any((path / n).is_file() for n in (*WEIGHT_NAMES, *ADAPTER_WEIGHTS, ADAPTER_CONFIG))
+    try:
+        loc = locate(path, tag=opts.get("tag"), step=opts.get("step"), best=bool(opts.get("best")))
+    except CkptError as e:
+        if has_weights and not explicit:
+            return False
+        raise CheckpointNotFoundError(
+            f"{path} is neither a model folder ({' / '.join(WEIGHT_NAMES[:2])}, or a PEFT adapter folder) "
+            f"nor a DeepSpeed checkpoint: {e}"
+        ) from e
+    # A Trainer output_dir with its final model saved at the top: that model is what the user means.
+    return not (has_weights and loc.output_dir is not None and not explicit)
+
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _git_blob_sha(path: Path) -> str:
+    """The git blob id the Hub reports for a regular (non-LFS) file."""
+    h = hashlib.sha1(b"blob %d\0" % path.stat().st_size)
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# --- the model card -----------------------------------------------------------------------------------------
+
+
+def _hub_id(name: Any) -> str | None:
+    """`name` when it is a Hub repo id (not a local path)."""
+    if isinstance(name, str) and REPO_ID_RE.match(name) and not Path(name).exists():
+        return name
+    return None
+
+
+def _base_model(config: dict[str, Any]) -> str | None:
+    return _hub_id(config.get("_name_or_path"))
+
+
+def model_card(repo_id: str, report: VerifyReport, config: dict[str, Any], source: dict[str, Any] | None,
+               files: list[dict[str, Any]], problems: list[str]) -> str:  # fmt: skip
+    """README.md for the repo: Hub metadata, provenance, file checksums, how to load it. Deterministic."""
+    from huggingface_hub import ModelCardData
+
+    arch = report.architecture or ((config.get("architectures") or [None])[0])
+    pipeline = next((tag for suffix, tag in PIPELINE_TAGS if arch and arch.endswith(suffix)), None)
+    data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag=pipeline,
+        base_model=_base_model(config),
+        tags=["ckpttools", "deepspeed"],
+    )
+    auto = f"AutoModel{'ForCausalLM' if pipeline == 'text-generation' else ''}"
+    usage = f"""```python
+from transformers import {auto}
+
+model = {auto}.from_pretrained("{repo_id}")
+```"""
+    what = f"{arch or 'Model'} weights"
+    return _card(repo_id, data, what, report, source, files, problems, [("architecture", arch)], usage)
+
+
+def adapter_card(repo_id: str, report: VerifyReport, adapter: dict[str, Any], base: str | None,
+                 source: dict[str, Any] | None, files: list[dict[str, Any]], problems: list[str]) -> str:  # fmt: skip
+    """README.md for a PEFT adapter repo: `library_name: peft` and the base model it applies to."""
+    from huggingface_hub import ModelCardData
+
+    peft_type = str(adapter.get("peft_type") or "PEFT")
+    hub_base = _hub_id(base)
+    data = ModelCardData(
+        library_name="peft",
+        pipeline_tag=PEFT_TASKS.get(str(adapter.get("task_type"))),
+        base_model=hub_base,
+        tags=["ckpttools", "deepspeed", peft_type.lower(), *([f"base_model:adapter:{hub_base}"] if hub_base else [])],
+    )
+    on = f"`{base}`" if base else "a base model that adapter_config.json does not name"
+    targets = ", ".join(sorted(map(str, adapter.get("target_modules") or [])))
+    rows = [("adapter type", peft_type), ("base model", base), ("rank (r)", adapter.get("r")),
+            ("target modules", targets or None)]  # fmt: skip
+    usage = f"""```python
+from peft import AutoPeftModel
+
+model = AutoPeftModel.from_pretrained("{repo_id}")  # loads {base or "the base model"} and applies the adapter
+```"""
+    return _card(repo_id, data, f"{peft_type} adapter for {on}", report, source, files, problems, rows, usage)
+
+
+def _card(repo_id: str, data: Any, what: str, report: VerifyReport, source: dict[str, Any] | None,
+          files: list[dict[str, Any]], problems: list[str], rows: list[tuple[str, Any]],
+          usage: str) -> str:  # fmt: skip
+    if source:
+        rows = [
+            ("source checkpoint", f"`{source.get('path')}` (tag `{source.get('tag')}`)"),
+            ("training step", source.get("global_steps")),
+            ("ZeRO stage", source.get("zero_stage")),
+            ("data-parallel size", source.get("dp_world_size")),
+            ("training dtype", source.get("train_dtype")),
+            ("DeepSpeed", source.get("ds_version")),
+            *rows,
+        ]
+    rows += [("weights dtype", report.dtype), ("parameters", f"{report.num_parameters:,}"), ("ckpttools", __version__)]
+    table = "\n".join(f"| {k} | {v} |" for k, v in rows if v not in (None, ""))
+    checksums = "\n".join(f"| {f['path']} | {f['size']:,} | `{f['sha256']}` |" for f in files if f.get("sha256"))
+    origin = "consolidated from a DeepSpeed ZeRO checkpoint with" if source else "pushed with"
+    if problems:
+        checked = "**Verification found problems; the files were pushed anyway (`--force`):**\n\n" + "\n".join(
+            f"- {p}" for p in problems
+        )
+    else:
+        checked = "Verified before upload: " + "; ".join(report.checks) + "."
+    body = f"""
+# {repo_id}
+
+{what} {origin} [ckpttools](https://pypi.org/project/ckpttools/) {__version__} (`ckpt push`).
+
+{checked}
+
+## Provenance
+
+| | |
+|---|---|
+{table}
+
+## Weight files
+
+| file | bytes | sha256 |
+|---|---|---|
+{checksums}
+
+## Usage
+
+{usage}
+"""
+    return f"---\n{data.to_yaml()}\n---\n{body}"
+
+
+# --- errors ---------------------------------------------------------------------------------------------
+
+
+def _chain(e: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [e]
+    while todo:
+        ex = todo.pop(0)
+        if ex is None or id(ex) in seen:
+            continue
+        seen.add(id(ex))
+        yield ex
+        todo += [ex.__cause__, ex.__context__]
+
+
+RESUME = "files that arrived are not sent again"
+XET_HINT = "set HF_HUB_DISABLE_XET=1 to upload through Git LFS"
+
+
+def remote_error(
+    e: BaseException, *, endpoint: str, repo_id: str, revision: str, token: str | None
+) -> CkptError | None:
+    """One clear line for a Hub, auth or network failure; None when `e` is not one (then it is a bug)."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalTokenNotFoundError, OfflineModeIsEnabled
+
+    for ex in _chain(e):
+        if isinstance(ex, OfflineModeIsEnabled):
+            return HubOfflineError("HF_HUB_OFFLINE is set, so nothing can be pushed; unset it for this command")
+        if isinstance(ex, LocalTokenNotFoundError):
+            return AuthError(f"no Hugging Face token found; {LOGIN}")
+        if isinstance(ex, HfHubHTTPError):
+            return _http_error(ex, endpoint, repo_id, revision, token)
+    for ex in _chain(e):
+        if "xet-write-token" in str(ex) and "404" in str(ex):  # hf_xet raises a bare ConnectionError for it
+            return RemoteError(
+                f"{endpoint} does not offer Xet storage (HTTP 404 on its xet-write-token endpoint); {XET_HINT}"
+            )
+    for ex in _chain(e):
+        names = {c.__name__ for c in type(ex).__mro__}
+        if names & {"ConnectError", "ConnectionRefusedError", "NewConnectionError", "ProxyError"}:
+            return RemoteError(
+                f"cannot connect to {endpoint} ({_first_line(ex)}); check --endpoint / HF_ENDPOINT and retry"
+            )
+        if names & {"TimeoutException", "Timeout", "TimeoutError"}:
+            return RemoteError(f"timed out talking to {endpoint}; re-run to finish ({RESUME})")
+        if names & {"RemoteProtocolError", "NetworkError", "TransportError", "ConnectionError", "ChunkedEncodingError"}:
+            return RemoteError(
+                f"the connection to {endpoint} dropped mid-request ({_first_line(ex)}); re-run to finish ({RESUME})"
+            )
+    return None
+
+
+def _http_error(ex: Any, endpoint: str, repo_id: str, revision: str, token: str | None) -> CkptError:
+    """401 and 403 are AuthError (logging in helps, retrying does not); the rest RemoteError."""
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    status = ex.response.status_code
+    request = ex.response.request
+    url = str(request.url).split("?")[0] if request is not None else endpoint
+    where = f"{request.method if request is not None else ''} {url.removeprefix(endpoint.rstrip('/')) or url}".strip()
+    said = f": {_first_line(ex.server_message)}" if getattr(ex, "server_message", None) else ""
+    if status == 404 and "xet-write-token" in url:
+        return RemoteError(f"{endpoint} does not offer Xet storage (HTTP 404 on {where}); {XET_HINT}")
+    if isinstance(ex, RevisionNotFoundError):
+        return RemoteError(f"revision {revision!r} not found in {repo_id} (HTTP {status})")
+    if isinstance(ex, RepositoryNotFoundError) and status == 404:
+        return RemoteError(f"repository {repo_id} not found at {endpoint}, or the token cannot see it (HTTP {status})")
+    if status == 401:
+        why = "the token was rejected" if _token_found(token) else "no token found"
+        return AuthError(f"authentication failed at {endpoint} (HTTP 401: {why}); {LOGIN}")
+    if status == 403:
+        owner = repo_id.split("/", maxsplit=1)[0]
+        return AuthError(
+            f"permission denied (HTTP 403) on {where}{said}; the token needs write access to {owner}: "
+            f"log in with a write token (`hf auth login` or HF_TOKEN)"
+        )
+    if status == 409:
+        return RemoteError(f"conflict (HTTP 409) on {where}{said}; another push to the same branch? re-run to retry")
+    if status == 412:
+        return RemoteError(f"the branch moved during the push (HTTP 412) on {where}; re-run to retry")
+    if status == 429:
+        return RemoteError(f"rate limited by {endpoint} (HTTP 429); retry later")
+    if status >= 500:
+        return RemoteError(f"{endpoint} failed (HTTP {status}) on {where}{said}; retry later ({RESUME})")
+    return RemoteError(f"{endpoint} refused the request (HTTP {status}) on {where}{said}; re-run to retry ({RESUME})")
+
+
+def _first_line(x: Any) -> str:
+    text = str(x).strip()
+    return (text.splitlines() or [""])[0][:200]
+
+
+def _scrub(message: str, token: str | None) -> str:
+    for secret in (token, os.environ.get("HF_TOKEN")):
+        if secret:
+            message = message.replace(secret, "***")
+    return message
+
+
+@contextmanager
+def _remote_errors(**context: Any) -> Iterator[None]:
+    try:
+        yield
+    except CkptError:
+        raise
+    except Exception as e:
+        err = remote_error(e, **context)
+        if err is None:
+            raise
+        hint = COMMIT_STATE_HINTS.get(getattr(e, COMMIT_STATE, ""))
+        if hint:
+            err = type(err)(f"{err}; {hint}")
+        err.args = (_scrub(str(err), context.get("token")),)  # a token must never reach a log
+        raise err from e
+
+
+# --- cheap checks, before any consolidation or verification -------------------------------------------------
+
+
+@dataclass
+class Access:
+    """What the Hub said before anything heavy ran: who the token is, and the repo as it stands."""
+
+    user: str
+    exists: bool
+    private: bool | None
+    head: str | None  # the revision's commit before the push; None when it does not exist yet
+
+
+def check_access(api: Any, repo_id: str, *, private: bool | None, revision: str | None) -> Access:
+    """Token present and valid (whoami), able to write `repo_id`'s namespace, repo and revision as required.
+
+    Raises AuthError (no token, rejected, read-only, or no right to the namespace), UsageError (an existing public
+    repo without --public), RemoteError (network, 5xx, refs/pr/N missing) through `_remote_errors` at the caller.
+    """
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    info = api.whoami()
+    user = str(info.get("name") or "?")
+    _check_token_rights(info, user, repo_id)
+    try:
+        repo = api.repo_info(repo_id)
+    except RepositoryNotFoundError as e:
+        if e.response is not None and e.response.status_code == 401:
+            raise
+        if (revision or "").startswith("refs/pr/"):
+            raise RemoteError(f"revision {revision!r} not found in {repo_id} (HTTP 404: no such repository)") from e
+        return Access(user, False, None, None)
+    if repo.private is False and private is not False:
+        raise UsageError(f"{repo_id} already exists and is public; pass --public to push to it (nothing was sent)")
+    head = repo.sha
+    rev = revision or "main"
+    if rev != "main":
+        try:
+            head = api.repo_info(repo_id, revision=rev).sha
+        except RevisionNotFoundError:
+            if rev.startswith("refs/pr/"):
+                raise  # an open pull request to add to: it must exist
+            head = None  # a branch, created from main when the push starts
+    return Access(user, True, repo.private, head)
+
+
+def _check_token_rights(info: dict[str, Any], user: str, repo_id: str) -> None:
+    """Refuse only what whoami states plainly: a read-only token, or a namespace the user has no part in."""
+    owner = repo_id.split("/", maxsplit=1)[0]
+    token = (info.get("auth") or {}).get("accessToken") or {}
+    role = token.get("role")
+    if role == "read":
+        raise AuthError(f"the token of {user} is read-only (role: read); {LOGIN} with a token that can write")
+    if role == "fineGrained" and not _fine_grained_can_write(token.get("fineGrained") or {}, owner, repo_id):
+        raise AuthError(f"the fine-grained token of {user} has no repo.write permission for {repo_id}; {LOGIN}")
+    if "orgs" not in info or owner == user:
+        return
+    orgs = {str(o.get("name")): o.get("roleInOrg") for o in info.get("orgs") or [] if isinstance(o, dict)}
+    if owner not in orgs:
+        raise AuthError(
+            f"the token belongs to {user}, who is not a member of {owner}: it cannot create or write {repo_id}; "
+            f"{LOGIN} as a member of {owner}, or push to {user}/..."
+        )
+    if orgs[owner] == "read":
+        raise AuthError(f"{user} has the read role in {owner}: it cannot write {repo_id}; ask an admin of {owner}")
+
+
+def _fine_grained_can_write(fine: dict[str, Any], owner: str, repo_id: str) -> bool:
+    """repo.write granted globally, or scoped to the namespace or the repo (a scope naming no entity counts).
+    A whoami answer of another shape proves nothing: the Hub's own 403 then decides."""
+    if not isinstance(fine.get("global"), list) and not isinstance(fine.get("scoped"), list):
+        return True
+    if "repo.write" in (fine.get("global") or []):
+        return True
+    for scope in fine.get("scoped") or []:
+        name = (scope.get("entity") or {}).get("name")
+        if "repo.write" in (scope.get("permissions") or []) and name in (None, owner, repo_id):
+            return True
+    return False
+
+
+def _estimated_output(path: Path, opts: dict[str, Any]) -> int:
+    """Bytes a consolidation of the checkpoint at `path` writes (adapters only, for a PEFT run)."""
+    from ckpttools.layouts.registry import open_checkpoint
+    from ckpttools.ops import peft
+    from ckpttools.ops.consolidate import DTYPES, plan_tensors
+
+    ckpt = open_checkpoint(path, tag=opts.get("tag"), step=opts.get("step"), best=bool(opts.get("best")))
+    dtype = DTYPES[opts.get("dtype") or "fp32"]
+    if peft.is_peft(ckpt):
+        run = peft.trained_adapters(peft.read_peft_run(ckpt), ckpt)
+        return sum(t.nbytes for a in run.adapters for t in peft.adapter_tensors(ckpt, a, dtype))
+    return sum(t.nbytes for t in plan_tensors(ckpt, dtype, hf_folder=True)[0])
+
+
+def check_temp_space(needed: int) -> None:
+    """push consolidates into the temporary folder (it has no --out): say so, and how to move it."""
+    from ckpttools.io.staging import SPACE_MARGIN
+
+    tmp = tempfile.gettempdir()
+    free = shutil.disk_usage(tmp).free
+    if free < needed + SPACE_MARGIN:
+        raise OutputError(
+            f"not enough free disk space in the temporary folder {tmp} to consolidate into: the weights need "
+            f"{_mb(needed)} plus a {_mb(SPACE_MARGIN)} margin, {_mb(free)} is free; set TMPDIR to a folder on a "
+            "larger disk (nothing was sent)"
+        )
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+# --- push ------------------------------------------------------------------------------------------------
+
+
+def _prepare(
+    path: Path, stack: ExitStack, opts: dict[str, Any], notes: list[str], source: Path | str | None
+) -> tuple[Path, dict[str, Any] | None, bool]:
+    """The folder to push, its source checkpoint summary, and whether it is a temporary consolidation."""
+    from ckpttools.ops.consolidate import consolidate
+
+    if not _is_checkpoint(path, opts):
+        if source is not None:
+            from ckpttools.layouts.registry import open_checkpoint
+            from ckpttools.ops.consolidate import source_summary
+
+            return path, source_summary(open_checkpoint(source)), False
+        if opts.get("dtype") != "fp32" or opts.get("max_shard_size") not in ("5GB", 5_000_000_000):
+            notes.append(f"{path} is already a model folder: --dtype and --max-shard-size do not apply")
+        if (path / "trainer_state.json").is_file() or any(p.name.startswith("checkpoint-") for p in path.iterdir()):
+            notes.append(f"pushing the model saved in {path}; checkpoint-N folders and training state are left out")
+        return path, None, False
+    if source is not None:
+        raise UsageError(f"--source names the checkpoint a model folder came from, but {path} is itself a checkpoint")
+    check_temp_space(_estimated_output(path, opts))
+    tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-push-")))
+    result = consolidate(path, tmp / "model", **opts)
+    notes += result.notes
+    return Path(result.output_dir), result.source, True
+
+
+def _stage(folder: Path, files: list[str], stage: Path, card: str | None) -> None:
+    """Mirror the files into `stage` as hard links (symlinks across filesystems) and add the card there."""
+    for rel in files:
+        src, dst = folder / rel, stage / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            os.symlink(src.resolve(), dst)
+    if card is not None:
+        (stage / "README.md").write_text(card, encoding="utf-8")
+
+
+def push(
+    path: Path | str = ".",
+    repo_id: str = "",
+    *,
+    private: bool | None = None,
+    revision: str | None = None,
+    create_pr: bool = False,
+    commit_message: str | None = None,
+    endpoint: str | None = None,
+    token: str | None = None,
+    dry_run: bool = False,
+    force: bool = False,
+    source: Path | str | None = None,
+    dtype: str = "fp32",
+    max_shard_size: int | str = "5GB",
+    tag: str | None = None,
+    step: int | None = None,
+    best: bool = False,
+    config: Path | str | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    base_model: str | None = None,
+    api: Any = None,
+) -> PushResult:
+    """Verify a folder (or consolidate a ZeRO checkpoint) and upload it, with a model card, to `repo_id`.
+
+    The options, the token (whoami), the right to write the repo, and the free space for a consolidation are
+    checked first, before anything heavy runs.
+
+    Args:
+        path: a folder from_pretrained loads, a PEFT adapter folder, or a ZeRO checkpoint (consolidated into a
+            temporary folder first).
+        repo_id: "org/name".
+        private: None or True create a private repo, False a public one. An existing public repo is only
+            pushed to with private=False; an existing repo's visibility is never changed.
+        revision: branch to push to (created from main when missing), or "refs/pr/N" to add to an open PR.
+        create_pr: open a pull request against main instead of committing to it.
+        endpoint, token: passed to HfApi; the token is otherwise found the way huggingface_hub finds it.
+        dry_run: verify and list what would be sent; send nothing (works offline, checks no token).
+        force: push even when verification finds problems (they are recorded in the result).
+        source: the ZeRO checkpoint `path` was consolidated from, for the card's provenance (read, not compared).
+        dtype, max_shard_size, tag, step, best: how to consolidate when `path` is a checkpoint.
+        include, exclude: upload patterns (as `hf upload`) added to / removed from the allowlist (ALLOWED);
+            training state (NEVER) is never uploaded.
+        base_model: for an adapter folder whose adapter_config.json names no base model: the Hub id for the card.
+        api: an HfApi to use instead of a new one.
+
+    Raises:
+        UsageError (HubOfflineError when HF_HUB_OFFLINE is set), AuthError (no token, rejected, no write
+        right), PushRefusedError (verification failed), RemoteError (Hub or network failure: retrying may help),
+        other CkptErrors from consolidation.
+
+    Example:
+        >>> push("out/checkpoint-500", "my-org/my-model", dtype="bf16").commit_url
+        'https://huggingface.co/my-org/my-model/commit/...'
+    """
+    path = Path(path)
+    _check_options(path, repo_id, create_pr, revision, base_model)
+    access = None
+    if not dry_run:
+        check_online()
+        if api is None:
+            from huggingface_hub import HfApi
+
+            api = HfApi(endpoint=endpoint, token=token, library_name="ckpttools", library_version=__version__)
+        context = {"endpoint": api.endpoint, "repo_id": repo_id, "revision": revision or "main", "token": token}
+        with _remote_errors(**context):
+            access = check_access(api, repo_id, private=private, revision=revision)
+    notes: list[str] = []
+    with ExitStack() as stack:
+        opts = {"dtype": dtype, "max_shard_size": max_shard_size, "tag": tag, "step": step, "best": best,
+                "config": config}  # fmt: skip
+        folder, summary, temporary = _prepare(path, stack, opts, notes, source)
+        report = verify_folder(folder)
+        problems = list(report.problems)
+        adapter = report.kind == "adapter"
+        if not adapter and not (folder / "config.json").is_file():
+            hint = "; pass --config (the model's config.json or its folder)" if temporary else ""
+            problems.append(f"no config.json: from_pretrained cannot load this folder from the Hub{hint}")
+        if problems and not force:
+            raise PushRefusedError(
+                f"{path} failed verification ({len(problems)} problem(s)), nothing was pushed; fix it or pass --force",
+                problems,
+            )
+        notes += report.notes
+        result = _plan(repo_id, folder, report, summary, problems, private, revision, dry_run, temporary, notes,
+                       include, exclude, base_model)  # fmt: skip
+        result.endpoint = (api.endpoint if api is not None else None) or endpoint or _default_endpoint()
+        if dry_run or access is None:
+            return result
+        context = {"endpoint": api.endpoint, "repo_id": repo_id, "revision": result.revision, "token": token}
+        with _remote_errors(**context):
+            _upload(api, result, access, folder, stack, private, create_pr, commit_message, summary)
+    return result
+
+
+def _check_options(path: Path, repo_id: str, create_pr: bool, revision: str | None, base_model: str | None) -> None:
+    if not REPO_ID_RE.match(repo_id or ""):
+        raise UsageError(f"--repo must look like ORG/NAME, not {repo_id!r}")
+    if create_pr and revision:
+        raise UsageError(
+            "--create-pr opens a pull request against main; leave out --revision "
+            "(or pass --revision refs/pr/N to add to an open pull request)"
+        )
+    if base_model is not None and not REPO_ID_RE.match(base_model):
+        raise UsageError(f"--base-model must be a Hub repo id such as ORG/NAME, not {base_model!r}")
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path} is a file; pass a model folder or a checkpoint folder")
+
+
+def _default_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT
+
+
+def _plan(
+    repo_id: str, folder: Path, report: VerifyReport, summary: dict[str, Any] | None, problems: list[str],
+    private: bool | None, revision: str | None, dry_run: bool, temporary: bool, notes: list[str],
+    include: Sequence[str], exclude: Sequence[str], base_model: str | None,
+) -> PushResult:  # fmt: skip
+    rels, skipped = list_upload_files(folder, include, exclude)
+    if skipped:
+        notes.append(f"left out sub-folders that are not part of this model: {', '.join(skipped)}")
+    verified = set(report.files)
+    unverified = [r for r in rels if WEIGHT_FILE_RE.search(r) and r not in verified and not _matches(r, include)]
+    if unverified:
+        notes.append(f"left out weight files the model does not load (--include to add them): {hf.names(unverified)}")
+        rels = [r for r in rels if r not in unverified]
+    files = []
+    for rel in rels:
+        entry: dict[str, Any] = {"path": rel, "size": (folder / rel).stat().st_size}
+        if WEIGHT_FILE_RE.search(rel):
+            entry["sha256"] = _sha256(folder / rel)
+        files.append(entry)
+    adapter = report.kind == "adapter"
+    config = hf.read_config(folder / (ADAPTER_CONFIG if adapter else "config.json")) or {}
+    base = (base_model or config.get("base_model_name_or_path") or None) if adapter else None
+    result = PushResult(
+        repo_id=repo_id, endpoint="", revision=revision or "main",
+        visibility="public" if private is False else "private", dry_run=dry_run,
+        folder=None if temporary else str(folder), source=summary, files=files, total_size=0,
+        dtype=report.dtype, num_parameters=report.num_parameters, architecture=report.architecture,
+        verified=not problems, kind=report.kind, base_model=base, problems=problems, notes=notes,
+    )  # fmt: skip
+    if "README.md" in rels and not (adapter and _card_lacks_base(folder / "README.md") and base):
+        notes.append("the folder has its own README.md; it is uploaded as it is, no model card is generated")
+    else:
+        if "README.md" in rels:
+            notes.append(f"PEFT's template README.md names no base model: replaced by a card naming {base}")
+            result.files = [f for f in files if f["path"] != "README.md"]
+        if adapter:
+            result.card = adapter_card(repo_id, report, config, base, summary, result.files, problems)
+        else:
+            result.card = model_card(repo_id, report, config, summary, result.files, problems)
+        result.files.append({"path": "README.md", "size": len(result.card.encode()), "generated": True})
+    if adapter and not base:
+        notes.append("adapter_config.json names no base model (base_model_name_or_path); pass --base-model ORG/NAME")
+    result.total_size = sum(f["size"] for f in result.files)
+    return result
+
+
+def _card_lacks_base(readme: Path) -> bool:
+    """A model card whose metadata names no base model (PEFT's save_pretrained template has `base_model: ''`)."""
+    from huggingface_hub import ModelCard
+
+    try:
+        return not ModelCard.load(readme).data.base_model
+    except Exception:  # noqa: BLE001 - an unreadable card is the user's; kept as it is
+        return False
+
+
+def _upload(api: Any, result: PushResult, access: Access, folder: Path, stack: ExitStack, private: bool | None,
+            create_pr: bool, commit_message: str | None, summary: dict[str, Any] | None) -> None:  # fmt: skip
+    repo_id, rev = result.repo_id, result.revision
+    result.repo_url = str(api.create_repo(repo_id, private=private is not False, exist_ok=True))
+    if access.exists and access.private is not None:
+        if access.private and private is False:
+            result.notes.append(
+                f"{repo_id} already exists and is private; it stays private (visibility is not changed)"
+            )
+        result.visibility = "private" if access.private else "public"
+    head = access.head if access.exists else api.repo_info(repo_id).sha
+    if rev != "main" and (head is None or not access.exists):
+        api.create_branch(repo_id, branch=rev, exist_ok=True)
+        result.notes.append(f"created branch {rev} from main")
+        head = api.repo_info(repo_id, revision=rev).sha
+    stage = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-stage-")))
+    _stage(folder, [f["path"] for f in result.files if not f.get("generated")], stage, result.card)
+    step = f" (step {summary['global_steps']})" if summary and summary.get("global_steps") is not None else ""
+    what = "adapter" if result.kind == "adapter" else (result.architecture or "model")
+    message = commit_message or f"Upload {what}{step} with ckpttools {__version__}"
+    description = f"{len(result.files)} files, {result.total_size:,} bytes, {result.dtype}, verified={result.verified}"
+    try:
+        commit = api.upload_folder(
+            repo_id=repo_id, folder_path=stage, commit_message=message, commit_description=description,
+            revision=None if rev == "main" else rev, create_pr=create_pr or None,
+        )  # fmt: skip
+    except BaseException as e:
+        if create_pr or _commit_state(api, result, stage, head, e) != "landed":
+            raise
+        return
+    result.commit_url, result.oid, result.pr_url = commit.commit_url, commit.oid, commit.pr_url
+    if commit.oid == head:
+        result.notes.append(f"nothing changed: every file is already on {rev}, so no commit was made")
+
+
+COMMIT_STATE = "ckpt_commit_state"  # set on the error of a failed commit: landed / absent / other / unknown
+COMMIT_STATE_HINTS = {
+    "unknown": "the commit request was sent, and whether it landed could not be checked: look at the repo's "
+    "commits before relying on it (a re-run is safe: it sends only what is missing)",
+    "other": "the branch moved meanwhile, but not to these files; re-run to push them",
+}
+
+
+def _commit_state(api: Any, result: PushResult, stage: Path, head: str | None, error: BaseException) -> str:
+    """After a failed or interrupted commit: did the Hub take it anyway? (Its answer may be what got lost.)
+
+    "landed" when the revision's head moved and every file of this push is there with our bytes (sha256 for
+    LFS files, the git blob id otherwise): the push is complete, and `result` says so. "absent" when the head
+    did not move, "other" when it moved to other files, "unknown" when looking failed. Recorded on `error`.
+    """
+    status = _http_status(error)
+    if status is not None and status < 500:
+        setattr(error, COMMIT_STATE, "absent")  # the Hub answered and refused (401, 403, 409, 412, ...)
+        return "absent"
+    setattr(error, COMMIT_STATE, "unknown")
+    waits = (0.0,) if status is not None else (0.0, 1.0)  # no answer: the request may still be committing
+    try:
+        now = head
+        for wait in waits:
+            time.sleep(wait)
+            now = api.repo_info(result.repo_id, revision=result.revision).sha
+            if now != head:
+                break
+        remote = {} if now == head else _remote_oids(api, result.repo_id, now)
+    except BaseException:  # noqa: BLE001 - a second Ctrl-C or the network: the answer stays unknown
+        return "unknown"
+    if now == head:
+        state = "absent"
+    elif all(remote.get(f["path"]) in (f.get("sha256"), _git_blob_sha(stage / f["path"])) for f in result.files):
+        state = "landed"
+    else:
+        state = "other"
+    setattr(error, COMMIT_STATE, state)
+    if state == "landed":
+        result.oid, result.commit_recovered = now, True
+        result.commit_url = f"{api.endpoint.rstrip('/')}/{result.repo_id}/commit/{now}"
+        how = "was interrupted" if isinstance(error, KeyboardInterrupt) else f"failed ({_first_line(error)})"
+        result.notes.append(
+            f"the commit request {how}, but the Hub had committed it: {result.revision} is at {now} with every "
+            "file of this push"
+        )
+    return state
+
+
+def _http_status(error: BaseException) -> int | None:
+    """The HTTP status the Hub answered with, or None when no answer came (dropped, timed out, interrupted)."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return next((ex.response.status_code for ex in _chain(error) if isinstance(ex, HfHubHTTPError)), None)
+
+
+def _remote_oids(api: Any, repo_id: str, revision: str | None) -> dict[str, str]:
+    """path -> sha256 (LFS files) or git blob id (regular files) at `revision`."""
+    return {
+        f.path: (f.lfs.sha256 if f.lfs else f.blob_id)
+        for f in api.list_repo_tree(repo_id, revision=revision, recursive=True)
+        if hasattr(f, "blob_id")
+    }
