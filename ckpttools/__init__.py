@@ -20,7 +20,7 @@ _EXPORTS = {
     "EngineSaveResult": "live.engine_save", "save_pretrained_from_engine": "live.engine_save",
     "PushResult": "ops.push", "push": "ops.push",
     "inspect_checkpoint": "ops.inspect",
-    "ZeroCheckpoint": "layouts.zero",
+    "ZeroCheckpoint": "model.checkpoint",
     "ReshardResult": "ops.reshard", "reshard": "ops.reshard",
     "open_checkpoint": "layouts.registry", "read_checkpoint": "layouts.registry",
     "read_universal": "layouts.universal",
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     )
     from ckpttools.layouts.registry import open_checkpoint, read_checkpoint
     from ckpttools.layouts.universal import read_universal
-    from ckpttools.layouts.zero import ZeroCheckpoint
     from ckpttools.live.engine_save import EngineSaveResult, save_pretrained_from_engine
+    from ckpttools.model.checkpoint import ZeroCheckpoint
     from ckpttools.ops.consolidate import ConsolidateResult, consolidate
     from ckpttools.ops.inspect import inspect_checkpoint
     from ckpttools.ops.push import PushResult, push

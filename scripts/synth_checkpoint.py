@@ -39,7 +39,7 @@ from ckpttools.io import dtypes, torchwriter  # noqa: E402
 from ckpttools.io.crc import crc32_zeros  # noqa: E402
 from ckpttools.io.torchfile import LazyTensor, Record, StorageRef, TorchSize, load_pickle  # noqa: E402
 from ckpttools.layouts.registry import read_checkpoint  # noqa: E402
-from ckpttools.layouts.zero import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint  # noqa: E402
+from ckpttools.model.checkpoint import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint  # noqa: E402
 from ckpttools.ops.reshard import _rank_files  # noqa: E402
 
 TEMPLATES = {2: ROOT / "fixtures/z2_dp2_bf16/checkpoint", 3: ROOT / "fixtures/z3_dp2_bf16/checkpoint"}
@@ -205,7 +205,7 @@ def _view(storage: LazyTensor, offset: int, shape: tuple[int, ...]) -> LazyTenso
     return LazyTensor(storage.storage, offset, shape, torchwriter._contiguous_strides(shape))
 
 
-def _numel(shape: tuple[int, ...]) -> int:
+def shape_numel(shape: tuple[int, ...]) -> int:
     n = 1
     for s in shape:
         n *= s
@@ -226,7 +226,7 @@ def _zero2_module(
     offsets = []
     for _, shape, group in params:
         offsets.append(totals.get(group, 0))
-        totals[group] = totals.get(group, 0) + _numel(shape)
+        totals[group] = totals.get(group, 0) + shape_numel(shape)
     align = 2 * dp
     flats = {g: _stored(dtype, -(-t // align) * align * dtype.itemsize, 0, (1,)) for g, t in totals.items()}
     return OrderedDict(
@@ -240,11 +240,11 @@ ParamSpec = tuple[str, tuple[int, ...], int]
 def synthetic_source(template: ZeroCheckpoint, params: list[ParamSpec], dp: int) -> ZeroCheckpoint:
     """The template checkpoint with its parameters replaced: every state one segment of a stand-in tensor."""
     stage, dtype = template.zero_stage, template.train_dtype
-    whole = _stored(dtypes.FLOAT32, 0, 0, (max(_numel(s) for _, s, _ in params),))
+    whole = _stored(dtypes.FLOAT32, 0, 0, (max(shape_numel(s) for _, s, _ in params),))
     keys = template.state_keys
     model_params = []
     for name, shape, group in params:
-        numel = _numel(shape)
+        numel = shape_numel(shape)
         src = TensorSource(name, shape, dtypes.FLOAT32, (Segment(whole, 0, numel),), "trainable")
         states = {k: dataclasses.replace(src, kind="state") for k in keys}
         model_params.append(Param(name, name, shape, group, 0, src, states))

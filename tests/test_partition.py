@@ -1,7 +1,7 @@
 import pytest
 
-from ckpttools.layouts import partition
-from ckpttools.layouts.partition import Piece
+from ckpttools.layouts.zero import partition
+from ckpttools.layouts.zero.partition import Piece
 
 
 @pytest.mark.parametrize("total,dp,size", [(808, 2, 404), (1, 4, 2), (9, 3, 4), (407, 4, 102), (0, 2, 0), (6, 1, 6)])

@@ -24,9 +24,10 @@ from ckpttools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpoi
 from ckpttools.io import dtypes
 from ckpttools.io.safetensors_writer import read_tensor
 from ckpttools.io.torchfile import RecordReader
-from ckpttools.layouts.locate import CheckpointLocation, TagFiles, locate
+from ckpttools.layouts.locate import locate
 from ckpttools.layouts.pipeline import is_pipeline, pipeline_files, read_pipeline, read_pipeline_stages
-from ckpttools.layouts.zero import ZeroCheckpoint
+from ckpttools.model.checkpoint import ZeroCheckpoint
+from ckpttools.model.origin import CheckpointLocation, TagFiles
 
 from .conftest import FIXTURES, fixture_meta, fixture_names, tree_digest
 

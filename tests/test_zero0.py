@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, UsageError
 from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
 from ckpttools.io.torchwriter import write_torch_file, write_torch_files
-from ckpttools.layouts.locate import CheckpointLocation, locate
+from ckpttools.layouts.locate import locate
 from ckpttools.layouts.registry import read_checkpoint
 from ckpttools.layouts.zero0 import (
     MODEL_FILE,
@@ -36,6 +36,7 @@ from ckpttools.layouts.zero0 import (
     read_zero0,
     zero0_rank_files,
 )
+from ckpttools.model.origin import CheckpointLocation
 from ckpttools.ops.consolidate import consolidate
 
 from .conftest import FIXTURES, fixture_meta, tree_digest

@@ -51,7 +51,7 @@ from ckpttools.io.staging import check_files_replaceable, staged_files
 from ckpttools.io.torchfile import RecordReader
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import open_checkpoint
-from ckpttools.layouts.zero import TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint, strip_prefixes
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 LOAD_CHUNK_BYTES = 64 << 20  # load_state_dict_from_zero_checkpoint: fp32 bytes materialised per load_state_dict call

@@ -22,7 +22,7 @@ from ckpttools.io.dtypes import DType
 from ckpttools.io.staging import WriteBehind
 from ckpttools.io.threads import Workers, resolve_workers
 from ckpttools.io.torchfile import ReadAhead, Record, RecordReader
-from ckpttools.layouts.zero import Segment, TensorSource
+from ckpttools.model.checkpoint import Segment, TensorSource
 
 CHUNK_BYTES = 16 << 20
 BUFFERS_IN_FLIGHT = 3

@@ -23,18 +23,11 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import RecordReader, load_pickle
-from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE, CheckpointLocation
-from ckpttools.layouts.universal import NAME_KEY, param_files, whole_tensor
-from ckpttools.layouts.zero import (
+from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE
+from ckpttools.layouts.rankfile import (
     MODEL_KEYS,
     OPTIM_KEYS,
-    Param,
     RankFile,
-    Replica,
-    Segment,
-    TensorSource,
-    Zero12Reader,
-    ZeroCheckpoint,
     check_agree,
     dict_at,
     dp_size_of,
@@ -42,6 +35,10 @@ from ckpttools.layouts.zero import (
     require_keys,
     zero_stage_of,
 )
+from ckpttools.layouts.universal import NAME_KEY, param_files, whole_tensor
+from ckpttools.layouts.zero.read import Zero12Reader
+from ckpttools.model.checkpoint import Param, Replica, Segment, TensorSource, ZeroCheckpoint
+from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
 AFFINE_MAP_VERSION = 1

@@ -22,7 +22,7 @@ from ckpttools.io.threads import default_workers
 from ckpttools.io.torchfile import check_present, open_readonly
 
 if TYPE_CHECKING:
-    from ckpttools.layouts.zero import TensorSource, ZeroCheckpoint
+    from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint
 
 CHUNK_ELEMS = 4 << 20
 SAMPLE_ELEMS = 4096

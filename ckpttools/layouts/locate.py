@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ckpttools.errors import (
@@ -17,6 +16,7 @@ from ckpttools.errors import (
     UnsupportedCheckpointError,
     short,
 )
+from ckpttools.model.origin import CheckpointLocation, TagFiles
 
 OPTIM_RE = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_?optim_states\.pt$")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
@@ -52,34 +52,6 @@ HF_SIDE_FILES = (
     "processor_config.json",
     "adapter_config.json",
 )
-
-
-@dataclass(frozen=True)
-class TagFiles:
-    """The per-rank files of one tag folder, by data-parallel rank (of model-parallel rank 0 in other layouts)."""
-
-    model_files: dict[int, str]  # ZeRO-3: one per rank; ZeRO-0/1/2: {0: mp_rank_00_model_states.pt}
-    optim_files: dict[int, str]
-    optim_prefix: str  # "bf16_" or ""
-    zero3_layout: bool
-    layout: str = "dp"  # parallel.KINDS: which reader opens the folder
-    names: tuple[str, ...] = ()  # every file name in the tag folder, for the layout readers
-
-
-@dataclass(frozen=True)
-class CheckpointLocation:
-    """A resolved checkpoint: the folder holding `latest`, the tag and its files, and HF side files."""
-
-    root: Path  # folder with `latest` and the tag folders (a Trainer checkpoint-N/ or a save_dir)
-    tag: str
-    tag_dir: Path
-    files: TagFiles
-    output_dir: Path | None = None  # the Trainer output_dir when PATH was one
-    side_files: list[str] = field(default_factory=list)
-
-    @property
-    def is_trainer_folder(self) -> bool:
-        return (self.root / "trainer_state.json").is_file() or (self.root / "config.json").is_file()
 
 
 def check_tag_name(tag: str) -> str:

@@ -33,17 +33,12 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import RecordReader, load_pickle
-from ckpttools.layouts.locate import EXPERT_OPTIM_RE, EXPERT_RE, MODEL_RE, CheckpointLocation
-from ckpttools.layouts.zero import (
+from ckpttools.layouts.locate import EXPERT_OPTIM_RE, EXPERT_RE, MODEL_RE
+from ckpttools.layouts.rankfile import (
     MODEL_KEYS,
     OPTIM_KEYS,
     ZERO12_PER_RANK,
-    Param,
     RankFile,
-    Segment,
-    TensorSource,
-    Zero12Reader,
-    ZeroCheckpoint,
     check_agree,
     check_module_keys,
     check_ties,
@@ -59,12 +54,13 @@ from ckpttools.layouts.zero import (
     require_keys,
     same_keys_everywhere,
     saved_without_frozen,
-    strip_prefixes,
     train_dtype_of,
-    zero12_bit16,
     zero_stage_of,
 )
-from ckpttools.layouts.zero_pieces import cut_group
+from ckpttools.layouts.zero.pieces import cut_group
+from ckpttools.layouts.zero.read import Zero12Reader, zero12_bit16
+from ckpttools.model.checkpoint import Param, Segment, TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
 EXPERTS = ".deepspeed_moe.experts.deepspeed_experts."

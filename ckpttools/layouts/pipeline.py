@@ -26,15 +26,10 @@ from typing import Any
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
 from ckpttools.layouts.crosscheck import OpenFiles, first_difference
-from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE, CheckpointLocation
-from ckpttools.layouts.universal import MASTER, param_files
-from ckpttools.layouts.zero import (
+from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE
+from ckpttools.layouts.rankfile import (
     OPTIM_KEYS,
-    Param,
     RankFile,
-    TensorSource,
-    Zero12Reader,
-    ZeroCheckpoint,
     check_agree,
     check_unique_names,
     dict_at,
@@ -44,6 +39,10 @@ from ckpttools.layouts.zero import (
     require_keys,
     zero_stage_of,
 )
+from ckpttools.layouts.universal import MASTER, param_files
+from ckpttools.layouts.zero.read import Zero12Reader
+from ckpttools.model.checkpoint import Param, TensorSource, ZeroCheckpoint
+from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
 LAYER_RE = re.compile(r"^layer_(?P<layer>\d+)-model_states\.pt$")

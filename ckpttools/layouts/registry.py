@@ -11,14 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ckpttools.errors import UnsupportedCheckpointError
-from ckpttools.layouts.locate import CheckpointLocation, locate
+from ckpttools.layouts.locate import locate
 from ckpttools.layouts.universal import is_universal, read_universal, resolve_root
-from ckpttools.layouts.zero import ZeroCheckpoint
+from ckpttools.model.checkpoint import ZeroCheckpoint
+from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import KIND_NAMES
 
 # layout -> (module, function): imported when a checkpoint of that layout is opened
 LAYOUT_READERS = {
-    "dp": ("ckpttools.layouts.zero", "read_data_parallel"),
+    "dp": ("ckpttools.layouts.zero.read", "read_data_parallel"),
     "zero0": ("ckpttools.layouts.zero0", "read_zero0"),
     "tensor": ("ckpttools.layouts.autotp", "read_tensor_parallel"),
     "pipeline": ("ckpttools.layouts.pipeline", "read_pipeline"),

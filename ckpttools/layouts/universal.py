@@ -20,34 +20,21 @@ from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
 from ckpttools.io.torchfile import LazyTensor, load_pickle
 from ckpttools.io.torchwriter import NewTensor, Slice
-from ckpttools.layouts.locate import (
-    HF_SIDE_FILES,
-    MODEL_RE,
-    ZERO3_MODEL_RE,
-    CheckpointLocation,
-    TagFiles,
-    check_tag_name,
-)
-from ckpttools.layouts.zero import (
-    OptimizerState,
-    Param,
+from ckpttools.layouts.locate import HF_SIDE_FILES, MODEL_RE, ZERO3_MODEL_RE, check_tag_name
+from ckpttools.layouts.rankfile import (
     RankFile,
-    Segment,
-    TensorSource,
-    ZeroCheckpoint,
     check_ties_and_keys,
     check_unique_names,
     dict_at,
     param_shapes_of,
     read_module,
     shape_of,
-    strip_prefixes,
     train_dtype_of,
-    zero3_frozen,
-    zero3_optimizer_parts,
-    zero12_bit16,
     zero_stage_of,
 )
+from ckpttools.layouts.zero.read import zero3_frozen, zero3_optimizer_parts, zero12_bit16
+from ckpttools.model.checkpoint import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.model.origin import CheckpointLocation, TagFiles
 from ckpttools.model.parallel import KIND_NAMES, ParallelLayout
 
 LATEST = "latest_universal"

@@ -26,15 +26,9 @@ from ckpttools.errors import UnsupportedCheckpointError, UsageError, short
 from ckpttools.io import dtypes
 from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
 from ckpttools.layouts.crosscheck import OpenFiles, casts_equal, read_elements
-from ckpttools.layouts.locate import CheckpointLocation
-from ckpttools.layouts.zero import (
+from ckpttools.layouts.rankfile import (
     ModuleEntries,
-    OptimizerState,
-    Param,
     RankFile,
-    Segment,
-    TensorSource,
-    ZeroCheckpoint,
     check_ties_and_keys,
     dict_at,
     fingerprint,
@@ -48,6 +42,8 @@ from ckpttools.layouts.zero import (
     state_entries,
     train_dtype_of,
 )
+from ckpttools.model.checkpoint import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint
+from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
 MODEL_FILE = "mp_rank_00_model_states.pt"

@@ -30,7 +30,7 @@ from ckpttools.io.staging import check_output_dir, shared_staged_folder, staged_
 from ckpttools.io.torchfile import Record, RecordReader
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import checkpoint_root, open_checkpoint
-from ckpttools.layouts.zero import TensorSource, ZeroCheckpoint
+from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint
 from ckpttools.ops import hf, peft
 from ckpttools.ranks import nodelocal
 from ckpttools.ranks.distributed import check_records

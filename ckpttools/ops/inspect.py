@@ -9,7 +9,7 @@ from typing import Any
 from ckpttools.io import dtypes
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import open_checkpoint
-from ckpttools.layouts.zero import ZeroCheckpoint
+from ckpttools.model.checkpoint import ZeroCheckpoint
 from ckpttools.ops import hf
 from ckpttools.ops.consolidate import DTYPES, plan_tensors, source_summary
 

@@ -34,7 +34,7 @@ from ckpttools.io.safetensors_writer import (
 )
 from ckpttools.io.staging import WriteBehind
 from ckpttools.io.torchfile import RecordReader
-from ckpttools.layouts.zero import TensorSource, ZeroCheckpoint
+from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

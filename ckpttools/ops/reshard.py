@@ -23,15 +23,14 @@ from ckpttools.errors import CorruptCheckpointError, UnsupportedCheckpointError,
 from ckpttools.io.staging import check_output_dir, shared_staged_folder, staged_folder
 from ckpttools.io.torchfile import LazyTensor, Record, RecordReader, TorchSize, load_pickle
 from ckpttools.io.torchwriter import NewTensor, ProgressFn, Slice, write_torch_files
-from ckpttools.layouts import moe, partition, zero0
-from ckpttools.layouts import zero_stages as stages
+from ckpttools.layouts import moe, zero0
 from ckpttools.layouts.autotp import tensor_universal_files
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.pipeline import pipeline_universal_files
 from ckpttools.layouts.registry import checkpoint_root, open_checkpoint
 from ckpttools.layouts.universal import MASTER, universal_files
-from ckpttools.layouts.zero import Param, TensorSource, ZeroCheckpoint, strip_prefixes
-from ckpttools.layouts.zero_pieces import (
+from ckpttools.layouts.zero import partition, stages
+from ckpttools.layouts.zero.pieces import (
     Flat,
     Pieces,
     cut_group,
@@ -44,6 +43,7 @@ from ckpttools.layouts.zero_pieces import (
     pieces_of,
     state_of,
 )
+from ckpttools.model.checkpoint import Param, TensorSource, ZeroCheckpoint, strip_prefixes
 from ckpttools.model.parallel import KIND_NAMES
 from ckpttools.ops import hf
 from ckpttools.ranks import nodelocal

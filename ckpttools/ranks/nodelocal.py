@@ -38,7 +38,7 @@ from ckpttools.errors import CkptError, CorruptCheckpointError, UnsafeCheckpoint
 from ckpttools.io import staging, threads, torchfile
 
 if TYPE_CHECKING:
-    from ckpttools.layouts.zero import TensorSource, ZeroCheckpoint
+    from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint
     from ckpttools.ranks.distributed import ProcessGroup
 
 # Storage records up to this size travel with the skeleton (scalars, small params); CKPT_SKELETON_RECORD_MAX

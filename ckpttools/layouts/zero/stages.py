@@ -21,7 +21,7 @@ from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.io.torchfile import TorchSize, ZeroStageEnum
 from ckpttools.io.torchwriter import NewTensor
 from ckpttools.layouts.universal import whole_tensor
-from ckpttools.layouts.zero import ZeroCheckpoint, strip_prefixes
+from ckpttools.model.checkpoint import ZeroCheckpoint, strip_prefixes
 
 ZERO12_ONLY = ("group_paddings", "param_alignment_paddings", "clip_grad", "ds_version", "param_slice_mappings")
 ZERO3_ONLY = ("fp32_flat_groups",)
