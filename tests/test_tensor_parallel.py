@@ -20,7 +20,7 @@ from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, Un
 from ckpttools.io import dtypes
 from ckpttools.io.safetensors_writer import read_tensor
 from ckpttools.io.torchfile import RecordReader
-from ckpttools.layouts.autotp import check_replicas, replica_mismatch
+from ckpttools.layouts.crosscheck import check_replicas, replica_mismatch
 from ckpttools.layouts.registry import read_checkpoint
 from ckpttools.ops.consolidate import consolidate
 

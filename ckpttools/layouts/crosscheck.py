@@ -20,9 +20,10 @@ from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
 from ckpttools.io.threads import default_workers
 from ckpttools.io.torchfile import check_present, open_readonly
+from ckpttools.model.checkpoint import Replica, TensorSource, slice_segments
 
 if TYPE_CHECKING:
-    from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint
+    from ckpttools.model.checkpoint import ZeroCheckpoint
 
 CHUNK_ELEMS = 4 << 20
 SAMPLE_ELEMS = 4096
@@ -173,8 +174,6 @@ def check_module_copies(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
     compared; `full` compares every element.
     """
     if ckpt.replicas:  # replicated params must agree on every TP rank (ds_to_universal asserts it)
-        from ckpttools.layouts.autotp import check_replicas
-
         check_replicas(ckpt, full=full)
     mismatch = module_matches_masters(ckpt, full=full)
     if mismatch is not None:
@@ -183,4 +182,47 @@ def check_module_copies(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
             f"{ckpt.train_dtype.name} copy of it: the optimizer files do not belong with "
             f"{ckpt.location.files.model_files[0]} (files swapped, stale, from another run, or damaged); "
             "re-copy the tag folder"
+        )
+
+
+# --- Replicated tensors (AutoTP): every TP rank's copy must equal the one written ---------------------------
+
+
+REPLICA_SAMPLE = 4096  # elements compared at each end of every replica by default
+
+
+def replica_mismatch(ckpt: ZeroCheckpoint, *, full: bool = False) -> str | None:
+    """The first replicated tensor whose copy on another TP rank differs from the one written (the lowest TP
+    rank's), or None. AutoTP keeps replicated parameters (norms, embeddings) identical on every TP rank, as
+    ds_to_universal asserts; a copy that differs means a file from another save or run. Reads both ends of every
+    replica (a foreign file differs throughout), or every element with `full`; compares bytes, chunk by chunk."""
+    files = OpenFiles()
+    try:
+        for replica in ckpt.replicas:
+            for merged, copy in _samples(replica, None if full else REPLICA_SAMPLE):
+                if first_difference(merged, copy, files) is not None:
+                    return replica.what
+    finally:
+        files.close()
+    return None
+
+
+def _samples(replica: Replica, n: int | None) -> list[tuple[TensorSource, TensorSource]]:
+    total = replica.merged.numel()
+    if n is None or total <= 2 * n:
+        return [(replica.merged, replica.copy)]
+    return [(_part(replica.merged, start, n), _part(replica.copy, start, n)) for start in (0, total - n)]
+
+
+def _part(src: TensorSource, start: int, count: int) -> TensorSource:
+    return TensorSource(src.name, (count,), src.dtype, tuple(slice_segments(src, start, count)), src.kind)
+
+
+def check_replicas(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
+    """Raise CorruptCheckpointError when TP ranks hold different values for a replicated parameter."""
+    what = replica_mismatch(ckpt, full=full)
+    if what is not None:
+        raise CorruptCheckpointError(
+            f"{ckpt.location.tag_dir}: the replicated tensor {what} differs from TP rank 0's copy: the TP ranks' "
+            "files are from different saves or runs (or damaged); re-copy the tag folder"
         )

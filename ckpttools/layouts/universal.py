@@ -32,6 +32,7 @@ from ckpttools.layouts.rankfile import (
     train_dtype_of,
     zero_stage_of,
 )
+from ckpttools.layouts.tp_map import full_shapes
 from ckpttools.layouts.zero.read import zero3_frozen, zero3_optimizer_parts, zero12_bit16
 from ckpttools.model.checkpoint import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint, strip_prefixes
 from ckpttools.model.origin import CheckpointLocation, TagFiles
@@ -85,8 +86,6 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     check_unique_names(f0, shapes)
     tp = len(models) if stage != 3 else 1
     if tp > 1:  # AutoTP: each rank's model file lists its shard shapes; zero/ holds the merged tensors
-        from ckpttools.layouts.autotp import full_shapes  # tensor imports this module
-
         full = full_shapes(models, [name for group in shapes for name, _ in group])
         shapes = [[(name, full[name]) for name, _ in group] for group in shapes]
     groups, scalars_of, common = _groups(common_file, stage, len(shapes))

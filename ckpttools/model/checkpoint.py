@@ -10,7 +10,7 @@ for them through the segments.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,3 +182,15 @@ def shape_numel(shape: Iterable[int]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def slice_segments(src: TensorSource, start: int, count: int) -> Iterator[Segment]:
+    """Elements [start, start + count) of a source, as segments of its stored tensors."""
+    pos = 0
+    for seg in src.segments:
+        lo, hi = max(start, pos), min(start + count, pos + seg.count)
+        if lo < hi:
+            yield Segment(seg.tensor, seg.start + lo - pos, hi - lo)
+        pos += seg.count
+        if pos >= start + count:
+            return
