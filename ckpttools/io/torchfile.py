@@ -10,9 +10,8 @@ is checked against the CRC-32 the zip format stores for it.
 
 from __future__ import annotations
 
+import contextlib
 import enum
-import errno
-import functools
 import os
 import pickle
 import struct
@@ -27,15 +26,11 @@ from typing import TYPE_CHECKING, Any
 
 from typing_extensions import Self
 
-try:  # imported now: importing it needs a file descriptor, which is what runs out when it is wanted
-    import resource
-except ImportError:  # not on Windows
-    resource = None  # type: ignore[assignment]
-
 from ckpttools.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io import dtypes
 from ckpttools.io.crc import crc32, crc32_combine
 from ckpttools.io.dtypes import DType
+from ckpttools.io.source import ByteSource, open_source, open_stream, read_full
 
 if TYPE_CHECKING:
     from ckpttools.io.threads import Workers
@@ -145,7 +140,7 @@ def check_present(record: Record) -> None:
 
 def storage_records(path: Path) -> list[Record]:
     """The storage records of a torch.save zip (no unpickling)."""
-    with open(path, "rb") as fh:
+    with contextlib.closing(open_source(path)) as source, open_stream(source) as fh:
         return list(_read_zip(Path(path), fh)[1].values())
 
 
@@ -368,7 +363,9 @@ def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
         UnsafeCheckpointError: the pickle references anything outside the allowlist.
     """
     path = Path(path)
-    with open(path, "rb") as fh:  # an unreadable file is the environment's problem, reported as such
+    # an unreadable file is the environment's problem, reported as such (the OSError of opening it)
+    with contextlib.closing(open_source(path)) as source, open_stream(source) as fh:
+        size = source.size()
         try:
             data, records, archive = _read_zip(path, fh)
         except CkptError:
@@ -381,7 +378,6 @@ def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
             f"{path} holds the data of {archive}{path.suffix} (torch.save records the file's own name inside it): "
             "files were renamed, swapped or copied over each other; restore the original files"
         )
-    size = path.stat().st_size
     for rec in records.values():
         if rec.offset + rec.nbytes > size:
             raise CorruptCheckpointError(f"{path} is truncated: record {rec.name} runs past the end of the file")
@@ -479,28 +475,9 @@ class _CrcCursor:
         self.lock = threading.Lock()
 
 
-DEFAULT_READAHEAD = 128 << 10  # the kernel's default read-ahead window
-
-
-@functools.cache
-def advise_piece(st_dev: int) -> int:
-    """The most bytes one WILLNEED hint makes the kernel read on this device.
-
-    Linux caps each hint at max(read-ahead window, largest I/O) of the backing device and ignores the
-    rest, so a long range must be hinted in pieces of this size. Falls back to the default window.
-    """
-    dev = f"/sys/dev/block/{os.major(st_dev)}:{os.minor(st_dev)}"
-    for queue in (f"{dev}/queue", f"{dev}/../queue"):  # a partition's queue is its disk's
-        try:
-            limits = [int(Path(queue, name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb")]
-        except (OSError, ValueError):
-            continue
-        return max(DEFAULT_READAHEAD, max(limits) << 10)
-    return DEFAULT_READAHEAD
-
-
 class RecordReader:
-    """Reads byte ranges of records with `pread`, verifying each touched record's CRC-32.
+    """Reads byte ranges of records with `pread` (through each file's `ByteSource`), verifying each touched
+    record's CRC-32.
 
     A record read front to back (the usual case: flat fp32 partitions in parameter order) is checked
     in the same pass that reads it; gaps are read once for the checksum. Call `finish()` to check the
@@ -513,18 +490,18 @@ class RecordReader:
         """With `pieces` (ranks sharing one conversion), reads are not checked as they go: each is only logged
         with its CRC-32 in `self.pieces`, for `verify_pieces` on the rank that checks that record, which then
         reads only the bytes no rank read. Every byte is then read once in all, not once more for the check."""
-        self._fds: dict[Path, int] = {}
+        self._sources: dict[Path, ByteSource] = {}
         self._cursors: dict[tuple[Path, str], _CrcCursor] = {}
         self._lock = threading.Lock()
         self.pieces: list[tuple[tuple[Path, str], int, int, int]] | None = [] if pieces else None
         self.bytes_read = 0
 
-    def _fd(self, path: Path) -> int:
+    def _source(self, path: Path) -> ByteSource:
         with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = open_readonly(path)
-            return fd
+            source = self._sources.get(path)
+            if source is None:
+                source = self._sources[path] = open_source(path)
+            return source
 
     def _cursor(self, record: Record) -> _CrcCursor:
         with self._lock:
@@ -536,27 +513,13 @@ class RecordReader:
 
     def _pread(self, record: Record, start: int, buf: memoryview) -> None:
         check_present(record)
-        fd = self._fd(record.path)
-        done = 0
-        while done < len(buf):
-            n = os.preadv(fd, [buf[done:]], record.offset + start + done)
-            if n <= 0:
-                raise CorruptCheckpointError(f"{record.path} is truncated inside record {record.name}")
-            done += n
+        if read_full(self._source(record.path), record.offset + start, buf) < len(buf):
+            raise CorruptCheckpointError(f"{record.path} is truncated inside record {record.name}")
         self.bytes_read += len(buf)
 
     def advise(self, record: Record, start: int, nbytes: int) -> None:
-        """Ask the kernel to start reading these bytes now (a hint; never fails)."""
-        if hasattr(os, "posix_fadvise"):
-            fd, pos, end = self._fd(record.path), record.offset + start, record.offset + start + nbytes
-            try:
-                piece = advise_piece(os.fstat(fd).st_dev)
-                while pos < end:
-                    n = min(piece, end - pos)
-                    os.posix_fadvise(fd, pos, n, os.POSIX_FADV_WILLNEED)
-                    pos += n
-            except OSError:
-                pass
+        """Ask the source to start reading these bytes now (a hint; never fails)."""
+        self._source(record.path).advise(record.offset + start, nbytes)
 
     def readinto(self, record: Record, start: int, buf: memoryview, workers: Workers | None = None) -> None:
         """Fill `buf` with the record's bytes from `start`; its CRC-32 is split over `workers`' threads."""
@@ -629,49 +592,15 @@ class RecordReader:
             self.verify(cur.record)
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for source in self._sources.values():
+            source.close()
+        self._sources.clear()
 
     def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def open_readonly(path: Path | str) -> int:
-    """A read-only descriptor, kept open while a conversion runs. Checkpoints of 1,000+ ranks need more than the
-    usual soft limit of 1,024 open files: on EMFILE the soft limit is raised to the hard one (by whichever thread
-    gets there first) and the open retried once."""
-    try:
-        return os.open(path, os.O_RDONLY)
-    except OSError as e:
-        if e.errno != errno.EMFILE:
-            raise
-        _raise_open_file_limit()
-    try:
-        return os.open(path, os.O_RDONLY)
-    except OSError as e:
-        if e.errno != errno.EMFILE:
-            raise
-        raise CkptError(
-            f"too many open files reading {path}: the checkpoint has more rank files than the limit allows; "
-            "raise it (ulimit -n) and run again"
-        ) from e
-
-
-def _raise_open_file_limit() -> bool:
-    if resource is None:
-        return False
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard != resource.RLIM_INFINITY and soft >= hard:
-            return False
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        return True
-    except (ValueError, OSError):
-        return False
 
 
 READAHEAD_BYTES = 256 << 20  # asked of the kernel ahead of the reads: fills the page cache, not our memory

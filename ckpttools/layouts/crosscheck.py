@@ -1,16 +1,17 @@
 """Compare the ZeRO-1/2 module's 16-bit weights with the fp32 masters cast the way the engine casts them.
 
 Streams both in bounded chunks on a few threads (numpy releases the GIL while it casts and compares), so
-memory stays flat and the check keeps up with the disk. Bytes are read with plain `pread`: the CRC-32 of
-these records is checked by whichever pass writes them, and a damaged record fails this check anyway.
+memory stays flat and the check keeps up with the disk. Bytes are read with plain `pread` (each file's
+`ByteSource`): the CRC-32 of these records is checked by whichever pass writes them, and a damaged record fails
+this check anyway.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,8 +19,9 @@ import numpy as np
 from ckpttools.errors import CorruptCheckpointError
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
+from ckpttools.io.source import ByteSource, open_source, read_full
 from ckpttools.io.threads import default_workers
-from ckpttools.io.torchfile import check_present, open_readonly
+from ckpttools.io.torchfile import check_present
 from ckpttools.model.checkpoint import Replica, TensorSource, slice_segments
 
 if TYPE_CHECKING:
@@ -39,21 +41,21 @@ class _Chunk:
 
 
 class OpenFiles:
-    """Read-only descriptors shared by the worker threads."""
+    """Open byte sources, shared by the worker threads."""
 
     def __init__(self) -> None:
-        self.fds: dict[str, int] = {}
+        self.sources: dict[Path, ByteSource] = {}
         self.lock = threading.Lock()
 
-    def fd(self, path: str) -> int:
+    def source(self, path: Path) -> ByteSource:
         with self.lock:
-            if path not in self.fds:
-                self.fds[path] = open_readonly(path)
-            return self.fds[path]
+            if path not in self.sources:
+                self.sources[path] = open_source(path)
+            return self.sources[path]
 
     def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
+        for source in self.sources.values():
+            source.close()
 
 
 def read_elements(source: TensorSource, start: int, count: int, files: OpenFiles) -> np.ndarray:
@@ -67,13 +69,12 @@ def read_elements(source: TensorSource, start: int, count: int, files: OpenFiles
         if lo < hi:
             record = seg.tensor.record
             check_present(record)
-            path = str(record.path)
             base, _ = seg.tensor.byte_span()
             offset = record.offset + base + (seg.start + lo - pos) * item
             want = (hi - lo) * item
-            got = os.preadv(files.fd(path), [view[filled * item : filled * item + want]], offset)
+            got = read_full(files.source(record.path), offset, view[filled * item : filled * item + want])
             if got != want:
-                raise CorruptCheckpointError(f"{path} is truncated inside record {record.name}; re-copy it")
+                raise CorruptCheckpointError(f"{record.path} is truncated inside record {record.name}; re-copy it")
             filled += hi - lo
         pos += seg.count
         if pos >= start + count:
