@@ -1,5 +1,6 @@
 """io/safetensors_writer: files the safetensors library reads back holding DeepSpeed's own values, bit for bit."""
 
+import itertools
 import json
 import struct
 
@@ -104,8 +105,7 @@ def test_a_chunk_smaller_than_an_element_is_refused_or_written_right(tmp_path):
     try:
         small = _write_and_path(tmp_path / "small", buffers, chunk_bytes=2).read_bytes()
     except ValueError as e:
-        assert "chunk" in str(e)  # a refusal that says why
-        return
+        small = whole if "chunk" in str(e) else b""  # a refusal that says why is right too
     assert small == whole
 
 
@@ -134,7 +134,7 @@ def test_header_is_read_by_safetensors_with_metadata_and_8_byte_alignment(tmp_pa
             assert f.get_slice(t.name).get_dtype() == t.dtype.safetensors
     # the tensors lie back to back in the order given
     ends = [header[t.name]["data_offsets"] for t in tensors]
-    assert ends[0][0] == 0 and all(a[1] == b[0] for a, b in zip(ends, ends[1:], strict=False))
+    assert ends[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(ends))
     assert len(raw) == 8 + n + ends[-1][1]
 
 
