@@ -1,7 +1,7 @@
-"""DeepSpeed PipelineModule checkpoints (fixtures/pp*, scripts/fixture_pipe.py): `read_pipeline`
+"""DeepSpeed PipelineModule checkpoints (fixtures/pp*, fixtures/build/fixture_pipe.py): `read_pipeline`
 merges the stages into whole-model keys (`tied_modules.embed.weight`, `1.weight`, ...), tied params once, and
 `consolidate` writes exactly what the live engines held (reference/*.safetensors); damaged folders fail with one
-clear line. The slow tests run real DeepSpeed (tests/pipe_load_worker.py): the original fixture loads with
+clear line. The slow tests run real DeepSpeed (tests/support/pipe_load_worker.py): the original fixture loads with
 `engine.load_checkpoint` and holds its reference state, DeepSpeed's own ds_to_universal refuses it, and
 `ckpt reshard --dp M` / `--universal` output resumes in PipelineEngine (universal: at another DP size, stage count
 or partition) holding the saving engines' masters and Adam moments bit for bit.
@@ -24,8 +24,8 @@ from ckpttools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpoi
 from ckpttools.io import dtypes
 from ckpttools.io.safetensors_writer import read_tensor
 from ckpttools.io.torchfile import RecordReader
-from ckpttools.layouts.locate import locate
 from ckpttools.layouts.pipeline import is_pipeline, pipeline_files, read_pipeline, read_pipeline_stages
+from ckpttools.layouts.registry import locate
 from ckpttools.model.checkpoint import ZeroCheckpoint
 from ckpttools.model.origin import CheckpointLocation, TagFiles
 
@@ -271,10 +271,9 @@ def test_stray_stage_and_tensor_parallel_layer_names() -> None:
 
 
 def _torchrun(nproc: int, args: list[str], cwd: Path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
-    return ds_launch.torchrun(nproc, ROOT / "tests" / "pipe_load_worker.py", args, cwd=cwd, timeout=900)
+    return ds_launch.torchrun(nproc, "tests.support.pipe_load_worker", args, cwd=cwd, timeout=900)
 
 
 def _load_and_dump(meta: dict, checkpoint: Path, tmp_path: Path, world_size: int):
@@ -351,8 +350,7 @@ def test_deepspeed_loads_a_resharded_pipeline_checkpoint(name: str, dp: int, tmp
 def test_deepspeed_ds_to_universal_refuses_a_pipeline_checkpoint(tmp_path: Path) -> None:
     """Recorded DeepSpeed behaviour: without Megatron's universal_checkpoint_info client state it asserts."""
     pytest.importorskip("deepspeed")
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     _root, tag = copy_checkpoint(PIPE[0], tmp_path)
     cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag),
@@ -459,7 +457,7 @@ def test_universal_refuses_tied_copies_that_differ(tmp_path: Path) -> None:
 def test_universal_on_two_ranks_is_byte_identical_to_one_process(tmp_path: Path) -> None:
     """Under a launcher the parameter folders are split over the ranks (each folder whole on one), the stage files
     and zero/optimizer_state.pt included: the same bytes as one process writes."""
-    from .ranks import _on_ranks, _one_process, _tree_sha256
+    from tests.support.ranks import _on_ranks, _one_process, _tree_sha256
 
     src = FIXTURES / "pp2_dp2_z1_bf16" / "checkpoint"
     single = _one_process("reshard", src, "--universal", "--json", "--out", tmp_path / "one")

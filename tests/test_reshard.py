@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 from ckpttools import consolidate
 from ckpttools.errors import OutputError, UsageError
 from ckpttools.layouts.registry import read_checkpoint
-from ckpttools.ops.reshard import reshard, split_subgroups
+from ckpttools.layouts.zero.write import split_subgroups
+from ckpttools.ops.reshard import reshard
 
 from .conftest import FIXTURES, fixture_names, tree_digest
 

@@ -1,7 +1,7 @@
 """Scale proofs without the bytes: synthetic checkpoints (real DeepSpeed metadata, tensor records that are holes)
 parse, match DeepSpeed's layout, and the reader and the plans grow with DP x tensors, never with parameters.
 
-The 70B / 405B measurements at DP 512-1024 are `scripts/bench_scale.py`'s (benchmarks/results/scale-plans.md);
+The 70B / 405B measurements at DP 512-1024 are `benchmarks/bench_scale.py`'s (benchmarks/results/scale-plans.md);
 here a 1B Llama shape at DP 32-64 keeps the test fast.
 """
 
@@ -25,11 +25,9 @@ from ckpttools.io.torchfile import LazyTensor, PickledObject, TorchSize, load_pi
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import read_checkpoint
 from ckpttools.layouts.universal import universal_files
+from ckpttools.layouts.zero.write import rank_files
 from ckpttools.ops.consolidate import plan_shards, plan_tensors
-from ckpttools.ops.reshard import _rank_files
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import synth_checkpoint as synth
+from fixtures.build import synth_checkpoint as synth
 
 MODEL_SPECIFIC = {".module", ".buffer_names[*]", ".frozen_param_shapes", ".shared_params", ".frozen_param_fragments"}
 
@@ -153,12 +151,12 @@ def test_deepspeed_zero_to_fp32_reads_it(synth_root: Callable[[str, int, int], P
     assert not any(t.any() for t in state.values())
 
 
-def _plans(root: Path) -> dict[str, int]:
+def tensor_plans(root: Path) -> dict[str, int]:
     ckpt = read_checkpoint(root)
     check_module_copies(ckpt)
     tensors, _ = plan_tensors(ckpt, dtypes.BFLOAT16, hf_folder=True, config={"tie_word_embeddings": False})
     plan_shards(tensors, "safetensors", "5GB")
-    resharded = _rank_files(ckpt, ckpt.dp_world_size // 2, ckpt.zero_stage)
+    resharded = rank_files(ckpt, ckpt.dp_world_size // 2, ckpt.zero_stage)
     universal = universal_files(ckpt)
     segments = sum(len(p.fp32.segments) + sum(len(s.segments) for s in p.states.values()) for p in ckpt.params)
     return {"segments": segments, "tensors": len(ckpt.params), "files": len(resharded) + len(universal)}
@@ -170,7 +168,7 @@ def _measure(root: Path) -> tuple[dict[str, int], int, float]:
     tracemalloc.start()
     t0 = time.process_time()
     try:
-        counts = _plans(root)
+        counts = tensor_plans(root)
         seconds = time.process_time() - t0
         _, peak = tracemalloc.get_traced_memory()
     finally:
@@ -206,11 +204,11 @@ def test_deepspeed_engine_loads_it(synth_root: Callable[[str, int, int], Path], 
     state comes back (as the holes' zeros) and a training step runs."""
     import json
 
-    import ds_launch
+    from fixtures.build import ds_launch
 
     root = synth_root("llama-tiny", stage, 2)
-    script = Path(synth.__file__)
-    run = ds_launch.torchrun(2, script, ["--deepspeed-load", str(root)], env=ds_launch.worker_env(), timeout=600)
+    run = ds_launch.torchrun(2, "fixtures.build.synth_checkpoint", ["--deepspeed-load", str(root)],
+                             env=ds_launch.worker_env(), timeout=600)  # fmt: skip
     assert run.rc == 0, run.tail()
     line = next(x for x in run.output.splitlines() if x.startswith("DEEPSPEED_LOAD "))
     facts = json.loads(line.split(" ", 1)[1])

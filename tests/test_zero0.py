@@ -4,7 +4,7 @@ The optimizer lives in `mp_rank_00_model_states.pt["optimizer"]`; the reader mus
 master and Adam states there (bit-identical to what the live engine held: reference/full_state.safetensors), and
 consolidation must give the engine's fp32 masters and 16-bit module (reference/bit16.safetensors). The `slow` test
 rewrites each checkpoint for other DP sizes and loads it with DeepSpeed's own `load_checkpoint`
-(tests/zero0_load_worker.py).
+(tests/support/zero0_load_worker.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import dataclasses
 import importlib
 import json
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,7 @@ from safetensors.torch import load_file
 from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, UsageError
 from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
 from ckpttools.io.torchwriter import write_torch_file, write_torch_files
-from ckpttools.layouts.locate import locate
-from ckpttools.layouts.registry import read_checkpoint
+from ckpttools.layouts.registry import locate, read_checkpoint
 from ckpttools.layouts.zero0 import (
     MODEL_FILE,
     _Ambiguous,
@@ -50,7 +48,7 @@ KINDS = {
 }
 consolidate_module = importlib.import_module("ckpttools.ops.consolidate")
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "zero0_load_worker.py"
+WORKER = "tests.support.zero0_load_worker"
 
 
 def present(names: list[str]) -> list[Any]:
@@ -318,8 +316,7 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
 def test_deepspeed_loads_the_resharded_checkpoint(dp: int, tmp_path: Path) -> None:
     """One torchrun per DP size loads every resharded fixture with engine.load_checkpoint (stage 0), dumps the
     masters and optimizer states it holds (bit-identical to the saving engine's) and trains one more step."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     names = [n for n in ZERO0 if (FIXTURES / n).is_dir()]
     jobs = []

@@ -103,14 +103,16 @@ def consolidate_cmd(
     model with the adapters merged into the base weights. With --distributed under torchrun the ranks
     share the shards, balanced by bytes, into one folder on a filesystem they all see; only rank 0 prints.
     """
-    from ckpttools.ops.consolidate import consolidate
+    from ckpttools.ops.consolidate import ConsolidateOptions, consolidate
+
+    options = ConsolidateOptions(to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step, best=best,
+                                 overwrite=overwrite, check_keys=check_keys, config=config, merge=merge,
+                                 base=base)  # fmt: skip
 
     def run(group: ProcessGroup | None = None) -> None:
         rank0 = group is None or group.rank == 0
         with progress_callbacks("consolidate", quiet or not rank0) as progress:
-            result = consolidate(path, out, to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step,
-                                 best=best, overwrite=overwrite, check_keys=check_keys, config=config, merge=merge,
-                                 base=base, group=group, **progress)  # fmt: skip
+            result = consolidate(path, out, options=options, group=group, **progress)
         if rank0:
             report(result.to_dict(), as_json, quiet, _human_consolidate)
 
@@ -225,31 +227,19 @@ def inspect_cmd(path: Path, tag: str | None, step: int | None, best: bool, as_js
 
 def _parallel(d: dict[str, Any]) -> str:
     """`DP 2`, `DP 2 x TP 2 (tensor-parallel (AutoTP))`: the degrees that are not 1."""
-    from ckpttools.model.parallel import KIND_NAMES, ParallelLayout
+    from ckpttools.layouts.registry import layout_named
+    from ckpttools.model.parallel import ParallelLayout
 
     p = d.get("parallel") or {"kind": "dp", "dp": d["dp_world_size"]}
     layout = ParallelLayout(p["kind"], p["dp"], p.get("tp", 1), p.get("pp", 1), p.get("ep", 1))
-    return layout.describe() + ("" if layout.kind == "dp" else f" ({KIND_NAMES[layout.kind]})")
+    return layout.describe() + ("" if layout.kind == "dp" else f" ({layout_named(layout.kind).title})")
 
 
 def _layout_lines(p: dict[str, Any]) -> list[str]:
-    """What a pipeline or MoE layout adds to `ckpt inspect`: stages and tied modules, experts per layer."""
-    if p.get("kind") == "pipeline":
-        by_stage: dict[int, list[str]] = {}
-        for layer, stage in (p.get("layer_stage") or {}).items():
-            by_stage.setdefault(int(stage), []).append(str(layer))
-        stages = "; ".join(f"stage {s}: layers {', '.join(ls)}" for s, ls in sorted(by_stage.items()))
-        tied = ", ".join(
-            f"{name} (stages {', '.join(map(str, t.get('stages', [])))})" for name, t in (p.get("tied") or {}).items()
-        )
-        return [f"stages         {stages or p.get('pp')}"] + ([f"tied modules   {tied}"] if tied else [])
-    if p.get("kind") == "moe":
-        layers = p.get("moe_layers") or []
-        experts = p.get("num_experts") or []
-        per_layer = ", ".join(f"{name} {n}" for name, n in zip(layers, experts, strict=False))
-        expert_dp = ", ".join(map(str, (p.get("expert_dp") or {}).values()))
-        return [f"experts        {per_layer} (EP {p.get('ep')}, expert-DP {expert_dp})"]
-    return []
+    """What the checkpoint's layout adds to `ckpt inspect` (pipeline stages, experts per layer, ...)."""
+    from ckpttools.layouts.registry import layout_named
+
+    return layout_named(p["kind"]).describe(p) if p.get("kind") else []
 
 
 def _human_inspect(d: dict[str, Any]) -> str:

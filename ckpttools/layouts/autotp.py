@@ -22,7 +22,8 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import RecordReader, load_pickle
-from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE
+from ckpttools.layouts.base import ReshardTarget
+from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE, model_parallel_ranks
 from ckpttools.layouts.rankfile import (
     MODEL_KEYS,
     OPTIM_KEYS,
@@ -36,6 +37,7 @@ from ckpttools.layouts.rankfile import (
 from ckpttools.layouts.tp_map import Run, TensorPlan, tensor_plans
 from ckpttools.layouts.universal import NAME_KEY, param_files, whole_tensor
 from ckpttools.layouts.zero.read import Zero12Reader
+from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
 from ckpttools.model.checkpoint import Param, Replica, Segment, TensorSource, ZeroCheckpoint, slice_segments
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
@@ -332,3 +334,33 @@ def _universal_markers(info: Mapping[str, Any], name: str) -> dict[str, Any]:
     if hit("vocabulary_parameter_patterns"):
         markers[VOCAB_TENSOR] = True
     return markers
+
+
+class AutoTpLayout:
+    """AutoTP: a ZeRO-1/2 data-parallel group per TP rank, merged into full tensors through the TP map."""
+
+    kind = "tensor"
+    title = "tensor-parallel (AutoTP)"
+
+    def claims(self, names: Sequence[str]) -> bool:
+        return bool(model_parallel_ranks(names) - {0})
+
+    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+        return read_tensor_parallel(loc)
+
+    def describe(self, parallel: dict[str, Any]) -> list[str]:
+        return []
+
+    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+        check_sliced_reshard(ckpt, target, self.title)
+
+    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+        return tensor_universal_files(ckpt)
+
+    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+        if target.dp is None:
+            return tensor_universal_files(ckpt)
+        return sliced_tag_files(ckpt, target)
+
+
+LAYOUT = AutoTpLayout()

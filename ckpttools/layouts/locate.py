@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ckpttools.errors import (
@@ -16,7 +17,7 @@ from ckpttools.errors import (
     UnsupportedCheckpointError,
     short,
 )
-from ckpttools.model.origin import CheckpointLocation, TagFiles
+from ckpttools.model.origin import TagFiles
 
 OPTIM_RE = re.compile(r"^(?P<prefix>bf16_|fp16_)?zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_?optim_states\.pt$")
 ZERO3_MODEL_RE = re.compile(r"^zero_pp_rank_(?P<dp>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
@@ -74,12 +75,10 @@ def check_tag_name(tag: str) -> str:
     return parts[0]
 
 
-def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
-    """Sort a tag folder's file names into per-rank model and optimizer files, and tell its layout.
-
-    Pipeline (layer files), MoE (expert files), tensor-parallel (several mp ranks) and optimizer-less ZeRO-0
-    folders get their `layout`; their readers classify `names` further. Every file is kept by its full rank
-    coordinates, so a file of another stage or TP rank is never taken for a duplicate.
+def classify_tag_files(names: Sequence[str], where: str = "", layout: str = "dp") -> TagFiles:
+    """Sort a tag folder's file names into per-rank model and optimizer files, for the layout that claimed them
+    (`registry.detect_layout`); layouts other than "dp" classify `names` further in their readers. Every file is
+    kept by its full rank coordinates, so a file of another stage or TP rank is never taken for a duplicate.
 
     Raises:
         UnsupportedCheckpointError: NVMe-offloaded optimizer state.
@@ -114,8 +113,6 @@ def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
             f"{where} mixes optimizer files with different prefixes {sorted(prefixes)}; remove the stale ones"
         )
     prefix = prefixes.pop() if prefixes else ""
-    mp_ranks = {mp for _, mp in optim} | {mp for _, mp in zero3_models} | set(plain_models)
-    layout = _layout_of(names, mp_ranks, bool(optim), bool(zero3_models))
     if layout == "dp" and not optim:
         hint = (
             "it holds model states only (saved without optimizer state?)"
@@ -135,17 +132,13 @@ def classify_tag_files(names: list[str], where: str = "") -> TagFiles:
     return TagFiles(models, slice0_optim, prefix, False, layout, tuple(names))
 
 
-def _layout_of(names: list[str], mp_ranks: set[int], has_optim: bool, has_zero3_models: bool) -> str:
-    """Which reader a tag folder needs, from its file names alone."""
-    if any(PIPE_LAYER_RE.match(n) for n in names):
-        return "pipeline"
-    if any(EXPERT_RE.match(n) or EXPERT_OPTIM_RE.match(n) for n in names):
-        return "moe"
-    if mp_ranks - {0}:
-        return "tensor"
-    if not has_optim and not has_zero3_models and mp_ranks == {0}:
-        return "zero0"  # the optimizer (if any) is inside mp_rank_00_model_states.pt
-    return "dp"
+def model_parallel_ranks(names: Sequence[str]) -> set[int]:
+    """The model-parallel ranks (`mp_rank_NN`) the optimizer and model-states files of a tag folder name."""
+    ranks: set[int] = set()
+    for name in names:
+        if m := OPTIM_RE.match(name) or ZERO3_MODEL_RE.match(name) or MODEL_RE.match(name):
+            ranks.add(int(m["mp"]))
+    return ranks
 
 
 def _trainer_checkpoints(folder: Path) -> dict[int, Path]:
@@ -261,11 +254,13 @@ def _advice(root: Path, output_dir: Path | None) -> str:
     return f"pass --step to read another checkpoint (steps {', '.join(map(str, others))}), or --tag"
 
 
-def locate(path: Path, *, tag: str | None = None, step: int | None = None, best: bool = False) -> CheckpointLocation:
-    """Resolve what the user pointed at into a checkpoint root, a tag and its rank files.
+def find_tag_folder(
+    path: Path, *, tag: str | None = None, step: int | None = None, best: bool = False
+) -> tuple[Path, str, Path | None, list[str]]:
+    """Resolve what the user pointed at into (checkpoint root, tag, Trainer output_dir or None, HF side files).
 
     Args:
-        path: a save_dir, a Trainer `checkpoint-N/`, a Trainer output_dir, or a tag folder.
+        path: a save_dir, a Trainer `checkpoint-N/`, a Trainer output_dir, a Lightning folder, or a tag folder.
         tag: the tag folder name; defaults to the content of `latest`.
         step: with a Trainer output_dir, which `checkpoint-N` to take (default: the newest).
         best: with a Trainer output_dir, take `best_model_checkpoint` from trainer_state.json.
@@ -274,12 +269,10 @@ def locate(path: Path, *, tag: str | None = None, step: int | None = None, best:
     root, output_dir, implied_tag = _resolve_root(path, step, best)
     advice = _advice(root, output_dir)
     tag = _resolve_tag(root, tag if tag is not None else implied_tag, advice)
-    tag_dir = root / tag
-    if not tag_dir.is_dir():
+    if not (root / tag).is_dir():
         available = _tag_dirs(root)
         raise CheckpointNotFoundError(
             f"tag {short(tag)} has no folder in {root} (available: {', '.join(available) or 'none'}); {advice}"
         )
-    files = classify_tag_files(sorted(p.name for p in tag_dir.iterdir()), where=str(tag_dir))
     side = [name for name in ("config.json", *HF_SIDE_FILES) if (root / name).is_file()]
-    return CheckpointLocation(root, tag, tag_dir, files, output_dir, side)
+    return root, tag, output_dir, side

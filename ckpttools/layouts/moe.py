@@ -33,6 +33,7 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import RecordReader, load_pickle
+from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.locate import EXPERT_OPTIM_RE, EXPERT_RE, MODEL_RE
 from ckpttools.layouts.rankfile import (
     MODEL_KEYS,
@@ -583,3 +584,40 @@ def _append_partitions(g: int, group: list[Param], osds: Sequence[dict[str, Any]
         osd["group_paddings"].append(part.padding)
         osd["param_slice_mappings"].append(part.mapping)
         osd["partition_count"].append(len(osds))
+
+
+class MoeLayout:
+    """DeepSpeed-MoE: dense ZeRO-1/2 groups plus one file per expert and expert-parallel optimizer groups."""
+
+    kind = "moe"
+    title = "MoE (DeepSpeed-MoE expert-parallel)"
+
+    def claims(self, names: Sequence[str]) -> bool:
+        return any(EXPERT_RE.match(n) or EXPERT_OPTIM_RE.match(n) for n in names)
+
+    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+        return read_moe(loc)
+
+    def describe(self, parallel: dict[str, Any]) -> list[str]:
+        layers = parallel.get("moe_layers") or []
+        experts = parallel.get("num_experts") or []
+        per_layer = ", ".join(f"{name} {n}" for name, n in zip(layers, experts, strict=False))
+        expert_dp = ", ".join(map(str, (parallel.get("expert_dp") or {}).values()))
+        return [f"experts        {per_layer} (EP {parallel.get('ep')}, expert-DP {expert_dp})"]
+
+    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+        check_moe_reshard(ckpt, universal=target.universal, stage=target.stage, dp=target.dp)
+
+    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+        raise UnsupportedCheckpointError(
+            f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}); writing it in the "
+            "universal format is not supported yet"
+        )
+
+    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+        if target.dp is None:
+            return self.universal_files(ckpt)
+        return moe_rank_files(ckpt, target.dp, target.stage)
+
+
+LAYOUT = MoeLayout()

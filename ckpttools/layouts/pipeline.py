@@ -25,8 +25,9 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
+from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.crosscheck import OpenFiles, first_difference
-from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE
+from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE, ZERO3_MODEL_RE
 from ckpttools.layouts.rankfile import (
     OPTIM_KEYS,
     RankFile,
@@ -41,6 +42,7 @@ from ckpttools.layouts.rankfile import (
 )
 from ckpttools.layouts.universal import MASTER, param_files
 from ckpttools.layouts.zero.read import Zero12Reader
+from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
 from ckpttools.model.checkpoint import Param, TensorSource, ZeroCheckpoint
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
@@ -563,3 +565,49 @@ def _check_tied_copies_equal(ckpt: ZeroCheckpoint) -> None:
                         )
     finally:
         files.close()
+
+
+class PipelineLayout:
+    """PipelineModule: one ZeRO data-parallel group per stage, the module saved as one file per layer."""
+
+    kind = "pipeline"
+    title = "pipeline-parallel (PipelineModule)"
+
+    def claims(self, names: Sequence[str]) -> bool:
+        return any(PIPE_LAYER_RE.match(n) for n in names)
+
+    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+        return read_pipeline(loc)
+
+    def describe(self, parallel: dict[str, Any]) -> list[str]:
+        by_stage: dict[int, list[str]] = {}
+        for layer, stage in (parallel.get("layer_stage") or {}).items():
+            by_stage.setdefault(int(stage), []).append(str(layer))
+        stages = "; ".join(f"stage {s}: layers {', '.join(ls)}" for s, ls in sorted(by_stage.items()))
+        tied = ", ".join(
+            f"{name} (stages {', '.join(map(str, t.get('stages', [])))})"
+            for name, t in (parallel.get("tied") or {}).items()
+        )
+        return [f"stages         {stages or parallel.get('pp')}"] + ([f"tied modules   {tied}"] if tied else [])
+
+    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+        check_sliced_reshard(ckpt, target, self.title)
+        zero = ckpt.ds_config.get("zero_optimization")
+        if (zero.get("stage", 0) if isinstance(zero, dict) else 0) == 0:
+            raise UnsupportedCheckpointError(
+                f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}), saved without "
+                "ZeRO (BF16_Optimizer keeps DP rank 0's state in every stage file); DeepSpeed 0.19.8 cannot resume "
+                "such a checkpoint even at its own size (KeyError: 0 in _load_legacy_checkpoint), so resharding it "
+                "is not supported (consolidate works)"
+            )
+
+    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+        return pipeline_universal_files(ckpt)
+
+    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+        if target.dp is None:
+            return pipeline_universal_files(ckpt)
+        return sliced_tag_files(ckpt, target)
+
+
+LAYOUT = PipelineLayout()

@@ -1,30 +1,68 @@
 """Every kind of checkpoint folder ckpttools reads, detected and opened into the one checkpoint model.
 
-A layout is one reader module plus its entry in `LAYOUT_READERS`; `layout.classify_tag_files` tells which one a
-tag folder needs from its file names.
+A layout is one module holding a `LAYOUT` plug-in (`base.Layout`) plus its line in `LAYOUTS`: the first layout
+whose `claims` accepts a tag folder's file names reads it. Universal folders (DeepSpeed's `ds_to_universal`
+output) are a folder format of their own, recognised before any tag folder is looked for.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
-from collections.abc import Callable
+from collections.abc import Sequence
 from pathlib import Path
 
 from ckpttools.errors import UnsupportedCheckpointError
-from ckpttools.layouts.locate import locate
+from ckpttools.layouts.base import Layout
+from ckpttools.layouts.locate import classify_tag_files, find_tag_folder
 from ckpttools.layouts.universal import is_universal, read_universal, resolve_root
 from ckpttools.model.checkpoint import ZeroCheckpoint
 from ckpttools.model.origin import CheckpointLocation
-from ckpttools.model.parallel import KIND_NAMES
 
-# layout -> (module, function): imported when a checkpoint of that layout is opened
-LAYOUT_READERS = {
-    "dp": ("ckpttools.layouts.zero.read", "read_data_parallel"),
-    "zero0": ("ckpttools.layouts.zero0", "read_zero0"),
-    "tensor": ("ckpttools.layouts.autotp", "read_tensor_parallel"),
-    "pipeline": ("ckpttools.layouts.pipeline", "read_pipeline"),
-    "moe": ("ckpttools.layouts.moe", "read_moe"),
-}
+# Detection order: the first whose LAYOUT claims a tag folder's file names reads it (one line per layout).
+LAYOUTS = (
+    "ckpttools.layouts.pipeline",  # PipelineModule: layer_NN-model_states.pt
+    "ckpttools.layouts.moe",  # DeepSpeed-MoE: expert files
+    "ckpttools.layouts.autotp",  # AutoTP: several mp_rank_NN
+    "ckpttools.layouts.zero0",  # no ZeRO: the optimizer inside mp_rank_00_model_states.pt
+    "ckpttools.layouts.zero.layout",  # data-parallel ZeRO-1/2/3: everything else
+)
+
+
+@functools.cache
+def layouts() -> tuple[Layout, ...]:
+    """The plug-ins, in detection order (imported on first use)."""
+    return tuple(importlib.import_module(name).LAYOUT for name in LAYOUTS)
+
+
+def detect_layout(names: Sequence[str]) -> Layout:
+    """The layout of a tag folder holding these file names."""
+    return next(layout for layout in layouts() if layout.claims(names))
+
+
+def layout_named(kind: str) -> Layout:
+    """The plug-in of a checkpoint whose ParallelLayout.kind (or JSON `parallel.kind`) is `kind`."""
+    for layout in layouts():
+        if layout.kind == kind:
+            return layout
+    raise UnsupportedCheckpointError(f"no layout named {kind!r} in this version of ckpttools")
+
+
+def layout_of(ckpt: ZeroCheckpoint) -> Layout:
+    """The plug-in that read `ckpt` (universal folders: the layout of the run that wrote them)."""
+    return layout_named(ckpt.layout.kind)
+
+
+def locate(
+    path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
+) -> CheckpointLocation:
+    """Resolve what the user pointed at (save_dir, Trainer checkpoint-N/ or output_dir, Lightning folder, tag
+    folder) into a checkpoint root, a tag and its rank files, sorted for the layout that claims them."""
+    root, tag, output_dir, side = find_tag_folder(Path(path), tag=tag, step=step, best=best)
+    tag_dir = root / tag
+    names = sorted(p.name for p in tag_dir.iterdir())
+    files = classify_tag_files(names, where=str(tag_dir), layout=detect_layout(names).kind)
+    return CheckpointLocation(root, tag, tag_dir, files, output_dir, side)
 
 
 def open_checkpoint(
@@ -74,19 +112,4 @@ def read_checkpoint(
 
 def read_located(loc: CheckpointLocation) -> ZeroCheckpoint:
     """Open a located tag folder with the reader of its layout."""
-    return _reader_for(loc)(loc)
-
-
-def _reader_for(loc: CheckpointLocation) -> Callable[[CheckpointLocation], ZeroCheckpoint]:
-    layout = loc.files.layout
-    module_name, function = LAYOUT_READERS[layout]
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as e:
-        if e.name != module_name:
-            raise
-        raise UnsupportedCheckpointError(
-            f"{loc.tag_dir} is a {KIND_NAMES[layout]} checkpoint, which this version of ckpttools cannot read yet"
-        ) from e
-    reader: Callable[[CheckpointLocation], ZeroCheckpoint] = getattr(module, function)
-    return reader
+    return layout_named(loc.files.layout).read(loc)

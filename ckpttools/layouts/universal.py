@@ -36,7 +36,7 @@ from ckpttools.layouts.tp_map import full_shapes
 from ckpttools.layouts.zero.read import zero3_frozen, zero3_optimizer_parts, zero12_bit16
 from ckpttools.model.checkpoint import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint, strip_prefixes
 from ckpttools.model.origin import CheckpointLocation, TagFiles
-from ckpttools.model.parallel import KIND_NAMES, ParallelLayout
+from ckpttools.model.parallel import ParallelLayout
 
 LATEST = "latest_universal"
 MASTER, STEP = "fp32", "step"
@@ -312,7 +312,7 @@ def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     # (tensor.tensor_universal_files)
     if ckpt.layout.kind != "dp":
         raise UnsupportedCheckpointError(
-            f"{ckpt.location.tag_dir} is a {KIND_NAMES[ckpt.layout.kind]} checkpoint ({ckpt.layout.describe()}); "
+            f"{ckpt.location.tag_dir} is not a plain data-parallel checkpoint ({ckpt.layout.describe()}); "
             "writing it in the universal format is not supported yet"
         )
     opt = ckpt.optimizer

@@ -25,7 +25,9 @@ from typing import Any
 from ckpttools.errors import UnsupportedCheckpointError, UsageError, short
 from ckpttools.io import dtypes
 from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
+from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.crosscheck import OpenFiles, casts_equal, read_elements
+from ckpttools.layouts.locate import OPTIM_RE, ZERO3_MODEL_RE, model_parallel_ranks
 from ckpttools.layouts.rankfile import (
     ModuleEntries,
     RankFile,
@@ -485,3 +487,37 @@ def check_zero0_reshard(ckpt: ZeroCheckpoint, *, universal: bool, stage: int | N
         raise UnsupportedCheckpointError(
             f"{where} was saved without ZeRO (stage 0); changing it to ZeRO-{stage} is not supported"
         )
+
+
+class ZeroZeroLayout:
+    """Data parallel without ZeRO: one mp_rank_00_model_states.pt holding the module and the whole optimizer."""
+
+    kind = "zero0"
+    title = "data parallel without ZeRO"
+
+    def claims(self, names: Sequence[str]) -> bool:
+        has_optim = any(OPTIM_RE.match(n) or ZERO3_MODEL_RE.match(n) for n in names)
+        return not has_optim and model_parallel_ranks(names) == {0}
+
+    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+        return read_zero0(loc)
+
+    def describe(self, parallel: dict[str, Any]) -> list[str]:
+        return []
+
+    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+        check_zero0_reshard(ckpt, universal=target.universal, stage=target.stage)
+
+    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+        raise UnsupportedCheckpointError(
+            f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}); writing it in the "
+            "universal format is not supported yet"
+        )
+
+    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+        if target.dp is None:
+            return self.universal_files(ckpt)
+        return zero0_rank_files(ckpt, target.dp)
+
+
+LAYOUT = ZeroZeroLayout()

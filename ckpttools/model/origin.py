@@ -16,7 +16,7 @@ class TagFiles:
     optim_files: dict[int, str]
     optim_prefix: str  # "bf16_" or ""
     zero3_layout: bool
-    layout: str = "dp"  # parallel.KINDS: which reader opens the folder
+    layout: str = "dp"  # the kind of the layout plug-in that claimed the folder (layouts.registry)
     names: tuple[str, ...] = ()  # every file name in the tag folder, for the layout readers
 
 

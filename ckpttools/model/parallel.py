@@ -8,15 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-KINDS = ("dp", "zero0", "tensor", "pipeline", "moe")
-KIND_NAMES = {
-    "dp": "data parallel",
-    "zero0": "data parallel without ZeRO",
-    "tensor": "tensor-parallel (AutoTP)",
-    "pipeline": "pipeline-parallel (PipelineModule)",
-    "moe": "MoE (DeepSpeed-MoE expert-parallel)",
-}
-
 
 @dataclass(frozen=True)
 class ParallelLayout:

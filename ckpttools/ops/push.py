@@ -221,7 +221,7 @@ def _matches(rel: str, patterns: Sequence[str]) -> bool:
 
 def _is_checkpoint(path: Path, opts: dict[str, Any]) -> bool:
     """True for a raw DeepSpeed checkpoint (to consolidate first), False for a folder to push as it is."""
-    from ckpttools.layouts.locate import locate
+    from ckpttools.layouts.registry import locate
 
     explicit = any(opts.get(k) for k in ("tag", "step", "best"))
     has_weights = any((path / n).is_file() for n in (*WEIGHT_NAMES, *ADAPTER_WEIGHTS, ADAPTER_CONFIG))
