@@ -14,7 +14,6 @@ import json
 import math
 import pickle
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -326,12 +325,11 @@ def test_push_without_config_is_refused():
 
 
 def _run_resume(name: str, folder: Path, dp: int, info: Path):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     spec = {"zero_stage": fixture_meta(name)["zero_stage"], "dp": dp, "dtype": fixture_meta(name)["dtype"]}
     ref = FIXTURES / name / "reference" / "zero_to_fp32.safetensors"
-    return ds_launch.torchrun(dp, ROOT / "scripts" / "fixture_worker.py",
+    return ds_launch.torchrun(dp, "fixtures.build.fixture_worker",
                               ["accelerate_resume", "--spec", json.dumps(spec), "--ckpt", folder, "--ref", ref,
                                "--out", info], cwd=info.parent, timeout=600)  # fmt: skip
 

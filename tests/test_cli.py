@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from ckpttools.cli import main
 from ckpttools.io.torchfile import load_pickle
+from tests.support.ranks import file_bytes
 
 from .conftest import FIXTURES, fixture_names, tree_digest
-from .ranks import file_bytes
 
 ENGINE = fixture_names("engine")
 Z3 = next(n for n in ENGINE if n.startswith("z3_dp3"))

@@ -32,8 +32,18 @@ from ckpttools.ranks.distributed import (
     records_to_verify,
 )
 from ckpttools.signals import Interrupted
-
-from .ranks import CKPT, TRAINER, Z2, Z3, _env, _on_ranks, _one_process, _tree_sha256, ds_launch, file_bytes
+from tests.support.ranks import (
+    CKPT,
+    TRAINER,
+    Z2,
+    Z3,
+    _env,
+    _on_ranks,
+    _one_process,
+    _tree_sha256,
+    ds_launch,
+    file_bytes,
+)
 
 # --------------------------------------------------------------------------------------------------
 # The pure parts

@@ -1,4 +1,4 @@
-"""scripts/ds_launch.py, the launcher every multi-process test goes through: a worker's exit code is main's."""
+"""fixtures/build/ds_launch.py, the launcher every multi-process test goes through: a worker's exit code is main's."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run_worker(body: str) -> subprocess.CompletedProcess:
-    code = f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import ds_launch\n{body}\nds_launch.exit_worker(main)\n"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    code = f"import sys\nfrom fixtures.build import ds_launch\n{body}\nds_launch.exit_worker(main)\n"
+    # from the repository root: `python -c` imports from the cwd first
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=False)  # fmt: skip
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 Fast tests run in this process on plain modules (ZeRO-0 path, no torch.distributed). The slow ones run
 real DeepSpeed engines and a real Trainer on CPU with torchrun (2 ranks, gloo) through
-tests/engine_save_worker.py, and compare bit for bit with DeepSpeed's own 16-bit weights, with
+tests/support/engine_save_worker.py, and compare bit for bit with DeepSpeed's own 16-bit weights, with
 `ckpt consolidate --dtype bf16` of the checkpoint saved at the same step, and with from_pretrained.
 """
 
@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import struct
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -33,13 +32,11 @@ from ckpttools.live.engine_save import (
     tied_target_matcher,
 )
 from ckpttools.ops.verify import verify_folder
+from fixtures.build import ds_launch
+from fixtures.build import fixture_worker as fw  # the toy model with tied/frozen/int/non-persistent buffers
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "engine_save_worker.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-
-import ds_launch  # noqa: E402
-import fixture_worker as fw  # noqa: E402  (the toy model with tied/frozen/int/non-persistent buffers)
+WORKER = "tests.support.engine_save_worker"
 
 # --------------------------------------------------------------------------------------------------
 # helpers

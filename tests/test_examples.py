@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.hub_server import LocalHub
+
 from .conftest import FIXTURES
-from .hub_server import LocalHub
 
 yaml = pytest.importorskip("yaml")
 

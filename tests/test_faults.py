@@ -1,7 +1,7 @@
 """Fault injection: `ckpt` under signals, kills, full disks, racing runs, symlinks, changing inputs and a parent
 job's launcher environment leaves the earlier output or the new one, complete, and nothing else (issue 27).
 
-Each test is one seeded trial (see tests/faults.py for the harness and the rules every outcome is held to):
+Each test is one seeded trial (see tests/support/faults.py for the harness and the rules every outcome is held to):
 
     signal-<command>[-overwrite]  SIGINT, SIGTERM, SIGHUP, SIGKILL or two SIGINTs 20-200 ms apart, at a random
                                   moment from start-up (0-300 ms) to 1.2x an undisturbed run; after SIGKILL the
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 
-from . import faults
+from tests.support import faults
 
 
 def _cases(categories: list[str]) -> list:

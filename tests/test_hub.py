@@ -1,4 +1,4 @@
-"""`ckpt push` against a real HTTP server on 127.0.0.1 speaking the Hub protocol (tests/hub_server.py).
+"""`ckpt push` against a real HTTP server on 127.0.0.1 speaking the Hub protocol (tests/support/hub_server.py).
 
 The unmodified huggingface_hub client does the talking (LFS path: HF_HUB_DISABLE_XET=1, since the local
 server does not serve Xet). What arrives is fetched back with snapshot_download and loaded with from_pretrained.
@@ -20,9 +20,9 @@ from click.testing import CliRunner
 from ckpttools import consolidate
 from ckpttools.cli import main
 from ckpttools.ops.push import MANIFEST
+from tests.support.hub_server import LocalHub
 
 from .conftest import FIXTURES, tree_digest
-from .hub_server import LocalHub
 
 TOKEN = "hf_LocalToken_never_printed_31415"
 TRAINER = FIXTURES / "trainer_z3_nogather_bf16" / "out"

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from ckpttools import consolidate
 from ckpttools.cli import main
+from tests.support.hub_server import LocalHub
 
 from .conftest import FIXTURES, fixture_meta
-from .hub_server import LocalHub
 
 pytest.importorskip("peft")
 

@@ -1,6 +1,6 @@
 """`ckpt push` does no harm: it uploads only the files a model repo holds, checks the token and the right to
 write before any heavy work (exit 4 when logging in is what helps), and says truthfully whether an interrupted
-commit landed. Against the local Hub protocol server (tests/hub_server.py), LFS path (HF_HUB_DISABLE_XET=1).
+commit landed. Against the local Hub protocol server (tests/support/hub_server.py), LFS path (HF_HUB_DISABLE_XET=1).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from click.testing import CliRunner
 from ckpttools import consolidate
 from ckpttools.cli import main
 from ckpttools.ops.push import MANIFEST
+from tests.support.hub_server import LocalHub
 
 from .conftest import FIXTURES
-from .hub_server import LocalHub
 from .test_hub import _one_error_line
 
 TOKEN = "hf_LocalToken_never_printed_27182"

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 
-from .ranks import CKPT, Z3, _env, ds_launch
+from tests.support.ranks import CKPT, Z3, _env, ds_launch
 
 # A training job's worker under torchrun: rank 0 converts a checkpoint through a `ckpt` subprocess while rank 1
 # waits at a barrier, as DeepSpeed's universal-checkpoint tests do with their converter.

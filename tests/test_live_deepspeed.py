@@ -3,8 +3,6 @@
 This catches a DeepSpeed upgrade that changes the on-disk format or zero_to_fp32's output.
 """
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,11 +17,9 @@ pytestmark = pytest.mark.slow
 
 def _make_fixtures():
     pytest.importorskip("deepspeed")
-    spec = importlib.util.spec_from_file_location("make_fixtures", ROOT / "scripts" / "make_fixtures.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["make_fixtures"] = module
-    spec.loader.exec_module(module)
-    return module
+    from fixtures.build import make_fixtures
+
+    return make_fixtures
 
 
 @pytest.mark.parametrize("name", ["z2_dp3_bf16", "z3_dp2_fp32", "trainer_z3_nogather_bf16"])

@@ -1,14 +1,13 @@
 """DeepSpeed-MoE (expert-parallel) ZeRO-1/2 checkpoints: read with every expert under its global index,
 consolidated bit-identical to what the live engine held, and every kind of broken folder refused by name.
 
-The slow test proves with DeepSpeed itself (tests/moe_load_worker.py under torchrun) that the original fixture
+The slow test proves with DeepSpeed itself (tests/support/moe_load_worker.py under torchrun) that the original fixture
 loads and dumps equal to its reference, the harness the reshard proofs reuse.
 """
 
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +29,7 @@ DBE = "moe_ep2_dp4_z2_bf16_dbe"  # use_data_before_expert_parallelism: contiguou
 OPT = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 EXPERT = "layer_{}_expert_{}_mp_rank_00_model_states.pt"
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "moe_load_worker.py"
+WORKER = "tests.support.moe_load_worker"
 
 
 def _reference(name: str, which: str) -> dict[str, torch.Tensor]:
@@ -218,8 +217,7 @@ def test_autoep_checkpoints_are_refused_by_name(tmp_path):
 
 
 def _torchrun(nproc: int, args: list[str], timeout: int = 600):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     return ds_launch.torchrun(nproc, WORKER, args, cwd=ROOT, timeout=timeout)
 

@@ -4,8 +4,8 @@ Fast tests: the output reads back through our own reader (partition counts, expe
 exactly the structure DeepSpeed itself saves at that size, round-trips to the original files tensor for tensor,
 consolidates to the same tensors, and what is not supported is refused in one line with nothing written.
 Slow tests (`pytest -m slow tests/test_moe_reshard.py`): DeepSpeed's own `load_checkpoint` at the new world size
-(tests/moe_load_worker.py under torchrun) restores fp32 masters, Adam moments and module weights bit-identical to
-the fixture's reference, and one more training step runs.
+(tests/support/moe_load_worker.py under torchrun) restores fp32 masters, Adam moments and module weights
+bit-identical to the fixture's reference, and one more training step runs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import math
 import shutil
 import struct
-import sys
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -42,7 +41,7 @@ OPT = "bf16_zero_pp_rank_{}_mp_rank_00_optim_states.pt"
 EXPERTS = [f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt" for layer in (0, 1) for e in range(4)]
 CASES = [(DP2, 4), (DP4, 2), (DBE, 2), (Z1, 4)]
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "moe_load_worker.py"
+WORKER = "tests.support.moe_load_worker"
 
 
 def _case_id(case: tuple[str, int]) -> str:
@@ -244,8 +243,7 @@ def test_a_damaged_expert_file_is_refused_before_anything_is_written(tmp_path):
 
 
 def _torchrun(nproc: int, args: list[str], timeout: int = 600):
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     return ds_launch.torchrun(nproc, WORKER, args, cwd=ROOT, timeout=timeout)
 

@@ -41,7 +41,8 @@ from typing import Any, cast
 import pytest
 from click.testing import CliRunner
 
-from . import mutations as mut
+from tests.support import mutations as mut
+
 from .conftest import FIXTURES, fixture_names, tree_digest
 
 pytest.importorskip("deepspeed")  # the pickle-level edits load the trusted fixture copies with DeepSpeed's classes

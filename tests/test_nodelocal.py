@@ -21,9 +21,9 @@ from ckpttools.io import torchfile
 from ckpttools.io.torchfile import RecordReader
 from ckpttools.layouts.registry import open_checkpoint
 from ckpttools.ranks import nodelocal
+from tests.support.ranks import CKPT, TRAINER, Z2, Z3, _env, _tree_sha256, ds_launch
 
 from .conftest import FIXTURES
-from .ranks import CKPT, TRAINER, Z2, Z3, _env, _tree_sha256, ds_launch
 
 RANK_FILE = re.compile(r"_pp_rank_(\d+)_")
 

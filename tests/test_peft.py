@@ -1,6 +1,6 @@
 """PEFT/LoRA runs: adapter folders PEFT loads, and merged models equal to PEFT's own merge_and_unload().
 
-Every fixture is a real DeepSpeed run of a PeftModel (scripts/fixture_peft.py): the references are what PEFT
+Every fixture is a real DeepSpeed run of a PeftModel (fixtures/build/fixture_peft.py): the references are what PEFT
 itself wrote from the live model (reference/adapter/) and merge_and_unload() of the same model in fp32 and bf16.
 """
 
@@ -254,16 +254,12 @@ def _as_peft_reads(path: Path) -> dict:
 
 def test_save_pretrained_from_engine_adapter_mode_writes_what_peft_saves(tmp_path):
     """A live ZeRO-3 engine of a PeftModel: adapter=True against PEFT's save_pretrained of the gathered model."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    import ds_launch
-    from fixture_peft import specs
+    from fixtures.build import ds_launch
+    from fixtures.build.fixture_peft import specs
 
     spec = next(s for s in specs() if s["name"] == "peft_engine_z3_bf16")
-    worker = Path(__file__).resolve().parent.parent / "scripts" / "fixture_peft.py"
-    run = ds_launch.torchrun(2, worker, ["save", "--spec", json.dumps(spec), "--out", str(tmp_path)], cwd=tmp_path,
-                             timeout=600)  # fmt: skip
+    run = ds_launch.torchrun(2, "fixtures.build.fixture_peft", ["save", "--spec", json.dumps(spec), "--out", tmp_path],
+                             cwd=tmp_path, timeout=600)  # fmt: skip
     assert run.rc == 0, run.tail()
     ours, theirs = tmp_path / "ours", tmp_path / "peft"
     # PEFT's two files, and the manifest that lets a later --overwrite know ckpt wrote them

@@ -18,13 +18,13 @@ Plus HF Trainer resumes at M ranks from resharded checkpoint-2 folders, the harn
 at its own N equals the reference bit for bit), and a negative control (the original N-rank checkpoint at M
 ranks is refused by DeepSpeed, so a no-op reshard cannot pass).
 
-DeepSpeed runs on CPU (gloo) under torchrun, via tests/reshard_worker.py.  To keep the time down, every load is
+DeepSpeed runs on CPU (gloo) under torchrun, via tests/support/reshard_worker.py.  To keep the time down, every load is
 done once per (checkpoint, M): the module gathers the loads the selected tests need and runs them in one
 torchrun per world size (the worker's --jobs mode); a load that has no result after that is re-run on its own,
 and a failure is always reported from such a single run.  A timing summary is printed at the end.
 
 Run:  pytest -m slow tests/test_reshard_deepspeed.py   (3.5-4.5 minutes on 2 busy CPU cores; the first run on a
-      machine also JIT-builds DeepSpeed's CPU ops into a per-venv cache, see tests/reshard_worker.py)
+      machine also JIT-builds DeepSpeed's CPU ops into a per-venv cache, see tests/support/reshard_worker.py)
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,10 +54,9 @@ if reshard is None:
 from ckpttools import consolidate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "reshard_worker.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-import ds_launch  # noqa: E402
-from ds_launch import Run  # noqa: E402
+WORKER = "tests.support.reshard_worker"
+from fixtures.build import ds_launch  # noqa: E402
+from fixtures.build.ds_launch import Run  # noqa: E402
 
 STEPS = 3
 BATCH_TIMEOUT = 1200
@@ -295,9 +293,7 @@ class Lab:
         ]
 
     def single_command(self, ld: Load) -> str:
-        return f"torchrun --nproc_per_node {ld.world} {WORKER.relative_to(ROOT)} " + " ".join(
-            map(str, self.single_args(ld))
-        )
+        return f"torchrun --nproc_per_node {ld.world} -m {WORKER} " + " ".join(map(str, self.single_args(ld)))
 
     def _run_single(self, ld: Load) -> None:
         for p in (ld.status, ld.dump, ld.info_file, ld.losses_file):

@@ -1,6 +1,6 @@
 """Resharding checkpoints of client torch optimizers that are not Adam with moments, against real DeepSpeed.
 
-The fixtures are those of meta.json kind "client_optimizer" (scripts/make_fixtures.py; fixtures/README.md):
+The fixtures are those of meta.json kind "client_optimizer" (fixtures/build/make_fixtures.py; fixtures/README.md):
 `z{1,2,3}_dp2_bf16_step0` (client torch AdamW, saved right after `deepspeed.initialize`: no optimizer state at
 all), `z{2,3}_dp2_bf16_sgd` (SGD with momentum: `momentum_buffer`, no `step`) and `z{2,3}_dp2_bf16_adagrad`
 (Adagrad: `sum` and a tensor `step`), all written at N = 2 ranks, bf16.  Their reference/full_state.safetensors
@@ -26,8 +26,8 @@ DeepSpeed 0.19.8 itself cannot load a ZeRO-3 universal checkpoint of these optim
 `exp_avg`, `exp_avg_sq` and `optimizer_state.pt`'s `state[0]['step']`.  When a ZeRO-3 universal load fails
 inside that function, the test is marked xfail with the error; any other failure fails it.
 
-The DeepSpeed runs reuse tests/reshard_worker.py (its --jobs mode, one torchrun per world size, a load that has
-no result after its batch is re-run on its own) through scripts/ds_launch.py, as tests/test_reshard_deepspeed.py
+The DeepSpeed runs reuse tests/support/reshard_worker.py (its --jobs mode, one torchrun per world size, a load that has
+no result after its batch is re-run on its own) through fixtures/build/ds_launch.py, as tests/test_reshard_deepspeed.py
 does.  The DeepSpeed tests are marked slow; the consolidate and universal-file tests are not.  A timing summary is
 printed at the end.
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,13 +50,12 @@ import torch
 from safetensors.torch import load_file
 
 from ckpttools import consolidate, reshard
+from fixtures.build import ds_launch
 
 from .conftest import FIXTURES, fixture_names, tree_digest
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "reshard_worker.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-import ds_launch  # noqa: E402
+WORKER = "tests.support.reshard_worker"
 
 KIND = "client_optimizer"
 NAMES = fixture_names(KIND)
@@ -124,7 +122,7 @@ def _short_error(text: str) -> str:
 
 @dataclass
 class Load:
-    """One load of a checkpoint at `world` ranks (+ dump + STEPS training steps) by tests/reshard_worker.py."""
+    """One load of a checkpoint at `world` ranks (+ dump + STEPS training steps) by tests/support/reshard_worker.py."""
 
     fixture: str
     variant: str

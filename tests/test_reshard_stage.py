@@ -3,14 +3,13 @@
 holds exactly the state the saving engine had (fp32 masters, Adam moments, the module's 16-bit weights, frozen
 params and buffers, step counters), then trains on.
 
-The engine is the fixture's own (tests/reshard_worker.py), built from a copy of its meta.json whose ds_config
+The engine is the fixture's own (tests/support/reshard_worker.py), built from a copy of its meta.json whose ds_config
 says stage S; nothing else changes. Our own reader reads every written checkpoint back too.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,12 @@ from safetensors.torch import load_file
 from ckpttools.errors import UnsupportedCheckpointError, UsageError
 from ckpttools.layouts.registry import open_checkpoint
 from ckpttools.ops.reshard import reshard
+from fixtures.build import ds_launch
 
 from .conftest import FIXTURES, tree_digest
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "reshard_worker.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-import ds_launch  # noqa: E402
+WORKER = "tests.support.reshard_worker"
 
 # (fixture, new stage, new DP)
 CASES = [

@@ -1,7 +1,7 @@
-"""DeepSpeed AutoTP (tensor-parallel) checkpoints: the real fixtures of scripts/fixture_autotp.py (DP 2 x TP 2,
+"""DeepSpeed AutoTP (tensor-parallel) checkpoints: the real fixtures of fixtures/build/fixture_autotp.py (DP 2 x TP 2,
 ZeRO-1 and 2, a tiny Llama) read into full tensors, consolidated bit-identical to DeepSpeed's own merges, loaded by
 from_pretrained; broken folders refused by name. The slow tests prove the fixtures (and DeepSpeed's
-ds_to_universal output of them) load in DeepSpeed itself, through tests/autotp_load_worker.py."""
+ds_to_universal output of them) load in DeepSpeed itself, through tests/support/autotp_load_worker.py."""
 
 from __future__ import annotations
 
@@ -23,16 +23,14 @@ from ckpttools.io.torchfile import RecordReader
 from ckpttools.layouts.crosscheck import check_replicas, replica_mismatch
 from ckpttools.layouts.registry import read_checkpoint
 from ckpttools.ops.consolidate import consolidate
+from fixtures.build import ds_launch
 
 from .conftest import FIXTURES, fixture_meta, tree_digest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-import ds_launch
 
 ENGINE = ["autotp_tp2_dp2_z1_bf16", "autotp_tp2_dp2_z2_bf16"]
 NAMES = [*ENGINE, "autotp_trainer_tp2_dp2_z1_bf16"]
 ACCELERATE = "accelerate_autotp_tp2_dp2_z1_bf16"  # save_state folder: tag pytorch_model, no config.json
-WORKER = Path(__file__).resolve().parent / "autotp_load_worker.py"
+WORKER = "tests.support.autotp_load_worker"
 TAG = "global_step2"
 
 

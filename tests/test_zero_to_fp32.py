@@ -260,11 +260,8 @@ def test_command_lines_side_by_side(tmp_path):
 
 
 def _toy_model():
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-    try:
-        from fixture_worker import ToyModel
-    finally:
-        sys.path.pop(0)
+    from fixtures.build.fixture_worker import ToyModel
+
     torch.manual_seed(0)
     return ToyModel()
 

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 CKPT = Path(sys.executable).parent / "ckpt"
-FIXTURES = Path(os.environ.get("CKPT_FIXTURES") or Path(__file__).resolve().parent.parent / "fixtures")
+FIXTURES = Path(os.environ.get("CKPT_FIXTURES") or Path(__file__).resolve().parents[2] / "fixtures")
 
 # The two inputs: a ZeRO-2 and a ZeRO-3 Trainer checkpoint (HF Trainer's checkpoint-N folder, with config/tokenizer).
 INPUTS = {"z2": "trainer_z2_bf16", "z3": "trainer_z3_gather_bf16"}

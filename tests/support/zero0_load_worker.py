@@ -2,9 +2,9 @@
 world size, compare what the engine then holds with the saving engine's references, train one more step.
 Run it under torchrun; not a test.
 
-    torchrun --nproc_per_node M tests/zero0_load_worker.py --jobs '[{"meta": ..., "load": ..., "out": ...}]'
+    torchrun --nproc_per_node M -m tests.support.zero0_load_worker --jobs '[{"meta": ..., "load": ..., "out": ...}]'
 
-For each job: the engine of scripts/fixture_zero0.py is rebuilt from the fixture's meta.json (same model, seed,
+For each job: the engine of fixtures/build/fixture_zero0.py is rebuilt from the fixture's meta.json (same model, seed,
 param groups, optimizer, ds_config), its module weights and fp32 masters are scrambled (so nothing passes by being
 left at its init), `engine.load_checkpoint(load)` runs, and rank 0 writes `out`: the names of masters/states that
 differ from reference/full_state.safetensors (bit for bit), whether the module equals reference/bit16.safetensors,
@@ -14,10 +14,8 @@ the steps, and the dp_world_size the loaded file records.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -26,21 +24,8 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load(name: str, path: Path):
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec
-    assert spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-Z0 = _load("ckpt_fixture_zero0", ROOT / "scripts" / "fixture_zero0.py")
-FW = Z0._fixture_worker()
+from fixtures.build import fixture_worker as FW  # noqa: E402  (the toy model, data and param groups)
+from fixtures.build import fixture_zero0 as Z0  # noqa: E402  (the stage-0 engine the fixtures were built with)
 
 
 def spec_of(meta: dict) -> dict:
@@ -106,7 +91,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     ds_launch.exit_worker(main)

@@ -1,8 +1,8 @@
 """Benchmark `ckpt reshard` against DeepSpeed's `ds_to_universal` on the benchmark checkpoints.
 
-    ./scripts/setup && .venv/bin/python scripts/bench_reshard.py [--sizes 355M] [--stages 2,3] [--runs 3]
+    ./scripts/setup && .venv/bin/python -m benchmarks.bench_reshard [--sizes 355M] [--stages 2,3] [--runs 3]
 
-Uses the GPT-2 checkpoints `scripts/bench_consolidate.py` builds and caches (DP 4, bf16; built on
+Uses the GPT-2 checkpoints `benchmarks/bench_consolidate.py` builds and caches (DP 4, bf16; built on
 demand). For each, `--runs` rounds with every tool once per round, the order rotating from round to
 round; before every run, as in bench_consolidate: the previous output deleted, `sync`, a few seconds to
 settle, the page cache dropped (where permitted) and the Python packages both tools import read back
@@ -36,10 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_consolidate as bc  # noqa: E402  (shared build and measurement helpers)
-import ds_launch  # noqa: E402
+from benchmarks import bench_consolidate as bc  # shared build and measurement helpers
+from fixtures.build import ds_launch
+
+MODULE = "benchmarks.bench_reshard"  # this file, as its torchrun workers run it (`python -m`)
 
 
 def count_files(root: Path) -> int:
@@ -127,8 +127,8 @@ def load_worker(size: str, stage: int, ckpt: Path, tag: str, universal: bool) ->
 
 def measure_load(size: str, stage: int, ckpt: Path, tag: str, universal: bool, log: Path) -> dict[str, Any]:
     """DeepSpeed's load_checkpoint time at NEW_DP ranks (page cache dropped first), and the launch's peak RSS."""
-    cmd = ds_launch.torchrun_cmd(NEW_DP, Path(__file__).resolve(), ["_load", "--size", size, "--stage", stage,
-                                                                     "--ckpt", ckpt, "--tag", tag])  # fmt: skip
+    cmd = ds_launch.torchrun_cmd(NEW_DP, MODULE, ["_load", "--size", size, "--stage", stage, "--ckpt", ckpt,
+                                                  "--tag", tag])  # fmt: skip
     if universal:
         cmd.append("--universal")
     ds_launch.prebuild_ops(bc.build_env())  # once, before any timing
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "reshard.json").write_text(json.dumps({"machine": bc.machine_info(args.cache, *bc.drop_caches()),
                                                        "results": results}, indent=1, default=str))  # fmt: skip
     md = (
-        "# `ckpt reshard` vs DeepSpeed `ds_to_universal`\n\nCommand: `python scripts/bench_reshard.py "
+        "# `ckpt reshard` vs DeepSpeed `ds_to_universal`\n\nCommand: `python -m benchmarks.bench_reshard "
         + " ".join(argv)
         + "`\n\n"
         + summary_md(results)

@@ -1,8 +1,8 @@
 """One node, one big checkpoint: `ckpt` with threads and processes against DeepSpeed's tools and the disk floor.
 
-    python scripts/bench_node.py all --size 1.3B --cache /data/bench --out RESULTS [--runs 2] [--budget-s 1300]
-    python scripts/bench_node.py build --size 30M --dp 2 --cache DIR      # just the checkpoint
-    python scripts/bench_node.py render --out RESULTS                      # node.md from node.json
+    python -m benchmarks.bench_node all --size 1.3B --cache /data/bench --out RESULTS [--runs 2] [--budget-s 1300]
+    python -m benchmarks.bench_node build --size 30M --dp 2 --cache DIR      # just the checkpoint
+    python -m benchmarks.bench_node render --out RESULTS                      # node.md from node.json
 
 Builds a Llama-shaped checkpoint with real DeepSpeed on CPU ranks (torchrun + gloo, `deepspeed.zero.Init`,
 ZeRO-3, bf16, torch AdamW, two param groups, one step, `engine.save_checkpoint` + config.json), then measures,
@@ -39,10 +39,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-import bench_consolidate as bc  # noqa: E402  (measurement helpers: run_measured, drop_caches, floors' ranges)
-import ds_launch  # noqa: E402
+from benchmarks import bench_consolidate as bc  # measurement helpers: run_measured, drop_caches, floors' ranges
+from fixtures.build import ds_launch
+
+MODULE = "benchmarks.bench_node"  # this file, as its torchrun workers run it (`python -m`)
 
 SEED = 1234
 SEQ_LEN = 16
@@ -137,7 +137,7 @@ def build(size: str, dp: int, cache: Path, log: Path) -> dict[str, Any]:
     partial.mkdir(parents=True)
     threads = max(1, (os.cpu_count() or 1) // dp)
     env = ds_launch.worker_env(base=bc.tool_env(), threads=threads, MALLOC_MMAP_THRESHOLD_="1048576")
-    cmd = ds_launch.torchrun_cmd(dp, Path(__file__).resolve(), ["_build", "--size", size, "--out", partial])
+    cmd = ds_launch.torchrun_cmd(dp, MODULE, ["_build", "--size", size, "--out", partial])
     print(f"[build] {final.name}: torchrun x{dp} ({threads} threads each), log {log}", flush=True)
     with open(log, "ab") as fh:
         m = bc.run_measured(cmd, env=env, stdout=fh, cwd=cache)
@@ -491,9 +491,9 @@ def run_all(a: argparse.Namespace) -> int:
     out = a.out.resolve()
     cache.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    os.chdir(cache)  # `python -m` puts the cwd on sys.path: keep the repository's copy out of the way
+    os.chdir(cache)  # `python -m`/`-c` import from the cwd first: keep the repository's ckpttools out of the way
     log = cache / "bench_node.log"
-    results: dict[str, Any] = {"command": "python scripts/bench_node.py " + " ".join(sys.argv[1:]),
+    results: dict[str, Any] = {"command": f"python -m {MODULE} " + " ".join(sys.argv[1:]),
                                "machine": machine(cache), "runs": {}, "checks": {}, "notes": []}  # fmt: skip
     save = lambda: write_results(results, out)  # noqa: E731
     save()

@@ -1,7 +1,7 @@
 """Rank 0's memory while saving a ZeRO-3 model: save_pretrained_from_engine vs DeepSpeed's own gather.
 
-    python scripts/bench_engine_save.py [--layers 12 --hidden 1024 --vocab 8192] [--budgets 64MiB,16MiB,4MiB]
-                                        [--md bench.md]
+    python -m benchmarks.bench_engine_save [--layers 12 --hidden 1024 --vocab 8192] [--budgets 64MiB,16MiB,4MiB]
+                                           [--md bench.md]
 
 Builds a GPT-2-shaped model (>= 8 layers) under ZeRO-3 (bf16, DP=2, CPU/gloo, every parameter partitioned),
 trains one step, then on every rank either
@@ -36,10 +36,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-HERE = Path(__file__).resolve()
-ROOT = HERE.parent.parent
-sys.path.insert(0, str(HERE.parent))
-import ds_launch  # noqa: E402
+from fixtures.build import ds_launch
+
+MODULE = "benchmarks.bench_engine_save"  # this file, as its torchrun workers run it (`python -m`)
 
 MiB = 1 << 20
 
@@ -192,7 +191,6 @@ def run_case(case: str, args: argparse.Namespace) -> None:
 
 
 def save_pretrained(engine, out: Path, budget: int):
-    sys.path.insert(0, str(ROOT))
     from ckpttools.live.engine_save import save_pretrained_from_engine
 
     return save_pretrained_from_engine(engine, out, max_gather_bytes=budget)
@@ -208,10 +206,10 @@ def launch(case: str, args: argparse.Namespace, tmp: Path) -> dict:
     # a fixed mmap threshold: every large buffer is its own mapping, unmapped when freed, so RSS follows
     # live memory instead of glibc's heap slack (the same for every case)
     env = ds_launch.worker_env(MALLOC_MMAP_THRESHOLD_=str(128 << 10))
-    cmd = ds_launch.torchrun_cmd(2, HERE, ["--worker", case, "--json", out, "--tmp", tmp, "--layers", args.layers,
-                                           "--hidden", args.hidden, "--vocab", args.vocab])  # fmt: skip
+    cmd = ds_launch.torchrun_cmd(2, MODULE, ["--worker", case, "--json", out, "--tmp", tmp, "--layers", args.layers,
+                                             "--hidden", args.hidden, "--vocab", args.vocab])  # fmt: skip
     ds_launch.prebuild_ops(env)
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ds_launch.ROOT)
     if r.returncode != 0:
         raise SystemExit(f"case {case} failed (rc={r.returncode}):\n{(r.stdout + r.stderr)[-4000:]}")
     return json.loads(out.read_text())

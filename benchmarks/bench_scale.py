@@ -1,6 +1,6 @@
 """Plan time and memory of `ckpt inspect`, consolidate, reshard and --universal at 70B / 405B shapes, DP 512-1024.
 
-The checkpoints are `synth_checkpoint.py`'s: real DeepSpeed metadata, tensor records that are holes. Nothing
+The checkpoints are `fixtures/build/synth_checkpoint.py`'s: real DeepSpeed metadata, tensor records that are holes. Nothing
 is written but the checkpoints: each phase is measured in a fresh process (peak RSS is a process's own), that
 reads the checkpoint (`open_checkpoint`) and then builds one plan:
 
@@ -8,11 +8,11 @@ reads the checkpoint (`open_checkpoint`) and then builds one plan:
 - read:        `open_checkpoint` alone; counts the segments of the model
 - check:       `check_module_copies` (ZeRO-1/2: reads both ends of every rank's piece of every param)
 - consolidate: `plan_tensors` + `plan_shards` (5GB safetensors shards), and each shard's safetensors header
-- reshard:     `reshard._rank_files(ckpt, dp/2, stage)` and torchwriter's `_plan_file` for every file
+- reshard:     `layouts.zero.write.rank_files(ckpt, dp/2, stage)` and torchwriter's `_plan_file` for every file
                (data.pkl and the read/fill ops: everything `write_torch_files` holds before writing)
 - universal:   `universal_files(ckpt)` and `_plan_file` for every file
 
-    python scripts/bench_scale.py --root /tmp/ckpt-scale --cases llama-70b:3:512 llama-70b:3:1024 \
+    python -m benchmarks.bench_scale --root /tmp/ckpt-scale --cases llama-70b:3:512 llama-70b:3:1024 \
         --json benchmarks/results/scale-plans.json
 """
 
@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[1]  # the repository: benchmarks/bench_scale.py
+MODULE = "benchmarks.bench_scale"  # this file, as its phase children run it (`python -m`)
 
 PHASES = ("read", "check", "consolidate", "reshard", "universal")
 
@@ -115,10 +114,10 @@ def run_phase(root: Path, phase: str) -> dict[str, Any]:
             out[f"{name}_shards"] = len(shards)
             out[f"{name}_bytes"] = sum(t.nbytes for t in tensors)
     elif phase == "reshard":
-        from ckpttools.ops.reshard import _rank_files
+        from ckpttools.layouts.zero.write import rank_files
 
         target = max(1, ckpt.dp_world_size // 2)
-        files = _rank_files(ckpt, target, ckpt.zero_stage)
+        files = rank_files(ckpt, target, ckpt.zero_stage)
         out["plan_s"] = time.perf_counter() - t0
         out["target_dp"], out["files"], out["pieces"] = target, len(files), _pieces(files)
         out["pickle_bytes"], out["ops"], out["tensor_bytes"] = _writer_plans(files)
@@ -144,7 +143,7 @@ def _start(phase: str, root: Path) -> subprocess.Popen[str]:
     if phase == "inspect":
         cmd = ["/usr/bin/time", "-f", "%e %M", *_ckpt_cli(), "inspect", str(root), "--json"]
     else:
-        cmd = [sys.executable, __file__, "--child", str(root), phase]
+        cmd = [sys.executable, "-m", MODULE, "--child", str(root), phase]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -163,9 +162,9 @@ def _finish(phase: str, proc: subprocess.Popen[str], t0: float) -> dict[str, Any
 
 
 def _synthesize(root: Path, model: str, stage: str, dp: str) -> dict[str, Any]:
-    cmd = [sys.executable, str(ROOT / "scripts/synth_checkpoint.py"), "--model", model, "--stage", stage, "--dp", dp,
+    cmd = [sys.executable, "-m", "fixtures.build.synth_checkpoint", "--model", model, "--stage", stage, "--dp", dp,
            "--out", str(root)]  # fmt: skip
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT)
     out: dict[str, Any] = json.loads(proc.stdout)
     return out
 

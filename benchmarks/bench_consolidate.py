@@ -1,6 +1,6 @@
 """Benchmark `ckpt consolidate` against DeepSpeed's `zero_to_fp32` on real GPT-2 ZeRO checkpoints.
 
-    ./scripts/setup && .venv/bin/python scripts/bench_consolidate.py \
+    ./scripts/setup && .venv/bin/python -m benchmarks.bench_consolidate \
         [--sizes 124M,355M,774M] [--stages 2,3] [--runs 3] [--out benchmarks/results]
 
 What it does (see benchmarks/README.md for the method and caveats):
@@ -53,10 +53,11 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-sys.path.insert(0, str(HERE))
-import ds_launch  # noqa: E402
+from fixtures.build import ds_launch
+
+REPO = ds_launch.ROOT
+# this file, as its children run it (`python -m` from wherever the run is, the repository on their PYTHONPATH)
+MODULE = "benchmarks.bench_consolidate"
 
 DEFAULT_CACHE = Path(os.environ.get("CKPTTOOLS_BENCH_CACHE", Path.home() / ".cache" / "ckpttools-bench"))
 DP = 4
@@ -434,8 +435,7 @@ def build_checkpoint(size: str, stage: int, cache: Path, log_dir: Path, force_bu
     partial.mkdir(parents=True)
     log = log_dir / f"build_{name}.log"
     print(f"[build] {name}: torchrun x{DP} (log {log}) ...", flush=True)
-    cmd = ds_launch.torchrun_cmd(DP, Path(__file__).resolve(), ["_build", "--size", size, "--stage", stage,
-                                                                 "--out", partial])  # fmt: skip
+    cmd = ds_launch.torchrun_cmd(DP, MODULE, ["_build", "--size", size, "--stage", stage, "--out", partial])
     with open(log, "wb") as fh:
         fh.write(("$ " + " ".join(cmd) + "\n").encode())
         fh.flush()
@@ -769,8 +769,9 @@ def load_output(folder: Path) -> tuple[dict[str, Any], Any]:
 
 def compare_outputs(ckpt_out: Path, ref_out: Path, cast_bf16: bool) -> dict[str, Any]:
     """Runs _compare in a child process: torch stays out of the harness (see _ProbeUnpickler)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "_compare", str(ckpt_out), str(ref_out)]
-    r = subprocess.run(cmd + (["--bf16"] if cast_bf16 else []), capture_output=True, text=True, env=tool_env())
+    cmd = [sys.executable, "-m", MODULE, "_compare", str(ckpt_out), str(ref_out)]
+    env = ds_launch.repository_on_path(tool_env())
+    r = subprocess.run(cmd + (["--bf16"] if cast_bf16 else []), capture_output=True, text=True, env=env)
     if r.returncode != 0:
         return {
             "identical": False,
@@ -1185,7 +1186,8 @@ def write_reports(results: dict[str, Any], out: Path) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
     (out / "results.md").write_text(render_markdown(results))
     # matplotlib in a child process too: the harness stays small (see _ProbeUnpickler)
-    subprocess.run([sys.executable, str(Path(__file__).resolve()), "_plot", str(out)], check=False)
+    subprocess.run([sys.executable, "-m", MODULE, "_plot", str(out)], env=ds_launch.repository_on_path(os.environ),
+                   check=False)  # fmt: skip
 
 
 # ======================================================================================
@@ -1255,7 +1257,7 @@ def main(argv: list[str] | None = None) -> int:
     cache.mkdir(parents=True, exist_ok=True)
     if cache == REPO or REPO in cache.parents:
         print(f"warning: cache {cache} is inside the repository", file=sys.stderr)
-    # run everything from outside the repository: `python -c` / `-m` put the cwd first on sys.path,
+    # run everything from outside the repository: `python -c` / `-m` import from the cwd first,
     # which would shadow the ckpttools snapshot with the working tree's
     os.chdir(cache)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -1281,7 +1283,7 @@ def main(argv: list[str] | None = None) -> int:
         print("measuring warm start-up costs ...", flush=True)
         machine["startup_s_warm"] = startup_costs()
         print(json.dumps(machine["startup_s_warm"]), flush=True)
-    command = "python scripts/bench_consolidate.py " + " ".join(argv)
+    command = f"python -m {MODULE} " + " ".join(argv)
     results: dict[str, Any] = {"command": command.strip(), "machine": machine, "checkpoints": []}
     if not a.fresh and (out / "results.json").is_file():
         old = json.loads((out / "results.json").read_text())

@@ -1,10 +1,11 @@
 """Worker for tests/test_tensor_parallel.py and test_tensor_universal.py: load an AutoTP checkpoint with plain
 DeepSpeed, dump what the engine holds, and train on.  Run it under torchrun (DP x TP processes); not a test.
 
-    torchrun --nproc_per_node 4 tests/autotp_load_worker.py --fixture-meta fixtures/autotp_tp2_dp2_z1_bf16/meta.json \
+    torchrun --nproc_per_node 4 -m tests.support.autotp_load_worker \
+        --fixture-meta fixtures/autotp_tp2_dp2_z1_bf16/meta.json \
         --load CKPT_ROOT [--universal] [--tp T] [--dump OUT.safetensors] [--steps K]
 
-  * the model is the fixture's (scripts/fixture_autotp.py: same Llama config, seed, AutoTP degree 2, ZeRO stage
+  * the model is the fixture's (fixtures/build/fixture_autotp.py: same Llama config, seed, AutoTP degree 2, ZeRO stage
     and DS config), *scrambled* before AutoTP shards it, so whatever `load_checkpoint` does not restore shows;
   * the AutoTP degree is --tp (default 2, the fixtures'; another one only makes sense with --universal), the DP
     size WORLD_SIZE / TP;
@@ -21,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.util
 import json
 import math
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -35,22 +34,9 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from fixtures.build import fixture_autotp as FA  # noqa: E402  (built the fixtures: model, config, training batches)
+
 SCRAMBLE_SEED = 4242
-
-
-def _fixture_module():
-    """scripts/fixture_autotp.py, which built the fixtures (model, config, training batches)."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("ckpt_fixture_autotp", ROOT / "scripts" / "fixture_autotp.py")
-    assert spec
-    assert spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-FA = _fixture_module()
 
 
 def scramble(model: torch.nn.Module) -> None:
@@ -117,7 +103,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     ds_launch.exit_worker(main)

@@ -1,10 +1,11 @@
 """Worker for tests/test_pipeline.py: load a pipeline checkpoint with plain DeepSpeed, dump what the engines of
 every stage hold, and train on.  Run it under torchrun with DP x stages processes; not a test.
 
-    torchrun --nproc_per_node <dp*stages> tests/pipe_load_worker.py --fixture-meta fixtures/pp2_dp1_z1_bf16/meta.json \
+    torchrun --nproc_per_node <dp*stages> -m tests.support.pipe_load_worker \
+        --fixture-meta fixtures/pp2_dp1_z1_bf16/meta.json \
         --load CKPT_ROOT --dump OUT.safetensors [--universal] [--steps K] [--stages S] [--partition-method M]
 
-  * the PipelineModule is built exactly as scripts/fixture_pipe.py built it (same layers, seed, stages, partition
+  * the PipelineModule is built exactly as fixtures/build/fixture_pipe.py built it (same layers, seed, stages, partition
     method, the fixture's ds_config with the batch size for this DP size; --stages / --partition-method change the
     pipeline layout, DP = processes / stages), then every parameter and persistent
     buffer is overwritten, so anything `load_checkpoint` does not restore shows up in the dump;
@@ -19,10 +20,8 @@ every stage hold, and train on.  Run it under torchrun with DP x stages processe
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -31,22 +30,9 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from fixtures.build import fixture_pipe as FP  # noqa: E402  (built the fixtures: layers, seed, stages, batches)
+
 SCRAMBLE_SEED = 4242
-
-
-def _fixture_pipe():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("ckpt_fixture_pipe", ROOT / "scripts" / "fixture_pipe.py")
-    assert spec
-    assert spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["ckpt_fixture_pipe"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-FP = _fixture_pipe()
 
 
 def scramble(module: torch.nn.Module) -> None:
@@ -121,7 +107,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     ds_launch.exit_worker(main)

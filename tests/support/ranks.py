@@ -8,12 +8,9 @@ import sys
 import zipfile
 from pathlib import Path
 
-from .conftest import FIXTURES
-from .mutations import SERIALIZATION_ID
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import ds_launch  # noqa: E402
+from fixtures.build import ds_launch
+from tests.conftest import FIXTURES
+from tests.support.mutations import SERIALIZATION_ID
 
 CKPT = Path(sys.executable).with_name("ckpt")
 Z2 = FIXTURES / "z2_dp2_bf16" / "checkpoint"

@@ -16,21 +16,16 @@ import argparse
 import json
 import math
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-sys.path.insert(0, str(ROOT))
+import torch
 
-import fixture_worker as fw  # noqa: E402  (ToyModel, tokenizer, dataset, quiet loggers)
-import torch  # noqa: E402
-
-from ckpttools.live.engine_save import save_pretrained_from_engine  # noqa: E402
+from ckpttools.live.engine_save import save_pretrained_from_engine
+from fixtures.build import fixture_worker as fw
 
 SEED = 1234
 
@@ -260,6 +255,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    import ds_launch  # scripts/ is on sys.path (above)
+    from fixtures.build import ds_launch
 
     ds_launch.exit_worker(main)

@@ -1,9 +1,9 @@
 """Worker for tests/test_reshard_deepspeed.py: load a native ZeRO checkpoint with plain DeepSpeed at the
 current world size, dump what the engine holds, and keep training.  Run it under torchrun; not a test.
 
-Engine mode (the toy model of scripts/fixture_worker.py, rebuilt from a fixture's meta.json):
+Engine mode (the toy model of fixtures/build/fixture_worker.py, rebuilt from a fixture's meta.json):
 
-    torchrun --nproc_per_node M tests/reshard_worker.py --fixture-meta fixtures/z2_dp2_fp32/meta.json \
+    torchrun --nproc_per_node M -m tests.support.reshard_worker --fixture-meta fixtures/z2_dp2_fp32/meta.json \
         --load CKPT_ROOT [--dump OUT.safetensors] [--steps K --losses OUT.json]
 
   * the model is built exactly as the fixture worker built it (same class, same seed, same two param
@@ -25,7 +25,7 @@ Engine mode (the toy model of scripts/fixture_worker.py, rebuilt from a fixture'
   * --steps K: K more training steps on a fixed-seed global batch sequence that is the same at every world
     size (rank r takes rows [r*micro, (r+1)*micro)); --losses gets the global mean loss per step.
 
-Trainer mode (--trainer): the Trainer setup of scripts/fixture_worker.py's Trainer fixtures (tiny GPT-2,
+Trainer mode (--trainer): the Trainer setup of fixtures/build/fixture_worker.py's Trainer fixtures (tiny GPT-2,
 tokenizer files from the checkpoint folder, ds_config rebuilt from the fixture's meta.json) with
 max_steps=--max-steps and `trainer.train(resume_from_checkpoint=--resume)`; output_dir is the parent of
 --resume; rank 0 writes --result (global_step, log_history).
@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import importlib.util
 import json
 import os
 import sys
@@ -65,23 +64,13 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", private_extensions_dir())
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+# the toy model and helpers the fixtures were written with
+from fixtures.build import fixture_worker as FW  # noqa: E402
+
 GLOBAL_BATCH = 12  # rows per global batch; divisible by every world size used (1, 2, 3, 4)
 SEQ = 6
 DATA_SEED = 987654
 SCRAMBLE_SEED = 4242
-
-
-def _fixture_worker():
-    """scripts/fixture_worker.py, which defines the toy model and helpers the fixtures were written with."""
-    spec = importlib.util.spec_from_file_location("ckpt_fixture_worker", ROOT / "scripts" / "fixture_worker.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["ckpt_fixture_worker"] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-FW = _fixture_worker()
 
 
 def rank() -> int:
@@ -537,7 +526,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     ds_launch.exit_worker(main)

@@ -2,10 +2,10 @@
 DeepSpeed at the current world size, dump what the engine holds under GLOBAL expert keys, and train on.
 Run it under torchrun; not a test.
 
-    torchrun --nproc_per_node M tests/moe_load_worker.py --fixture-meta fixtures/moe_ep2_dp2_z2_bf16/meta.json \
+    torchrun --nproc_per_node M -m tests.support.moe_load_worker --fixture-meta fixtures/moe_ep2_dp2_z2_bf16/meta.json \
         --load CKPT_ROOT --dump OUT.safetensors [--universal] [--steps K]
 
-  * the model is scripts/fixture_moe.py's `MoEToy` at the fixture's ep_size with the same seed, param groups
+  * the model is fixtures/build/fixture_moe.py's `MoEToy` at the fixture's ep_size with the same seed, param groups
     (`split_params_into_different_moe_groups_for_optimizer`) and ds_config (meta.json `ds_config`), then
     *scrambled* (every parameter overwritten with other values before `deepspeed.initialize`), so anything
     `load_checkpoint` does not restore shows up in the dump;
@@ -21,10 +21,8 @@ Run it under torchrun; not a test.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 import warnings
 from pathlib import Path
 
@@ -33,18 +31,14 @@ warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRAMBLE_SEED = 4242
 
 
 def _fixture_moe():
-    spec = importlib.util.spec_from_file_location("ckpt_fixture_moe", ROOT / "scripts" / "fixture_moe.py")
-    assert spec
-    assert spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["ckpt_fixture_moe"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    """fixtures/build/fixture_moe.py, which built the fixtures (MoEToy, param groups, batches)."""
+    from fixtures.build import fixture_moe
+
+    return fixture_moe
 
 
 def scramble(model: torch.nn.Module) -> None:
@@ -104,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import ds_launch
+    from fixtures.build import ds_launch
 
     ds_launch.exit_worker(main)
