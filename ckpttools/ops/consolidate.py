@@ -9,48 +9,68 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckpttools import extras
 from ckpttools.errors import CkptError, UsageError, short
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
-from ckpttools.io.safetensors_writer import (
-    OutputTensor,
-    ProgressFn,
-    output_dtype,
-    read_tensor,
-    reused_buffers,
-    write_pt,
-    write_safetensors,
-)
-from ckpttools.io.staging import check_output_dir, shared_staged_folder, staged_folder
+from ckpttools.io.safetensors_writer import OutputTensor, ProgressFn, output_dtype, read_tensor
+from ckpttools.io.staging import check_output_dir
 from ckpttools.io.torchfile import Record, RecordReader
 from ckpttools.layouts.crosscheck import check_module_copies
-from ckpttools.layouts.registry import checkpoint_root, open_checkpoint
+from ckpttools.layouts.registry import open_checkpoint
 from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint
 from ckpttools.ops import hf, peft
-from ckpttools.ranks import nodelocal
-from ckpttools.ranks.distributed import check_records
+from ckpttools.ranks import executor
 
 if TYPE_CHECKING:
     from ckpttools.ranks.distributed import ProcessGroup
 
 DTYPES = dtypes.SHORT
-
-
-class _HasSize(Protocol):
-    @property
-    def name(self) -> str: ...
-    @property
-    def nbytes(self) -> int: ...
-
-
-_Sized = TypeVar("_Sized", bound=_HasSize)
-FORMATS = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
+_T = TypeVar("_T")
+FORMATS = hf.FORMATS
 SPACE_MARGIN = 64 << 20
+plan_shards = hf.plan_shards  # where it was before ops/hf.py held the folder writer
+
+
+@dataclass(frozen=True)
+class ConsolidateOptions:
+    """Everything `consolidate` is asked to do, in one place: the CLI, the library call, the ranks and the gathered
+    copy of a node-local checkpoint all pass this (see `consolidate` for what each means)."""
+
+    to: str = "safetensors"
+    dtype: str = "fp32"
+    max_shard_size: int | str = "5GB"
+    tag: str | None = None
+    step: int | None = None
+    best: bool = False
+    overwrite: bool = False
+    check_existing: bool = True
+    check_keys: bool = False
+    config: Path | str | None = None
+    merge: bool = False
+    base: Path | str | None = None
+
+    @property
+    def select(self) -> dict[str, Any]:
+        """Which checkpoint and tag PATH means."""
+        return {"tag": self.tag, "step": self.step, "best": self.best}
+
+    def check(self) -> None:
+        """Refuse options that do not go together, and check the optional libraries they need, before any work."""
+        if self.to not in FORMATS:
+            raise UsageError(f"--to must be one of {', '.join(FORMATS)}, not {self.to!r}")
+        if self.dtype not in DTYPES:
+            raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {self.dtype!r}")
+        if (self.merge or self.base is not None) and self.to != "safetensors":
+            raise UsageError("--merge writes safetensors only (what from_pretrained loads); drop --to pt")
+        if self.base is not None and not self.merge:
+            raise UsageError("--base is the base model of a --merge; pass --merge too")
+        _require_libraries(to=self.to, check_keys=self.check_keys, merge=self.merge)
 
 
 @dataclass
@@ -71,12 +91,6 @@ class ConsolidateResult:
         d = asdict(self)
         d["dtype"] = DTYPES[self.dtype].name if self.dtype in DTYPES else self.dtype  # float32, as torch spells it
         return d if self.world_size is not None else {k: v for k, v in d.items() if k not in ("world_size", "ranks")}
-
-
-def default_output_dir(ckpt: ZeroCheckpoint) -> Path:
-    """`hf-<checkpoint>` beside the checkpoint (a name Trainer's checkpoint rotation never matches)."""
-    root = ckpt.location.root
-    return root.parent / f"hf-{root.name}"
 
 
 def plan_tensors(
@@ -105,21 +119,6 @@ def plan_tensors(
             aliased = TensorSource(alias, src.shape, src.dtype, src.segments, src.kind)
             tensors.append(OutputTensor(alias, aliased, by_name[owner].dtype))
     return tensors, omitted
-
-
-def plan_shards(tensors: Sequence[_Sized], fmt: str, max_shard_size: int | str) -> dict[str, list[_Sized]]:
-    """Output files and their tensors, by huggingface_hub's planner (the shard names save_pretrained uses)."""
-    from huggingface_hub import split_state_dict_into_shards_factory
-
-    stem, ext = FORMATS[fmt]
-    split = split_state_dict_into_shards_factory(
-        {t.name: t for t in tensors},
-        get_storage_size=lambda t: t.nbytes,
-        filename_pattern=stem + "{suffix}" + ext,
-        max_shard_size=max_shard_size,
-    )
-    by_name = {t.name: t for t in tensors}
-    return {fname: [by_name[n] for n in names] for fname, names in split.filename_to_tensors.items()}
 
 
 def _require_libraries(*, to: str, check_keys: bool, merge: bool) -> None:
@@ -164,27 +163,18 @@ def consolidate(
     path: Path | str,
     out_dir: Path | str | None = None,
     *,
-    to: str = "safetensors",
-    dtype: str = "fp32",
-    max_shard_size: int | str = "5GB",
-    tag: str | None = None,
-    step: int | None = None,
-    best: bool = False,
-    overwrite: bool = False,
-    check_existing: bool = True,
-    check_keys: bool = False,
-    config: Path | str | None = None,
-    merge: bool = False,
-    base: Path | str | None = None,
+    options: ConsolidateOptions | None = None,
     on_progress: ProgressFn | None = None,
     on_start: Any = None,
     group: ProcessGroup | None = None,
+    **fields: Any,
 ) -> ConsolidateResult:
     """Consolidate a ZeRO checkpoint into a Hugging Face-loadable folder.
 
     Args:
         path: checkpoint folder (see `read_checkpoint`).
         out_dir: output folder; defaults to `hf-<checkpoint name>` beside the checkpoint.
+        options: a `ConsolidateOptions`; or give its fields as keyword arguments (below), as before.
         to: "safetensors" or "pt".
         dtype: "fp32" (bit-identical to zero_to_fp32) or "bf16"/"fp16" (bit-identical to the engine's
             16-bit weights when that is the training dtype).
@@ -212,69 +202,90 @@ def consolidate(
         >>> consolidate("out/checkpoint-500", "out/model", dtype="bf16").files
         ['model.safetensors', 'config.json', ...]
     """
-    if to not in FORMATS:
-        raise UsageError(f"--to must be one of {', '.join(FORMATS)}, not {to!r}")
-    if dtype not in DTYPES:
-        raise UsageError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
-    if (merge or base is not None) and to != "safetensors":
-        raise UsageError("--merge writes safetensors only (what from_pretrained loads); drop --to pt")
-    if base is not None and not merge:
-        raise UsageError("--base is the base model of a --merge; pass --merge too")
-    _require_libraries(to=to, check_keys=check_keys, merge=merge)
-    if group is not None and group.world_size > 1:
-        holdings = nodelocal.exchange_holdings(group, Path(path))
-        if not nodelocal.is_shared(holdings):
-            options = {"to": to, "dtype": dtype, "max_shard_size": max_shard_size, "tag": tag, "step": step,
-                       "best": best, "overwrite": overwrite, "check_existing": check_existing,
-                       "check_keys": check_keys, "config": config, "merge": merge, "base": base,
-                       "on_progress": on_progress, "on_start": on_start}  # fmt: skip
-            return _gathered(group, Path(path), holdings, out_dir, options)
-        return _RanksJob(group, path, out_dir, to, dtype, max_shard_size, tag, step, best, overwrite,
-                         check_existing, check_keys, config, merge, base, on_progress, on_start).run()  # fmt: skip
-    ckpt = open_checkpoint(path, tag=tag, step=step, best=best)
-    out = check_output_dir(Path(out_dir) if out_dir else default_output_dir(ckpt), ckpt.location.root, overwrite)
-    out_dtype = DTYPES[dtype]
-    if merge or peft.is_peft(ckpt):
-        job = _PeftJob(ckpt, out, out_dtype, overwrite, max_shard_size, on_progress, on_start)
-        return job.merge(base, config) if merge else job.adapters(to)
-    plan = _plan_output(ckpt, out_dtype, to, max_shard_size, config)
-    shards, total = plan.shards, plan.total
-    keycheck = plan.key_check(check_keys)
-    try:
-        with RecordReader() as reader:
-            check_module_copies(ckpt)  # before anything is written
-            with staged_folder(out, overwrite=overwrite, needed_bytes=total, notes=plan.notes) as tmp:
-                if on_start:
-                    on_start(total)
-                files = _write_shards(tmp, shards, to, reader, on_progress)
-                files += plan.finish_folder(tmp, keycheck, reader, check_existing)
-                reader.finish()  # CRC-32 of every record read; raises before anything is published
-    except BaseException:
-        keycheck.cancel()
-        raise
-    return plan.result(out, files, dtype)
+    opts = replace(options, **fields) if options is not None else ConsolidateOptions(**fields)
+    opts.check()
+
+    def run(ckpt_path: Path, on: ProcessGroup | None, user_path: Callable[[Path], Path]) -> ConsolidateResult:
+        return _Consolidation(opts, on, on_progress, on_start).run(ckpt_path, out, user_path)
+
+    def check_output(root: Path) -> Path:  # a node-local copy: refused before any byte moves
+        return check_output_dir(out or default_output_dir(root), root, opts.overwrite)
+
+    out = Path(out_dir) if out_dir else None
+    job = executor.Job(Path(path), out, opts.select, run, ConsolidateResult.to_dict,
+                       lambda d: ConsolidateResult(**d), check_output, optimizer_states=False)  # fmt: skip
+    return executor.run_job(job, group)
 
 
-def _gathered(group: ProcessGroup, path: Path, holdings: list[nodelocal.Holdings], out_dir: Path | str | None,
-              options: dict[str, Any]) -> ConsolidateResult:  # fmt: skip
-    """A node-local checkpoint (each node holds its own ranks' files): rank 0 gathers it and writes the output."""
-    select = {k: options[k] for k in ("tag", "step", "best")}
+def default_output_dir(root: Path) -> Path:
+    """`hf-<checkpoint>` beside the checkpoint root (a name Trainer's checkpoint rotation never matches)."""
+    return root.parent / f"hf-{root.name}"
 
-    def out_for(root: Path) -> Path:
-        return check_output_dir(Path(out_dir) if out_dir else root.parent / f"hf-{root.name}", root,
-                                options["overwrite"])  # fmt: skip
 
-    def on_copy(view: Path, user_path: Callable[[Path], Path]) -> dict[str, Any]:
-        out = out_for(user_path(checkpoint_root(view, **select)[0]))  # names only: consolidate reads the rest
-        result = consolidate(view, out, **options)
-        result.world_size, result.ranks = group.world_size, dict.fromkeys(result.files, 0)
-        return result.to_dict()
+class _Consolidation:
+    """One consolidation, planned as an `executor.OutputPlan` and run by the executor on one process or many."""
 
-    steps = nodelocal.GatherSteps(lambda v: checkpoint_root(v, **select), out_for,
-                                  lambda v: open_checkpoint(v, **select), on_copy)  # fmt: skip
-    done = nodelocal.convert_on_rank0(group, path, holdings, nodelocal.gather_parent(path, out_dir), steps,
-                                      optimizer_states=False)  # fmt: skip
-    return ConsolidateResult(**done)
+    def __init__(self, opts: ConsolidateOptions, group: ProcessGroup | None, on_progress: ProgressFn | None,
+                 on_start: Any) -> None:  # fmt: skip
+        self.opts, self.group, self.on_progress, self.on_start = opts, group, on_progress, on_start
+        self.rank0 = group is None or group.rank == 0
+
+    def run(self, path: Path, out_dir: Path | None, user_path: Callable[[Path], Path]) -> ConsolidateResult:
+        opts = self.opts
+
+        def open_output() -> tuple[ZeroCheckpoint, Path]:
+            ckpt = open_checkpoint(path, **opts.select)
+            root = ckpt.location.root
+            return ckpt, executor.output_folder(out_dir, default_output_dir, root, user_path, opts.overwrite)
+
+        ckpt, out = self._agreed(open_output)
+        if opts.merge or peft.is_peft(ckpt):
+            job = _PeftJob(ckpt, out, DTYPES[opts.dtype], opts.max_shard_size, self.on_progress, self.on_start)
+            plan, result_of = self._agreed(lambda: job.merge(opts.base, opts.config) if opts.merge
+                                           else job.adapters(opts.to))  # fmt: skip
+            return self._share(self._executed(plan, result_of))
+        output = self._agreed(lambda: _plan_output(ckpt, DTYPES[opts.dtype], opts.to, opts.max_shard_size,
+                                                   opts.config))  # fmt: skip
+        keycheck = output.key_check(opts.check_keys and self.rank0)
+        try:
+            plan = self._output_plan(output, out, keycheck)
+            return self._share(self._executed(plan, lambda files: output.result(out, files, opts.dtype)))
+        except BaseException:
+            keycheck.cancel()
+            raise
+
+    def _output_plan(self, output: _Output, out: Path, keycheck: _KeyCheck) -> executor.OutputPlan:
+        files = [executor.OutputFile(fname, _shard_bytes(group)) for fname, group in output.shards.items()]
+
+        def write(tmp: Path, mine: list[executor.OutputFile], reader: RecordReader) -> None:
+            shards = {f.name: output.shards[f.name] for f in mine}
+            if self.on_start:
+                self.on_start(sum(t.nbytes for group in shards.values() for t in group))
+            hf.write_shards(tmp, shards, reader, fmt=output.to, on_progress=self.on_progress)
+
+        def finish(tmp: Path, reader: RecordReader) -> list[str]:
+            return output.finish_folder(tmp, keycheck, reader, self.opts.check_existing)
+
+        return executor.OutputPlan(out, files, write, output.total, output.notes, finish,
+                                   check=lambda: check_module_copies(output.ckpt),
+                                   records=_tensor_records(output.tensors))  # fmt: skip
+
+    def _executed(self, plan: executor.OutputPlan,
+                  result_of: Callable[[list[str]], ConsolidateResult]) -> ConsolidateResult:  # fmt: skip
+        done = executor.execute(plan, self.group, overwrite=self.opts.overwrite)
+        result = result_of(done.files)
+        result.world_size, result.ranks = done.world_size, done.ranks
+        return result
+
+    def _agreed(self, fn: Callable[[], _T]) -> _T:
+        return fn() if self.group is None else self.group.run_agreed(fn)
+
+    def _share(self, result: ConsolidateResult) -> ConsolidateResult:
+        """Rank 0's result, on every rank (notes from its checks included)."""
+        if self.group is None:
+            return result
+        text = self.group.share(json.dumps(result.to_dict()) if self.rank0 else "")
+        return ConsolidateResult(**json.loads(text))
 
 
 @dataclass
@@ -362,18 +373,6 @@ def source_summary(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     }
 
 
-def _write_shards(
-    tmp: Path, shards: dict[str, list[OutputTensor]], to: str, reader: RecordReader, on_progress: ProgressFn | None
-) -> list[str]:
-    with reused_buffers():
-        for fname, group in shards.items():
-            if to == "safetensors":
-                write_safetensors(tmp / fname, group, reader, metadata={"format": "pt"}, on_progress=on_progress)
-            else:
-                write_pt(tmp / fname, group, reader, on_progress=on_progress)
-    return list(shards)
-
-
 def _write_hf_files(
     tmp: Path,
     ckpt: ZeroCheckpoint,
@@ -383,19 +382,10 @@ def _write_hf_files(
     dtype: DType,
     model_config: hf.ModelConfig | None,
 ) -> list[str]:
-    files = []
-    if len(shards) > 1:
-        stem, ext = FORMATS[to]
-        weight_map = {t.name: fname for fname, group in shards.items() for t in group}
-        total = sum(t.nbytes for t in tensors)
-        files.append(hf.write_index(tmp, f"{stem}{ext}.index.json", weight_map, total, _param_count(tensors, ckpt)))
+    files = hf.write_folder_files(tmp, shards, total_parameters=_param_count(tensors, ckpt), model_config=model_config,
+                                  dtype=dtype, fmt=to)  # fmt: skip
     root = ckpt.location.root
-    if model_config is not None:
-        hf.write_config(model_config.config, tmp / "config.json", dtype)
-        files.append("config.json")
-        files += hf.copy_side_files(model_config.folder, model_config.side_files, tmp)
-    files += hf.copy_side_files(root, [n for n in ckpt.location.side_files if n not in files], tmp)
-    return files
+    return files + hf.copy_side_files(root, [n for n in ckpt.location.side_files if n not in files], tmp)
 
 
 def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader, dtype: DType = dtypes.FLOAT32) -> list[str]:
@@ -445,19 +435,22 @@ def _differences(
     return differing, seen
 
 
+_ResultOf = Callable[[list[str]], ConsolidateResult]
+
+
 @dataclass
 class _PeftJob:
-    """A PEFT run's outputs: the adapter folder(s) save_pretrained writes, or the merged model."""
+    """A PEFT run's outputs, planned for the executor: the adapter folder(s) save_pretrained writes, or the merged
+    model. Both are written whole by rank 0 (`finish`): the adapters are small, the merge one pass."""
 
     ckpt: ZeroCheckpoint
     out: Path
     dtype: DType
-    overwrite: bool
     max_shard_size: int | str
     on_progress: ProgressFn | None
     on_start: Any
 
-    def adapters(self, to: str) -> ConsolidateResult:
+    def adapters(self, to: str) -> tuple[executor.OutputPlan, _ResultOf]:
         if to != "safetensors":
             raise UsageError(
                 "a PEFT run's adapter folder is safetensors only (adapter_model.safetensors); drop --to pt"
@@ -470,19 +463,20 @@ class _PeftJob:
         written = ", ".join(a.name for a in run.adapters)
         notes = [f"wrote the adapter folder PEFT's save_pretrained writes for adapter(s) {written}"]
         notes += self._adapter_notes(run)
-        with RecordReader() as reader:
-            check_module_copies(self.ckpt)
-            with staged_folder(self.out, overwrite=self.overwrite, needed_bytes=total, notes=notes) as tmp:
-                if self.on_start:
-                    self.on_start(total)
-                files = []
-                for adapter in run.adapters:
-                    files += peft.write_adapter_folder(tmp, self.ckpt, adapter, self.dtype, reader, self.on_progress)
-                files += self._side_files(tmp, exclude=files)
-                reader.finish()
-        return self._result(files, tensors, total, notes, sum(t.source.numel() for t in tensors))
 
-    def merge(self, base: Path | str | None, config: Path | str | None) -> ConsolidateResult:
+        def finish(tmp: Path, reader: RecordReader) -> list[str]:
+            if self.on_start:
+                self.on_start(total)
+            files = []
+            for adapter in run.adapters:
+                files += peft.write_adapter_folder(tmp, self.ckpt, adapter, self.dtype, reader, self.on_progress)
+            return files + self._side_files(tmp, exclude=files)
+
+        result_of = partial(self._result, tensors=tensors, total=total, notes=notes,
+                            params=sum(t.source.numel() for t in tensors))  # fmt: skip
+        return self._plan(total, notes, finish), result_of
+
+    def merge(self, base: Path | str | None, config: Path | str | None) -> tuple[executor.OutputPlan, _ResultOf]:
         ckpt = self.ckpt
         run = peft.trained_adapters(peft.read_peft_run(ckpt), ckpt)
         if not run.adapters:
@@ -501,27 +495,29 @@ class _PeftJob:
         tensors = peft.plan_merge(ckpt, run, base_tensors, self.dtype, tied)
         shards = plan_shards(tensors, "safetensors", self.max_shard_size)
         total = sum(t.nbytes for t in tensors)
+        count = sum(math.prod(t.shape) for t in tensors)
         merged = ", ".join(a.name for a in run.adapters)
         source = "--base" if base_dir is not None else "the checkpoint's frozen weights"
         notes = [f"merged adapter(s) {merged} into the base weights from {source}"]
-        with RecordReader() as reader:
-            check_module_copies(ckpt)
-            with staged_folder(self.out, overwrite=self.overwrite, needed_bytes=total, notes=notes) as tmp:
-                if self.on_start:
-                    self.on_start(total)
-                for fname, group in shards.items():
-                    peft.write_merged_safetensors(tmp / fname, group, reader, self.on_progress)
-                files = list(shards)
-                if len(shards) > 1:
-                    weight_map = {t.name: f for f, group in shards.items() for t in group}
-                    count = sum(math.prod(t.shape) for t in tensors)
-                    files.append(hf.write_index(tmp, "model.safetensors.index.json", weight_map, total, count))
-                hf.write_config(model_config.config, tmp / "config.json", self.dtype)
-                files.append("config.json")
-                files += hf.copy_side_files(model_config.folder, model_config.side_files, tmp)
-                files += self._side_files(tmp, exclude=files)
-                reader.finish()
-        return self._result(files, tensors, total, notes, sum(math.prod(t.shape) for t in tensors))
+
+        def finish(tmp: Path, reader: RecordReader) -> list[str]:
+            if self.on_start:
+                self.on_start(total)
+            for fname, group in shards.items():
+                peft.write_merged_safetensors(tmp / fname, group, reader, self.on_progress)
+            files = list(shards)
+            files += hf.write_folder_files(tmp, shards, total_parameters=count, model_config=model_config,
+                                           dtype=self.dtype)  # fmt: skip
+            return files + self._side_files(tmp, exclude=files)
+
+        return self._plan(total, notes, finish), partial(
+            self._result, tensors=tensors, total=total, notes=notes, params=count
+        )
+
+    def _plan(self, total: int, notes: list[str], finish: Callable[[Path, RecordReader], list[str]]
+              ) -> executor.OutputPlan:  # fmt: skip
+        return executor.OutputPlan(self.out, [], _nothing, total, notes, finish,
+                                   check=lambda: check_module_copies(self.ckpt))  # fmt: skip
 
     def _side_files(self, tmp: Path, exclude: list[str]) -> list[str]:
         """The tokenizer and generation config the Trainer left (never adapter_config.json at the top of a merged
@@ -551,97 +547,12 @@ class _PeftJob:
         )  # fmt: skip
 
 
+def _nothing(tmp: Path, files: list[executor.OutputFile], reader: RecordReader) -> None:
+    """A plan whose every file rank 0 writes in `finish` has no shared files to write."""
+
+
 def _short(dtype: DType) -> str:
     return next(k for k, v in DTYPES.items() if v is dtype)
-
-
-@dataclass
-class _RanksJob:
-    """One consolidation shared by the ranks of a launcher: each writes the shards planned for it (balanced by
-    bytes read and written), rank 0 also the index, config and companion files, all into one staged folder."""
-
-    group: ProcessGroup
-    path: Path | str
-    out_dir: Path | str | None
-    to: str
-    dtype: str
-    max_shard_size: int | str
-    tag: str | None
-    step: int | None
-    best: bool
-    overwrite: bool
-    check_existing: bool
-    check_keys: bool
-    config: Path | str | None
-    merge: bool
-    base: Path | str | None
-    on_progress: ProgressFn | None
-    on_start: Any
-
-    def run(self) -> ConsolidateResult:
-        ckpt, out = self.group.run_agreed(self._open)
-        if self.merge or peft.is_peft(ckpt):
-            return self._share(self.group.run_agreed(self._peft_on_rank0))
-        plan = self.group.run_agreed(lambda: self._plan(ckpt))
-        owners = dict(zip(plan.shards, _plan_ranks(plan.shards, self.group.world_size), strict=True))
-        mine = {f: group for f, group in plan.shards.items() if owners[f] == self.group.rank}
-        keycheck = plan.key_check(self.check_keys and self.group.rank == 0)
-        try:
-            staging = shared_staged_folder(out, overwrite=self.overwrite, needed_bytes=plan.total, group=self.group,
-                                           notes=plan.notes)  # fmt: skip
-            with RecordReader(pieces=True) as reader, staging as tmp:
-
-                def write() -> list[str]:
-                    if self.on_start:
-                        self.on_start(sum(t.nbytes for group in mine.values() for t in group))
-                    _write_shards(tmp, mine, self.to, reader, self.on_progress)
-                    rank0 = self.group.rank == 0
-                    return plan.finish_folder(tmp, keycheck, reader, self.check_existing) if rank0 else []
-
-                extra = self.group.run_agreed(write)
-                # CRC-32 of every record read, each checked by one rank from the pieces all of them read
-                check_records(self.group, reader, _tensor_records(plan.tensors))
-        except BaseException:
-            keycheck.cancel()
-            raise
-        result = plan.result(out, list(plan.shards) + extra, self.dtype)
-        result.world_size, result.ranks = self.group.world_size, {**owners, **dict.fromkeys(extra, 0)}
-        return self._share(result)
-
-    def _open(self) -> tuple[ZeroCheckpoint, Path]:
-        ckpt = open_checkpoint(self.path, tag=self.tag, step=self.step, best=self.best)
-        out_dir = Path(self.out_dir) if self.out_dir else default_output_dir(ckpt)
-        return ckpt, check_output_dir(out_dir, ckpt.location.root, self.overwrite)
-
-    def _plan(self, ckpt: ZeroCheckpoint) -> _Output:
-        plan = _plan_output(ckpt, DTYPES[self.dtype], self.to, self.max_shard_size, self.config)
-        if self.group.rank == 0:
-            check_module_copies(ckpt)  # before anything is written; one whole-model pass
-        return plan
-
-    def _peft_on_rank0(self) -> ConsolidateResult | None:
-        """A PEFT run's outputs are small (adapters) or written as one merge: rank 0 writes them alone."""
-        if self.group.rank != 0:
-            return None
-        result = consolidate(self.path, self.out_dir, to=self.to, dtype=self.dtype, max_shard_size=self.max_shard_size,
-                             tag=self.tag, step=self.step, best=self.best, overwrite=self.overwrite,
-                             check_existing=self.check_existing, check_keys=self.check_keys, config=self.config,
-                             merge=self.merge, base=self.base, on_progress=self.on_progress,
-                             on_start=self.on_start)  # fmt: skip
-        result.world_size, result.ranks = self.group.world_size, dict.fromkeys(result.files, 0)
-        return result
-
-    def _share(self, result: ConsolidateResult | None) -> ConsolidateResult:
-        """Rank 0's result, on every rank (notes from its checks included)."""
-        text = self.group.share(json.dumps(result.to_dict()) if result is not None else "")
-        return ConsolidateResult(**json.loads(text))
-
-
-def _plan_ranks(shards: dict[str, list[OutputTensor]], world_size: int) -> list[int]:
-    """The rank writing each shard, balanced by the bytes it reads and writes (16-bit output reads fp32)."""
-    from ckpttools.ranks.distributed import plan_by_bytes
-
-    return plan_by_bytes([_shard_bytes(group) for group in shards.values()], world_size)
 
 
 def _tensor_records(tensors: Sequence[OutputTensor]) -> list[Record]:

@@ -8,13 +8,21 @@ import math
 import re
 import shutil
 import sys
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from ckpttools.errors import CkptError
 from ckpttools.io.dtypes import DType
+from ckpttools.io.safetensors_writer import (
+    OutputTensor,
+    ProgressFn,
+    reused_buffers,
+    write_pt,
+    write_safetensors,
+)
+from ckpttools.io.torchfile import RecordReader
 
 
 class ConfigError(CkptError):
@@ -285,6 +293,81 @@ def write_index(folder: Path, name: str, weight_map: dict[str, str], total_size:
     }
     (folder / name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     return name
+
+
+# --- The Hugging Face folder: shards, index, config, companion files ---------------------------------------
+
+FORMATS = {"safetensors": ("model", ".safetensors"), "pt": ("pytorch_model", ".bin")}
+
+
+class _HasSize(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+
+
+_Sized = TypeVar("_Sized", bound=_HasSize)
+
+
+def plan_shards(tensors: Sequence[_Sized], fmt: str, max_shard_size: int | str) -> dict[str, list[_Sized]]:
+    """Output files and their tensors, by huggingface_hub's planner (the shard names save_pretrained uses)."""
+    from huggingface_hub import split_state_dict_into_shards_factory
+
+    stem, ext = FORMATS[fmt]
+    split = split_state_dict_into_shards_factory(
+        {t.name: t for t in tensors},
+        get_storage_size=lambda t: t.nbytes,
+        filename_pattern=stem + "{suffix}" + ext,
+        max_shard_size=max_shard_size,
+    )
+    by_name = {t.name: t for t in tensors}
+    return {fname: [by_name[n] for n in names] for fname, names in split.filename_to_tensors.items()}
+
+
+def write_shards(
+    tmp: Path,
+    shards: Mapping[str, Sequence[OutputTensor]],
+    reader: RecordReader,
+    *,
+    fmt: str = "safetensors",
+    on_progress: ProgressFn | None = None,
+    write_one: Callable[[Path, Sequence[Any], RecordReader, ProgressFn | None], object] | None = None,
+) -> list[str]:
+    """Write the shards (`write_one` for tensors computed on the way, such as merged ones); their names."""
+    with reused_buffers():  # each shard reuses the last one's chunk buffers
+        for fname, group in shards.items():
+            if write_one is not None:
+                write_one(tmp / fname, group, reader, on_progress)
+            elif fmt == "safetensors":
+                write_safetensors(tmp / fname, group, reader, metadata={"format": "pt"}, on_progress=on_progress)
+            else:
+                write_pt(tmp / fname, group, reader, on_progress=on_progress)
+    return list(shards)
+
+
+def write_folder_files(
+    tmp: Path,
+    shards: Mapping[str, Sequence[_Sized]],
+    *,
+    total_parameters: int,
+    model_config: ModelConfig | None,
+    dtype: DType,
+    fmt: str = "safetensors",
+) -> list[str]:
+    """What save_pretrained writes beside the shards: the index (when there are several), config.json with the
+    dtype written, and the companion files beside the config (tokenizer, generation config); their names."""
+    files = []
+    if len(shards) > 1:
+        stem, ext = FORMATS[fmt]
+        weight_map = {t.name: fname for fname, group in shards.items() for t in group}
+        total = sum(t.nbytes for group in shards.values() for t in group)
+        files.append(write_index(tmp, f"{stem}{ext}.index.json", weight_map, total, total_parameters))
+    if model_config is not None:
+        write_config(model_config.config, tmp / "config.json", dtype)
+        files.append("config.json")
+        files += copy_side_files(model_config.folder, model_config.side_files, tmp)
+    return files
 
 
 def copy_side_files(root: Path, names: Iterable[str], out: Path) -> list[str]:
