@@ -30,9 +30,9 @@ def _tag_dir(name):
     return next((FIXTURES / name / "checkpoint").glob("global_step*"))
 
 
-def _deepspeed_osds(name, dp):
-    """optimizer_state_dict of every rank, as torch.load reads DeepSpeed's own files."""
-    files = [next(_tag_dir(name).glob(f"*zero_pp_rank_{r}_mp_rank_00_optim_states.pt")) for r in range(dp)]
+def _deepspeed_osds(name, dp, mp=0):
+    """optimizer_state_dict of every DP rank (of model-parallel rank `mp`), as torch.load reads DeepSpeed's files."""
+    files = [next(_tag_dir(name).glob(f"*zero_pp_rank_{r}_mp_rank_{mp:02d}_optim_states.pt")) for r in range(dp)]
     return [torch.load(f, weights_only=False)["optimizer_state_dict"] for f in files]
 
 
@@ -59,32 +59,46 @@ def _same(a, b):
     )
 
 
+def _assert_cut_as_deepspeed(ckpt, osds, reader):
+    """Every param group cut at the saved DP equals each DP rank's optimizer_state_dict."""
+    dp = len(osds)
+    for g in range(group_count(ckpt)):
+        group = group_params(ckpt, g)
+        scalars = ckpt.optimizer.group_scalars[g] if g < len(ckpt.optimizer.group_scalars) else {}
+        parts = cut_group(group, scalars, dp)
+        for r, (part, osd) in enumerate(zip(parts, osds, strict=True)):
+            theirs = osd["single_partition_of_fp32_groups"][g]
+            assert _same(_tensor(part.master, reader), theirs.detach()), (g, r)
+            assert part.master.requires_grad == theirs.requires_grad
+            assert part.padding == osd["group_paddings"][g]
+            their_map = {k: (v.numel, v.start) for k, v in osd["param_slice_mappings"][g].items()}
+            assert {k: (v.numel, v.start) for k, v in part.mapping.items()} == their_map
+            their_state = osd["base_optimizer_state"]["state"].get(g, {})
+            assert sorted(part.state) == sorted(their_state)
+            for key, value in part.state.items():
+                if isinstance(value, NewTensor):
+                    assert _same(_tensor(value, reader), their_state[key]), (g, r, key)
+                elif isinstance(value, LazyTensor):  # the step, stored as a tensor by some optimizers
+                    assert _same(value.load(reader), their_state[key])
+                else:
+                    assert value == their_state[key]
+
+
 @pytest.mark.parametrize("name", ZERO12)
 def test_cut_at_the_saved_dp_gives_deepspeeds_partitions(name):
     ckpt = read_checkpoint(FIXTURES / name / "checkpoint")
-    dp = ckpt.dp_world_size
-    osds = _deepspeed_osds(name, dp)
     with RecordReader() as reader:
-        for g in range(group_count(ckpt)):
-            group = group_params(ckpt, g)
-            scalars = ckpt.optimizer.group_scalars[g] if g < len(ckpt.optimizer.group_scalars) else {}
-            parts = cut_group(group, scalars, dp)
-            for r, (part, osd) in enumerate(zip(parts, osds, strict=True)):
-                theirs = osd["single_partition_of_fp32_groups"][g]
-                assert _same(_tensor(part.master, reader), theirs.detach()), (name, g, r)
-                assert part.master.requires_grad == theirs.requires_grad
-                assert part.padding == osd["group_paddings"][g]
-                their_map = {k: (v.numel, v.start) for k, v in osd["param_slice_mappings"][g].items()}
-                assert {k: (v.numel, v.start) for k, v in part.mapping.items()} == their_map
-                their_state = osd["base_optimizer_state"]["state"].get(g, {})
-                assert sorted(part.state) == sorted(their_state)
-                for key, value in part.state.items():
-                    if isinstance(value, NewTensor):
-                        assert _same(_tensor(value, reader), their_state[key]), (name, g, r, key)
-                    elif isinstance(value, LazyTensor):  # the step, stored as a tensor by some optimizers
-                        assert _same(value.load(reader), their_state[key])
-                    else:
-                        assert value == their_state[key]
+        _assert_cut_as_deepspeed(ckpt, _deepspeed_osds(name, ckpt.dp_world_size), reader)
+
+
+@pytest.mark.parametrize("name", ["autotp_tp2_dp2_z1_bf16", "autotp_tp2_dp2_z2_bf16", "pp2_dp2_z1_bf16"])
+def test_each_model_parallel_slice_cuts_into_its_own_ranks_partitions(name):
+    """A TP rank's or pipeline stage's slice is a DP ZeRO checkpoint: cut, it gives that rank's optimizer files."""
+    ckpt = read_checkpoint(FIXTURES / name / "checkpoint")
+    assert len(ckpt.slices) == 2
+    with RecordReader() as reader:
+        for mp, part in enumerate(ckpt.slices):
+            _assert_cut_as_deepspeed(part, _deepspeed_osds(name, ckpt.dp_world_size, mp), reader)
 
 
 def test_bf16_optimizer_pads_every_partition_and_records_the_padding_on_the_last_rank():
