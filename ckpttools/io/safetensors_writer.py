@@ -19,10 +19,10 @@ from typing import Any, Protocol
 
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
+from ckpttools.io.segments import ElementSource, Segment
 from ckpttools.io.staging import WriteBehind
 from ckpttools.io.threads import Workers, resolve_workers
 from ckpttools.io.torchfile import ReadAhead, Record, RecordReader
-from ckpttools.model.checkpoint import Segment, TensorSource
 
 CHUNK_BYTES = 16 << 20
 BUFFERS_IN_FLIGHT = 3
@@ -35,7 +35,7 @@ class OutputTensor:
     """A tensor to write: its name in the file, output dtype and where its values come from."""
 
     name: str
-    source: TensorSource
+    source: ElementSource
     dtype: DType
 
     @property
@@ -60,7 +60,7 @@ class HeaderTensor(Protocol):
     def nbytes(self) -> int: ...
 
 
-def output_dtype(source: TensorSource, dtype: DType) -> DType:
+def output_dtype(source: ElementSource, dtype: DType) -> DType:
     """The dtype a tensor is written in (see `written_dtype`)."""
     return written_dtype(source.dtype, source.kind, dtype)
 
@@ -245,7 +245,7 @@ def write_safetensors(
     return written
 
 
-def read_tensor(source: TensorSource, reader: RecordReader, dtype: DType | None = None) -> Any:
+def read_tensor(source: ElementSource, reader: RecordReader, dtype: DType | None = None) -> Any:
     """Materialise one source tensor as a torch tensor (for checks, `--to pt` and small tensors)."""
     import torch
 

@@ -52,12 +52,26 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import IO, TYPE_CHECKING, Any, ClassVar
+from typing import IO, Any, ClassVar, Protocol, TypeVar
 
 from ckpttools.errors import OutputError
 
-if TYPE_CHECKING:
-    from ckpttools.ranks.distributed import ProcessGroup
+_T = TypeVar("_T")
+
+
+class ProcessGroup(Protocol):
+    """What a shared output folder needs of the ranks writing it (`ckpttools.ranks.distributed.ProcessGroup`)."""
+
+    rank: int
+    world_size: int
+
+    def share(self, text: str) -> str: ...  # rank 0's text, on every rank
+
+    def agree(self, error: BaseException | None) -> None: ...  # raises on every rank when one failed
+
+    def run_agreed(self, fn: Callable[[], _T]) -> _T: ...  # fn on every rank; any failure fails all
+
+    def barrier(self) -> None: ...
 
 SPACE_MARGIN = 64_000_000  # left free beyond the output: logs, the page cache's write-back, other processes
 MANIFEST = ".ckpt-manifest.json"

@@ -16,20 +16,11 @@ from typing import Any
 
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
-from ckpttools.io.torchfile import LazyTensor
+from ckpttools.io.segments import Segment
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
 STRIPPED_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")  # DDP/engine, torch.compile, Lightning < 2.1
-
-
-@dataclass(frozen=True)
-class Segment:
-    """`count` elements from element `start` of a stored tensor (read flat)."""
-
-    tensor: LazyTensor
-    start: int
-    count: int
 
 
 @dataclass(frozen=True)
