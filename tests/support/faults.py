@@ -352,8 +352,25 @@ def run_ckpt(
         run.returncode = proc.returncode
     run.seen = seen
     run.stdout = out_log.read_text(errors="replace")
-    run.stderr = err_log.read_text(errors="replace")
+    run.stderr = without_interpreter_startup(err_log.read_text(errors="replace"))
     return run
+
+
+# CPython's own start-up (pymain_run_python) catches a KeyboardInterrupt raised while it looks argv[0] up as an
+# import path entry, prints this and the traceback, and goes on running the script: the SIGINT was spent before
+# any code of ckpttools ran, and the run that follows is an ordinary uninterrupted one.
+_STARTUP_INTERRUPT = re.compile(
+    r"\AFailed checking if argv\[0\] is an import path entry\nTraceback \(most recent call last\):\n"
+    r"(?:  .*\n)*KeyboardInterrupt\n"
+)
+
+
+def without_interpreter_startup(stderr: str) -> str:
+    """stderr without the report of a SIGINT that the interpreter's start-up caught and moved past."""
+    match = _STARTUP_INTERRUPT.match(stderr)
+    if match is None or "/ckpttools/" in match.group(0):
+        return stderr
+    return stderr[match.end() :]
 
 
 def _apply(proc: subprocess.Popen[bytes], fault: Fault, start: float, run: Run) -> None:
@@ -1353,11 +1370,16 @@ def torchrun_trial(campaign: Campaign, category: str, seed: int) -> Trial:
     return campaign.record(trial)
 
 
+# torchrun's agent polls its ranks every few seconds and then waits for the others' clean exit; on a loaded 2-core
+# machine that took 5.9 s (seen). A rank that hung would run into the trial's timeout instead.
+SLOW_STOP_SECONDS = 20
+
+
 def judge_torchrun(trial: Trial, run: TorchrunRun, state: str) -> None:
     if run.timed_out:
         trial.bad("hang", f"torchrun still running after {run.seconds:.0f} s ({run.stuck})")
         return
-    if run.stop_seconds is not None and run.stop_seconds > 5:
+    if run.stop_seconds is not None and run.stop_seconds > SLOW_STOP_SECONDS:
         trial.bad("slow-stop", f"torchrun ended {run.stop_seconds:.1f} s after rank {run.killed} was killed")
     said = {rank: Run([], run.returncode, "", text, 0.0) for rank, text in run.rank_stderr.items()}
     for rank, shown in said.items():
