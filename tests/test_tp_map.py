@@ -240,3 +240,22 @@ def test_shards_that_do_not_concatenate_are_refused():
     local = {**local, "model.layers.0.mlp.up_proj.weight": [(12, 16), (12, 15)]}
     with pytest.raises(CorruptCheckpointError, match="do not concatenate"):
         _plans_of(_without_affine_map(f0), local)
+
+
+@pytest.mark.parametrize("size", [0, -3, True, 40.5])
+def test_an_original_vocab_size_that_is_no_row_count_is_refused(size):
+    f0, local = _one()
+    with pytest.raises(CorruptCheckpointError, match="not a positive row count"):
+        _plans_of(_with_info(f0, original_vocab_size=size), local)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="tp_map._cut_vocabulary compares original_vocab_size with the row count before checking that it is an "
+    "int: a damaged file holding a string or list there raises TypeError instead of CorruptCheckpointError",
+)
+@pytest.mark.parametrize("size", ["40", [40]])
+def test_an_original_vocab_size_of_another_type_is_refused_as_damage(size):
+    f0, local = _one()
+    with pytest.raises(CorruptCheckpointError, match="not a positive row count"):
+        _plans_of(_with_info(f0, original_vocab_size=size), local)
