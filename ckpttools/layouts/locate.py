@@ -194,25 +194,59 @@ def _pick_trainer_checkpoint(folder: Path, step: int | None, best: bool) -> Path
     return ckpts[max(ckpts)]
 
 
-def _resolve_root(path: Path, step: int | None, best: bool) -> tuple[Path, Path | None, str | None]:
+_Found = tuple[Path, Path | None, str | None]  # (root, Trainer output_dir or None, tag implied by the path)
+
+
+def _save_dir(path: Path, step: int | None, best: bool) -> _Found | None:
+    """DeepSpeed's save_dir (accelerate's and Lightning's too): `latest` and the tag folders."""
+    return (path, None, None) if (path / "latest").is_file() or _tag_dirs(path) else None
+
+
+def _tag_folder(path: Path, step: int | None, best: bool) -> _Found | None:
+    """A tag folder itself (global_step500/)."""
+    if any(path.glob("*_optim_states.pt")) or any(path.glob("*_model_states.pt")):
+        return path.parent, None, path.name
+    return None
+
+
+def _trainer_output_dir(path: Path, step: int | None, best: bool) -> _Found | None:
+    """A Hugging Face Trainer output_dir: its checkpoint-N/ folders, the newest, --step or --best."""
+    return (_pick_trainer_checkpoint(path, step, best), path, None) if _trainer_checkpoints(path) else None
+
+
+def _lightning_folder(path: Path, step: int | None, best: bool) -> _Found | None:
+    """Lightning's ModelCheckpoint folder: one `<name>.ckpt/` save_dir."""
+    lightning = _lightning_checkpoints(path)
+    if len(lightning) > 1:
+        raise CkptError(
+            f"{path} holds {len(lightning)} Lightning checkpoints ({', '.join(p.name for p in lightning[:4])}"
+            f"{', ...' if len(lightning) > 4 else ''}); pass the one to read"
+        )
+    return (lightning[0], None, None) if lightning else None
+
+
+# What a user may point at, asked in order: the first that recognises the folder finds the checkpoint root.
+LOCATORS = (_save_dir, _tag_folder, _trainer_output_dir, _lightning_folder)
+
+
+def _resolve_root(path: Path, step: int | None, best: bool) -> _Found:
     """Return (root, trainer output_dir or None, tag implied by PATH or None)."""
     if not path.exists():
         raise CheckpointNotFoundError(f"{path} does not exist")
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path} is a file; pass the checkpoint folder (the one holding `latest`)")
-    if (path / "latest").is_file() or _tag_dirs(path):
-        return path, None, None
-    if any(path.glob("*_optim_states.pt")) or any(path.glob("*_model_states.pt")):
-        return path.parent, None, path.name  # PATH is the tag folder itself
-    if _trainer_checkpoints(path):
-        return _pick_trainer_checkpoint(path, step, best), path, None
-    if lightning := _lightning_checkpoints(path):
-        if len(lightning) > 1:
-            raise CkptError(
-                f"{path} holds {len(lightning)} Lightning checkpoints ({', '.join(p.name for p in lightning[:4])}"
-                f"{', ...' if len(lightning) > 4 else ''}); pass the one to read"
-            )
-        return lightning[0], None, None
+    for locator in LOCATORS:
+        found = locator(path, step, best)
+        if found is not None:
+            return found
+    _refuse_other_folder(path)
+    raise CheckpointNotFoundError(
+        f"{path} is not a DeepSpeed checkpoint: no `latest` file, no global_step*/ folder, no checkpoint-N/ folders"
+    )
+
+
+def _refuse_other_folder(path: Path) -> None:
+    """Folders that are no sharded checkpoint, each told what it is."""
     if (path / "latest_universal").is_file() or (path / "zero").is_dir():
         raise UnsupportedCheckpointError(
             f"{path} is a DeepSpeed universal checkpoint; open it with ckpttools.open_checkpoint or read_universal"
@@ -223,9 +257,6 @@ def _resolve_root(path: Path, step: int | None, best: bool) -> tuple[Path, Path 
             f"{path} already holds plain weights ({', '.join(present)}) and no DeepSpeed shards "
             "(saved with save_only_model?); it loads with from_pretrained as it is, nothing to consolidate"
         )
-    raise CheckpointNotFoundError(
-        f"{path} is not a DeepSpeed checkpoint: no `latest` file, no global_step*/ folder, no checkpoint-N/ folders"
-    )
 
 
 def _resolve_tag(root: Path, tag: str | None, advice: str = "pass --tag") -> str:
