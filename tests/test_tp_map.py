@@ -249,11 +249,6 @@ def test_an_original_vocab_size_that_is_no_row_count_is_refused(size):
         _plans_of(_with_info(f0, original_vocab_size=size), local)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tp_map._cut_vocabulary compares original_vocab_size with the row count before checking that it is an "
-    "int: a damaged file holding a string or list there raises TypeError instead of CorruptCheckpointError",
-)
 @pytest.mark.parametrize("size", ["40", [40]])
 def test_an_original_vocab_size_of_another_type_is_refused_as_damage(size):
     f0, local = _one()

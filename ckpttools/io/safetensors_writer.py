@@ -229,6 +229,8 @@ def write_safetensors(
 
     Casts run on `workers` threads (default: this process's share of the cores).
     """
+    # a chunk holds at least one whole element of the widest dtype read or written (8 bytes: int64, float64)
+    chunk_bytes = max(chunk_bytes, *(max(t.source.dtype.itemsize, t.dtype.itemsize) for t in tensors), 8)
     header = safetensors_header(tensors, metadata or {"format": "pt"})
     written = 0
     with open(path, "wb") as fh, Workers(resolve_workers(workers)) as pool:

@@ -323,10 +323,12 @@ def _cut_vocabulary(
     f0: RankFile, name: str, logical: tuple[int, ...], runs: list[Run], keep_rows: Any
 ) -> tuple[tuple[int, ...], list[Run]]:
     """Vocabulary parameters lose the rows past original_vocab_size (AutoTP's padding), as ds_to_universal does."""
-    if keep_rows is None or not logical or keep_rows >= logical[0]:
+    if keep_rows is None or not logical:
         return logical, runs
     if not isinstance(keep_rows, int) or isinstance(keep_rows, bool) or keep_rows <= 0:
         raise f0.fail(f"original_vocab_size {short(keep_rows, 20)} is not a positive row count")
+    if keep_rows >= logical[0]:
+        return logical, runs
     end = keep_rows * _count(logical[1:])
     cut = [Run(r.full, r.rank, r.shard, min(r.count, end - r.full)) for r in runs if r.full < end]
     return (keep_rows, *logical[1:]), cut

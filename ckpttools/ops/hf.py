@@ -287,11 +287,13 @@ def write_config(src: Path | dict[str, Any], dst: Path, dtype: DType) -> None:
 
 def write_index(folder: Path, name: str, weight_map: dict[str, str], total_size: int, total_parameters: int) -> str:
     """The shard index save_pretrained writes (transformers 5 needs its `metadata`); returns its file name."""
-    index = {
-        "metadata": {"total_size": total_size, "total_parameters": total_parameters},
-        "weight_map": weight_map,
-    }
-    (folder / name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return write_index_json(folder, name, {"total_size": total_size, "total_parameters": total_parameters}, weight_map)
+
+
+def write_index_json(folder: Path, name: str, metadata: dict[str, Any], weight_map: dict[str, str]) -> str:
+    """A shard index as huggingface_hub's savers write it (sorted keys, two-space indent); returns its file name."""
+    index = {"metadata": metadata, "weight_map": weight_map}
+    (folder / name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     return name
 
 
@@ -386,9 +388,12 @@ def existing_weight_files(root: Path) -> list[Path]:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):  # TypeError: JSON of another shape
             return []
-        return sorted({root / f for f in weight_map.values() if "/" not in f and ".." not in f})
+        if not isinstance(weight_map, dict):
+            return []
+        files = {f for f in weight_map.values() if isinstance(f, str)}
+        return sorted({root / f for f in files if "/" not in f and ".." not in f})
     single = root / "model.safetensors"
     return [single] if single.is_file() else []
 

@@ -21,7 +21,9 @@ def _trainer_state(root: Path) -> dict[str, Any]:
         return {}
     if not isinstance(state, dict):
         return {}
-    losses = [e["loss"] for e in state.get("log_history", []) if isinstance(e, dict) and "loss" in e]
+    history = state.get("log_history")
+    entries = history if isinstance(history, list) else []
+    losses = [e["loss"] for e in entries if isinstance(e, dict) and "loss" in e]
     return {
         "global_step": state.get("global_step"),
         "epoch": state.get("epoch"),
