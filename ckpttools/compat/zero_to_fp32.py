@@ -32,7 +32,6 @@ The module also exports DeepSpeed's functions with its signatures: `get_fp32_sta
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import threading
@@ -52,6 +51,7 @@ from ckpttools.io.torchfile import RecordReader
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import open_checkpoint
 from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.ops import hf
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 LOAD_CHUNK_BYTES = 64 << 20  # load_state_dict_from_zero_checkpoint: fp32 bytes materialised per load_state_dict call
@@ -425,10 +425,8 @@ def _convert(
                 else:
                     _write_bin(tmp / fname, names, entries, reader, on_progress)
             reader.finish()  # CRC-32 of every record read: nothing is moved into place before this passes
-        if split.is_sharded:
-            index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-            (tmp / index_name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            files.append(index_name)
+        if split.is_sharded:  # DeepSpeed's index: huggingface_hub's metadata (total_size only)
+            files.append(hf.write_index_json(tmp, index_name, split.metadata, split.tensor_to_filename))
     return _Written(out, files, len(entries), sum(e.file_nbytes for e in unique.values()), notes)
 
 

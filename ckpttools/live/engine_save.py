@@ -27,7 +27,6 @@ from ckpttools.io.dtypes import DType
 from ckpttools.io.safetensors_writer import CHUNK_BYTES, safetensors_header, written_dtype
 from ckpttools.io.staging import StagedFolder, WriteBehind, check_output_dir, move_files_into
 from ckpttools.ops import hf
-from ckpttools.ops.consolidate import plan_shards
 
 DEFAULT_MAX_GATHER_BYTES = 64 << 20  # 64 MiB: large enough to keep all-gathers efficient, small beside any real model
 SAFE_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
@@ -590,7 +589,7 @@ def save_pretrained_from_engine(
         entries, omitted, copied = plan_tensors(module, out_dtype, exclude_frozen_parameters=exclude_frozen_parameters)
         if not entries:
             raise UsageError("the module has no parameters or persistent buffers to save")
-        shards = plan_shards(entries, "safetensors", max_shard_size)
+        shards = hf.plan_shards(entries, "safetensors", max_shard_size)
     partitioned = any(e.partitioned for e in entries)
     if stage is None and partitioned:
         stage = 3
@@ -625,10 +624,9 @@ def save_pretrained_from_engine(
             names = list(shards)
             if adapter:
                 names += _write_adapter_configs(tmp, adapter_configs)
-            elif len(shards) > 1:
-                weight_map = {e.name: fname for fname, g in shards.items() for e in g}
-                total = sum(e.nbytes for g in shards.values() for e in g)
-                names.append(hf.write_index(tmp, "model.safetensors.index.json", weight_map, total, num_parameters))
+            else:  # the index (config.json comes from the live module below, not from a folder)
+                names += hf.write_folder_files(tmp, shards, total_parameters=num_parameters, model_config=None,
+                                               dtype=written_dtype)  # fmt: skip
             if not adapter:
                 names += _write_side_files(tmp, module, config, written_dtype, notes)
             if if_exists == "add" and staged[0].out.is_dir():
