@@ -16,26 +16,26 @@ import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ckpttools.errors import UnsupportedCheckpointError, UsageError
-from ckpttools.io.staging import check_output_dir, shared_staged_folder, staged_folder
+from ckpttools.io.staging import check_output_dir
 from ckpttools.io.torchfile import LazyTensor, Record, RecordReader
 from ckpttools.io.torchwriter import NewTensor, ProgressFn, Slice, write_torch_files
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.crosscheck import check_module_copies
-from ckpttools.layouts.registry import checkpoint_root, layout_of, open_checkpoint
+from ckpttools.layouts.registry import layout_of, open_checkpoint
 from ckpttools.layouts.zero import stages
 from ckpttools.model.checkpoint import ZeroCheckpoint
 from ckpttools.ops import hf
-from ckpttools.ranks import nodelocal
-from ckpttools.ranks.distributed import check_records, plan_by_bytes
+from ckpttools.ranks import executor
 
 if TYPE_CHECKING:
     from ckpttools.ranks.distributed import ProcessGroup
 
 
 _ProgressFns = tuple[ProgressFn | None, ProgressFn | None]  # (on_start, on_progress)
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -171,49 +171,28 @@ def reshard(
         'global_step500/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt'
     """
     _check_arguments(dp, universal, stage)  # every rank alike, before anything is read
-    if group is not None and group.world_size > 1:
-        holdings = nodelocal.exchange_holdings(group, Path(path))
-        if not nodelocal.is_shared(holdings):
-            args = (out_dir, dp, universal, stage, tag, step, best, overwrite, config, (on_start, on_progress))
-            return _gathered(group, Path(path), holdings, *args)
-        job = group.run_agreed(lambda: _prepare(path, out_dir, dp, universal, stage, tag, step, best, config))
-        if isinstance(job, ReshardResult):
-            job.world_size, job.ranks = group.world_size, {}
+    progress = (on_start, on_progress)
+
+    def run(ckpt_path: Path, on: ProcessGroup | None, user_path: Callable[[Path], Path]) -> ReshardResult:
+        job = _agreed(on, lambda: _prepare(ckpt_path, out_dir, dp, universal, stage, tag, step, best, config))
+        if isinstance(job, ReshardResult):  # nothing to do
+            if on is not None:
+                job.world_size, job.ranks = on.world_size, {}
             return job
-        return _write_on_ranks(group, job, out_dir, overwrite, (on_start, on_progress))
-    job = _prepare(path, out_dir, dp, universal, stage, tag, step, best, config)
-    if isinstance(job, ReshardResult):
-        return job
-    return _write(job.ckpt, job.dp, job.stage, out_dir, overwrite, job.model_config, (on_start, on_progress))
-
-
-def _gathered(group: ProcessGroup, path: Path, holdings: list[nodelocal.Holdings], out_dir: Path | str | None,
-              dp: int | None, universal: bool, stage: int | None, tag: str | None, step: int | None, best: bool,
-              overwrite: bool, config: Path | str | None, progress: _ProgressFns) -> ReshardResult:  # fmt: skip
-    """A node-local checkpoint (each node holds its own ranks' files): rank 0 gathers it and writes the output."""
-
-    def on_copy(view: Path, user_path: Callable[[Path], Path]) -> dict[str, Any]:
-        job = _prepare(view, out_dir, dp, universal, stage, tag, step, best, config)
-        if isinstance(job, ReshardResult):
-            result = job
-        else:
-            user_root = user_path(job.ckpt.location.root)
-            new_stage = job.stage if job.stage != job.ckpt.zero_stage else None
-            out = Path(out_dir) if out_dir else _default_out(user_root, job.dp, new_stage)
-            check_output_dir(out, user_root, overwrite)
-            result = _write(job.ckpt, job.dp, job.stage, out, overwrite, job.model_config, progress)
-        result.world_size, result.ranks = group.world_size, dict.fromkeys(result.files, 0)
-        return result.to_dict()
+        return _write(job, out_dir, overwrite, progress, on, user_path)
 
     def check_output(root: Path) -> None:  # before any byte moves; the default folder's name needs the checkpoint
         if out_dir is not None:
             check_output_dir(Path(out_dir), root, overwrite)
 
-    steps = nodelocal.GatherSteps(lambda v: checkpoint_root(v, tag=tag, step=step, best=best), check_output,
-                                  lambda v: open_checkpoint(v, tag=tag, step=step, best=best), on_copy)  # fmt: skip
-    done = nodelocal.convert_on_rank0(group, path, holdings, nodelocal.gather_parent(path, out_dir), steps,
-                                      optimizer_states=True)  # fmt: skip
-    return ReshardResult(**done)
+    select = {"tag": tag, "step": step, "best": best}
+    job = executor.Job(Path(path), Path(out_dir) if out_dir else None, select, run, ReshardResult.to_dict,
+                       lambda d: ReshardResult(**d), check_output, optimizer_states=True)  # fmt: skip
+    return executor.run_job(job, group)
+
+
+def _agreed(group: ProcessGroup | None, fn: Callable[[], _T]) -> _T:
+    return fn() if group is None else group.run_agreed(fn)
 
 
 @dataclass(frozen=True)
@@ -283,35 +262,52 @@ def _default_out(root: Path, dp: int | None, stage: int | None = None) -> Path:
     return root.parent / (f"zero{stage}-dp{dp}-{root.name}" if stage else f"dp{dp}-{root.name}")
 
 
-def _write(
+def _write(job: _Job, out_dir: Any, overwrite: bool, progress: _ProgressFns, group: ProcessGroup | None,
+           user_path: Callable[[Path], Path]) -> ReshardResult:  # fmt: skip
+    """Plan the output folder for the executor and run it: the tag's rank files (on many ranks, each rank its
+    share, balanced by bytes), then rank 0's files beside the tag and `latest`."""
+    ckpt, tag = job.ckpt, job.ckpt.location.tag
+    out, files, needed, result = _agreed(group, lambda: _plan_output(ckpt, job.dp, job.stage, out_dir, overwrite,
+                                                                     user_path))  # fmt: skip
+    shared = {"zero/optimizer_state.pt", *ckpt.layout_files}  # files every rank's share refers to: rank 0's
+    outputs = [executor.OutputFile(f"{tag}/{name}", _tensor_bytes(obj), unit=_unit(name), rank0=name in shared)
+               for name, obj in files.items()]  # fmt: skip
+
+    def write(tmp: Path, mine: list[executor.OutputFile], reader: RecordReader) -> None:
+        _write_files(tmp / tag, {f.name[len(tag) + 1 :]: files[f.name[len(tag) + 1 :]] for f in mine}, reader, progress)
+
+    def finish(tmp: Path, reader: RecordReader) -> list[str]:
+        _finish_folder(ckpt, job.dp, job.stage, tmp, job.model_config, result)
+        return []
+
+    plan = executor.OutputPlan(out, outputs, write, needed, result.notes, finish,
+                               check=lambda: check_module_copies(ckpt), records=_records_read(files))  # fmt: skip
+    done = executor.execute(plan, group, overwrite=overwrite)
+    result.files, result.output_dir = done.files, str(out)
+    result.world_size, result.ranks = done.world_size, done.ranks
+    return result
+
+
+def _unit(name: str) -> str:
+    """Files written by one rank together: a universal parameter folder (`zero/<param>/...`) goes whole."""
+    parts = name.split("/")
+    return "/".join(parts[:2]) if parts[0] == "zero" and len(parts) > 2 else name
+
+
+def _plan_output(
     ckpt: ZeroCheckpoint,
     dp: int | None,
     stage: int,
     out_dir: Any,
     overwrite: bool,
-    model_config: hf.ModelConfig | None,
-    progress: _ProgressFns,
-) -> ReshardResult:
-    loc = ckpt.location
-    out, files, needed, result = _plan_output(ckpt, dp, stage, out_dir, overwrite)
-    with RecordReader() as reader:
-        check_module_copies(ckpt)  # before anything is written
-        with staged_folder(out, overwrite=overwrite, needed_bytes=needed, notes=result.notes) as tmp:
-            (tmp / loc.tag).mkdir()
-            result.files = _write_tag(files, tmp / loc.tag, reader, progress)
-            _finish_folder(ckpt, dp, stage, tmp, model_config, result)
-    result.output_dir = str(out)
-    return result
-
-
-def _plan_output(
-    ckpt: ZeroCheckpoint, dp: int | None, stage: int, out_dir: Any, overwrite: bool
+    user_path: Callable[[Path], Path] = Path,
 ) -> tuple[Path, dict[str, Any], int, ReshardResult]:
     """The checked output folder, the tag's files, the disk space the whole output needs and the result to fill in."""
     loc = ckpt.location
     old_dp = ckpt.dp_world_size if ckpt.source_format == "native" else None
     new_stage = stage if stage != ckpt.zero_stage else None
-    out = check_output_dir(Path(out_dir) if out_dir else _default_out(loc.root, dp, new_stage), loc.root, overwrite)
+    out = executor.output_folder(out_dir, lambda root: _default_out(root, dp, new_stage), loc.root, user_path,
+                                 overwrite)  # fmt: skip
     files = _tag_files(ckpt, dp, stage)
     result = ReshardResult(None, loc.tag, stage, old_dp, dp, [], zero_stage_from=new_stage and ckpt.zero_stage)
     return out, files, _output_bytes(files, loc.root), result
@@ -366,47 +362,6 @@ def _finish_folder(
         result.notes.append('load it with "checkpoint": {"load_universal": true} in the DeepSpeed config')
 
 
-# --- On many ranks ------------------------------------------------------------------------------------------
-
-
-def _write_on_ranks(
-    group: ProcessGroup, job: _Job, out_dir: Any, overwrite: bool, progress: _ProgressFns
-) -> ReshardResult:
-    """`_write` shared by a launcher's ranks: each writes its own files of the tag, rank 0 the rest, one commit."""
-    ckpt, loc = job.ckpt, job.ckpt.location
-    out, files, needed, result = group.run_agreed(lambda: _plan_output(ckpt, job.dp, job.stage, out_dir, overwrite))
-    owners = _plan_file_ranks(files, ckpt, group.world_size)
-    group.run_agreed(lambda: check_module_copies(ckpt) if group.rank == 0 else None)  # one whole-model pass
-    mine = {name: obj for name, obj in files.items() if owners[name] == group.rank}
-    staging = shared_staged_folder(out, overwrite=overwrite, needed_bytes=needed, group=group, notes=result.notes)
-    with RecordReader(pieces=True) as reader, staging as tmp:
-        (tmp / loc.tag).mkdir(exist_ok=True)
-        group.run_agreed(lambda: _write_files(tmp / loc.tag, mine, reader, progress))
-        check_records(group, reader, _records_read(files))  # each checked by one rank, from every rank's pieces
-        if group.rank == 0:
-            _finish_folder(ckpt, job.dp, job.stage, tmp, job.model_config, result)
-    result.files = [f"{loc.tag}/{n}" for n in files]
-    result.output_dir, result.world_size = str(out), group.world_size
-    result.ranks = {f"{loc.tag}/{n}": owners[n] for n in files}
-    return result
-
-
-def _plan_file_ranks(files: dict[str, Any], ckpt: ZeroCheckpoint, world_size: int) -> dict[str, int]:
-    """The rank writing each file of the tag: a universal parameter folder goes whole to one rank, balanced by
-    tensor bytes; shared files (`zero/optimizer_state.pt`, a layout's own files) go to rank 0."""
-    shared = {"zero/optimizer_state.pt", *ckpt.layout_files}
-    units: dict[str, list[str]] = {}
-    for name in files:
-        if name not in shared:
-            parts = name.split("/")
-            units.setdefault("/".join(parts[:2]) if parts[0] == "zero" and len(parts) > 2 else name, []).append(name)
-    sizes = [sum(_tensor_bytes(files[n]) for n in names) for names in units.values()]
-    owners = dict.fromkeys(files, 0)
-    for names, rank in zip(units.values(), plan_by_bytes(sizes, world_size), strict=True):
-        owners.update(dict.fromkeys(names, rank))
-    return owners
-
-
 def _records_read(files: dict[str, Any]) -> list[Record]:
     """Every record any rank's files read."""
     records: list[Record] = []
@@ -453,9 +408,3 @@ def _write_files(tag_dir: Path, files: dict[str, Any], reader: RecordReader, pro
     on_start, on_progress = progress
     write_torch_files([(tag_dir / name, obj) for name, obj in files.items()], reader, on_start=on_start,
                       on_progress=on_progress)  # fmt: skip
-
-
-def _write_tag(files: dict[str, Any], tag_dir: Path, reader: RecordReader, progress: _ProgressFns) -> list[str]:
-    _write_files(tag_dir, files, reader, progress)
-    reader.finish()  # CRC-32 of every source record read
-    return [f"{tag_dir.name}/{n}" for n in files]
