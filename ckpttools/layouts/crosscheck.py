@@ -101,7 +101,8 @@ def _is_nan(bits: np.ndarray, dtype: DType) -> np.ndarray:
     raw = bits.view(np.uint16).astype(np.uint32)
     mantissa_bits = 7 if dtype == dtypes.BFLOAT16 else 10
     exponent = (raw >> mantissa_bits) & ((1 << (15 - mantissa_bits)) - 1)
-    return (exponent == (1 << (15 - mantissa_bits)) - 1) & ((raw & ((1 << mantissa_bits) - 1)) != 0)
+    nan: np.ndarray = (exponent == (1 << (15 - mantissa_bits)) - 1) & ((raw & ((1 << mantissa_bits) - 1)) != 0)
+    return nan
 
 
 def first_difference(a: TensorSource, b: TensorSource, files: OpenFiles) -> int | None:
