@@ -73,6 +73,7 @@ class ProcessGroup(Protocol):
 
     def barrier(self) -> None: ...
 
+
 SPACE_MARGIN = 64_000_000  # left free beyond the output: logs, the page cache's write-back, other processes
 MANIFEST = ".ckpt-manifest.json"
 _OUT_OF_SPACE = (errno.ENOSPC, errno.EDQUOT)
