@@ -16,7 +16,7 @@ TYPE_CHECKING = False  # not `from typing import TYPE_CHECKING`: typing costs 2 
 _EXPORTS = {
     "CheckpointNotFoundError": "errors", "CkptError": "errors", "CorruptCheckpointError": "errors",
     "OutputError": "errors", "UnsafeCheckpointError": "errors", "UnsupportedCheckpointError": "errors",
-    "ConsolidateResult": "ops.consolidate", "consolidate": "ops.consolidate",
+    "ConsolidateOptions": "ops.consolidate", "ConsolidateResult": "ops.consolidate", "consolidate": "ops.consolidate",
     "EngineSaveResult": "live.engine_save", "save_pretrained_from_engine": "live.engine_save",
     "PushResult": "ops.push", "push": "ops.push",
     "inspect_checkpoint": "ops.inspect",
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from ckpttools.layouts.universal import read_universal
     from ckpttools.live.engine_save import EngineSaveResult, save_pretrained_from_engine
     from ckpttools.model.checkpoint import ZeroCheckpoint
-    from ckpttools.ops.consolidate import ConsolidateResult, consolidate
+    from ckpttools.ops.consolidate import ConsolidateOptions, ConsolidateResult, consolidate
     from ckpttools.ops.inspect import inspect_checkpoint
     from ckpttools.ops.push import PushResult, push
     from ckpttools.ops.reshard import ReshardResult, reshard
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointNotFoundError",
     "CkptError",
+    "ConsolidateOptions",
     "ConsolidateResult",
     "CorruptCheckpointError",
     "EngineSaveResult",
