@@ -49,8 +49,8 @@ from ckpttools.io.torchwriter import ProgressFn, write_torch_files
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.locate import check_tag_name
 from ckpttools.layouts.registry import open_checkpoint
-from ckpttools.layouts.universal import LATEST, MASTER, STEP
-from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.layouts.universal import LATEST, STEP
+from ckpttools.model.checkpoint import MASTER, TensorSource, ZeroCheckpoint, strip_prefixes
 from ckpttools.ops.reshard import files_bytes, universal_tag_files
 
 NO_OP_OPTIONS = ("num_extract_workers", "num_merge_workers", "keep_temp_folder", "strict", "inject_missing_state")

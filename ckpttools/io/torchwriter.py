@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
+from ckpttools.io.segments import ElementSource
 from ckpttools.io.staging import WriteBehind
 from ckpttools.io.threads import Workers, resolve_workers
 from ckpttools.io.torchfile import (
@@ -421,3 +422,9 @@ def _write_planned(plan: _PlannedFile, chunks: Iterator[memoryview], on_progress
 def write_torch_file(path: Path, obj: Any, reader: RecordReader) -> int:
     """Write one object as a `torch.save` file (see `write_torch_files`)."""
     return write_torch_files([(path, obj)], reader)
+
+
+def whole_tensor(src: ElementSource, shape: tuple[int, ...] | None = None, dtype: DType | None = None) -> NewTensor:
+    """A tensor written whole from its source (1-D unless `shape`), cast to `dtype` when given."""
+    pieces = tuple(Slice(s.tensor, s.start, s.count) for s in src.segments)
+    return NewTensor(dtype or src.dtype, pieces, shape)

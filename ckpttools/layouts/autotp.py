@@ -22,6 +22,7 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import RecordReader, load_pickle
+from ckpttools.io.torchwriter import whole_tensor
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, ZERO3_MODEL_RE, model_parallel_ranks
 from ckpttools.layouts.rankfile import (
@@ -35,7 +36,7 @@ from ckpttools.layouts.rankfile import (
     zero_stage_of,
 )
 from ckpttools.layouts.tp_map import Run, TensorPlan, tensor_plans
-from ckpttools.layouts.universal import NAME_KEY, param_files, whole_tensor
+from ckpttools.layouts.universal import NAME_KEY, param_files
 from ckpttools.layouts.zero.read import Zero12Reader
 from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
 from ckpttools.model.checkpoint import Param, Replica, Segment, TensorSource, ZeroCheckpoint, slice_segments

@@ -40,10 +40,10 @@ from ckpttools.layouts.rankfile import (
     require_keys,
     zero_stage_of,
 )
-from ckpttools.layouts.universal import MASTER, param_files
+from ckpttools.layouts.universal import param_files
 from ckpttools.layouts.zero.read import Zero12Reader
 from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
-from ckpttools.model.checkpoint import Param, TensorSource, ZeroCheckpoint
+from ckpttools.model.checkpoint import MASTER, Param, TensorSource, ZeroCheckpoint
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 

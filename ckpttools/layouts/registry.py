@@ -25,7 +25,7 @@ LAYOUTS = (
     "ckpttools.layouts.moe",  # DeepSpeed-MoE: expert files
     "ckpttools.layouts.autotp",  # AutoTP: several mp_rank_NN
     "ckpttools.layouts.zero0",  # no ZeRO: the optimizer inside mp_rank_00_model_states.pt
-    "ckpttools.layouts.zero.layout",  # data-parallel ZeRO-1/2/3: everything else
+    "ckpttools.layouts.dp",  # data-parallel ZeRO-1/2/3: everything else
 )
 
 

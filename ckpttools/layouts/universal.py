@@ -17,9 +17,8 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io import dtypes
-from ckpttools.io.dtypes import DType
 from ckpttools.io.torchfile import LazyTensor, load_pickle
-from ckpttools.io.torchwriter import NewTensor, Slice
+from ckpttools.io.torchwriter import whole_tensor
 from ckpttools.layouts.locate import HF_SIDE_FILES, MODEL_RE, ZERO3_MODEL_RE, check_tag_name
 from ckpttools.layouts.rankfile import (
     RankFile,
@@ -34,12 +33,20 @@ from ckpttools.layouts.rankfile import (
 )
 from ckpttools.layouts.tp_map import full_shapes
 from ckpttools.layouts.zero.read import zero3_frozen, zero3_optimizer_parts, zero12_bit16
-from ckpttools.model.checkpoint import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.model.checkpoint import (
+    MASTER,
+    OptimizerState,
+    Param,
+    Segment,
+    TensorSource,
+    ZeroCheckpoint,
+    strip_prefixes,
+)
 from ckpttools.model.origin import CheckpointLocation, TagFiles
 from ckpttools.model.parallel import ParallelLayout
 
 LATEST = "latest_universal"
-MASTER, STEP = "fp32", "step"
+STEP = "step"
 NAME_KEY = "param_name"  # written by ckpttools: the parameter a state file belongs to
 
 
@@ -271,12 +278,6 @@ def _same_state_keys(zero: Path, params: list[Param]) -> None:
 
 
 # --- Writing -----------------------------------------------------------------------------------------------
-
-
-def whole_tensor(src: TensorSource, shape: tuple[int, ...] | None = None, dtype: DType | None = None) -> NewTensor:
-    """A tensor written whole from its source (1-D unless `shape`), cast to `dtype` when given."""
-    pieces = tuple(Slice(s.tensor, s.start, s.count) for s in src.segments)
-    return NewTensor(dtype or src.dtype, pieces, shape)
 
 
 def _state_file(p: Param, src: TensorSource) -> dict[str, Any]:

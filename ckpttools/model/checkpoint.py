@@ -20,6 +20,7 @@ from ckpttools.io.segments import Segment
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
+MASTER = "fp32"  # the fp32 master among a parameter's states (as universal folders name its file: fp32.pt)
 STRIPPED_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")  # DDP/engine, torch.compile, Lightning < 2.1
 
 

@@ -16,9 +16,8 @@ from ckpttools.errors import CorruptCheckpointError
 from ckpttools.io import dtypes
 from ckpttools.io.torchfile import DEEPSPEED_STUBS
 from ckpttools.io.torchwriter import Fill, NewTensor, Slice
-from ckpttools.layouts.universal import MASTER
 from ckpttools.layouts.zero import partition
-from ckpttools.model.checkpoint import Param, TensorSource, ZeroCheckpoint
+from ckpttools.model.checkpoint import MASTER, Param, TensorSource, ZeroCheckpoint
 
 _FRAGMENT = DEEPSPEED_STUBS[("deepspeed.utils.tensor_fragment", "fragment_address")]
 Pieces = list[Slice | Fill]

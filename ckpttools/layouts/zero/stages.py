@@ -19,8 +19,7 @@ from typing import Any
 
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.io.torchfile import TorchSize, ZeroStageEnum
-from ckpttools.io.torchwriter import NewTensor
-from ckpttools.layouts.universal import whole_tensor
+from ckpttools.io.torchwriter import NewTensor, whole_tensor
 from ckpttools.model.checkpoint import ZeroCheckpoint, strip_prefixes
 
 ZERO12_ONLY = ("group_paddings", "param_alignment_paddings", "clip_grad", "ds_version", "param_slice_mappings")

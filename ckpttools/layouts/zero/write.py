@@ -15,7 +15,6 @@ from ckpttools.io.torchfile import LazyTensor, TorchSize, load_pickle
 from ckpttools.io.torchwriter import NewTensor, Slice
 from ckpttools.layouts import zero0
 from ckpttools.layouts.base import ReshardTarget
-from ckpttools.layouts.universal import MASTER
 from ckpttools.layouts.zero import partition, stages
 from ckpttools.layouts.zero.pieces import (
     Flat,
@@ -30,7 +29,7 @@ from ckpttools.layouts.zero.pieces import (
     pieces_of,
     state_of,
 )
-from ckpttools.model.checkpoint import Param, TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.model.checkpoint import MASTER, Param, TensorSource, ZeroCheckpoint, strip_prefixes
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 

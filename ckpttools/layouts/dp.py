@@ -1,4 +1,5 @@
-"""The data-parallel ZeRO-1/2/3 layout as a plug-in (registry.LAYOUTS): DeepSpeed's default folder."""
+"""The data-parallel ZeRO-1/2/3 layout as a plug-in (registry.LAYOUTS): DeepSpeed's default folder, read and written
+by the ZeRO machinery in `layouts/zero/`, its universal form by `layouts/universal.py`."""
 
 from __future__ import annotations
 
