@@ -1,13 +1,17 @@
 """layouts/registry: the folders DeepSpeed, the Trainer and accelerate write are each read by their layout."""
 
+import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from ckpttools.errors import CheckpointNotFoundError
-from ckpttools.layouts.registry import checkpoint_root, open_checkpoint, read_checkpoint
+from ckpttools.layouts.registry import LAYOUTS, checkpoint_root, open_checkpoint, read_checkpoint
 
 from .conftest import FIXTURES
+
+INDEX = json.loads((FIXTURES / "index.json").read_text())
 
 # a fixture of every family -> (the folder to open, relative to the fixture, and the layout it is)
 FAMILIES = {
@@ -72,3 +76,37 @@ def test_folders_without_a_checkpoint_are_named(tmp_path):
     assert str(tmp_path) in str(info.value)
     with pytest.raises(CheckpointNotFoundError):
         open_checkpoint(tmp_path / "missing")
+
+
+# --- The plug-in contract (layouts/base.py, docs/adding-a-layout.md) -------------------------------------------
+
+PLUGIN_METHODS = ("claims", "read", "describe", "check_reshard", "universal_files", "tag_files")
+
+
+def test_every_registered_layout_is_a_complete_plugin_with_its_own_kind():
+    from ckpttools.layouts.registry import layouts
+
+    found = layouts()
+    assert len(found) == len(LAYOUTS)
+    for layout in found:
+        assert layout.kind and layout.title, layout
+        assert all(callable(getattr(layout, m, None)) for m in PLUGIN_METHODS), layout.kind
+    assert len({layout.kind for layout in found}) == len(found)
+    assert found[-1].claims([]), "the last layout is the fallback that claims every ZeRO folder"
+
+
+@pytest.mark.parametrize("name", [n for n in INDEX if not n.startswith("gpu")])
+def test_the_layout_that_claims_a_fixture_folder_is_the_one_that_reads_it(name):
+    from ckpttools.layouts.registry import detect_layout, locate
+
+    root = next(p for p in (FIXTURES / name).rglob("latest") if "universal" not in p.parent.name).parent
+    loc = locate(root)
+    names = sorted(p.name for p in loc.tag_dir.iterdir())
+    assert detect_layout(names).kind == read_checkpoint(root).layout.kind == loc.files.layout
+
+
+def test_no_command_branches_on_a_layout():
+    """ops/ asks the plug-in (layouts.registry.layout_of) instead of comparing ParallelLayout.kind."""
+    ops = Path(__file__).resolve().parent.parent / "ckpttools" / "ops"
+    for module in ops.glob("*.py"):
+        assert "layout.kind" not in module.read_text(), module.name
