@@ -14,14 +14,13 @@ import pytest
 
 FIXTURES = Path(os.environ.get("CKPT_FIXTURES") or Path(__file__).resolve().parent.parent / "fixtures")
 
-# What every test and every process a test starts sees, whatever the caller's environment is: the Hub and
-# transformers never reach for the network (the tests that push talk to tests/support/hub_server.py and undo
-# this), no telemetry, and a child's output arrives as it is printed. Set before huggingface_hub and transformers
-# are imported, since both read these at import; _hermetic_env below sets them again for each test.
+# What every test and every process a test starts sees, whatever the caller's environment is: huggingface_hub
+# (and so transformers, which asks it) never reaches for the network (the tests that push talk to
+# tests/support/hub_server.py and undo this), no telemetry, and a child's output arrives as it is printed. Set
+# before huggingface_hub is imported, since it reads these at import; _hermetic_env sets them again for each test.
+# (Not TRANSFORMERS_OFFLINE: `ckpt push` counts it as offline too, and the push tests undo HF_HUB_OFFLINE only.)
 OFFLINE_ENV = {
     "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "HF_DATASETS_OFFLINE": "1",
     "HF_HUB_DISABLE_TELEMETRY": "1",
     "HF_HUB_DISABLE_UPDATE_CHECK": "1",
     "PYTHONUNBUFFERED": "1",
