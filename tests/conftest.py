@@ -118,9 +118,10 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_ds_launch.py": (RANKS,),
     "test_nodelocal.py": (RANKS,),
     "test_launch.py": (RANKS, TIMING),
-    # seeded campaigns
+    # seeded campaigns; the fault campaign (CI: 20 trials per category) is slow, test_signals keeps the fast tier's
+    # signal checks, and the serial timing pass under a minute
     "test_mutations.py": (FUZZ,),
-    "test_faults.py": (FUZZ, RANKS, TIMING),
+    "test_faults.py": (FUZZ, RANKS, TIMING, SLOW),
     "test_signals.py": (TIMING,),
     # examples/'s workflow and scripts/post_train.sh end to end against the local Hub: a few minutes of the fast
     # tier's five, so in CI's tier
