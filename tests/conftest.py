@@ -86,7 +86,7 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_reader.py": (),
     "test_staging.py": (),
     "test_staging_overwrite.py": (),
-    "test_staging_publish.py": (),
+    "test_staging_publish.py": (TIMING,),  # signals sent to the test process itself around a publish
     "test_staging_space.py": (),
     "test_trainer.py": (),
     "test_verify.py": (),
@@ -114,9 +114,9 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_zero0.py": (DEEPSPEED, RANKS),
     "test_reshard_deepspeed.py": (DEEPSPEED, RANKS, SLOW),
     # `ckpt` as the ranks of one group
-    "test_distributed.py": (RANKS,),
+    "test_distributed.py": (RANKS, TIMING),  # TIMING: ranks that meet on ports, run alone (no port races)
     "test_ds_launch.py": (RANKS,),
-    "test_nodelocal.py": (RANKS,),
+    "test_nodelocal.py": (RANKS, TIMING),
     "test_launch.py": (RANKS, TIMING),
     # seeded campaigns; the fault campaign (CI: 20 trials per category) is slow, test_signals keeps the fast tier's
     # signal checks, and the serial timing pass under a minute
