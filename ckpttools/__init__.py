@@ -20,7 +20,7 @@ _EXPORTS = {
     "EngineSaveResult": "live.engine_save", "save_pretrained_from_engine": "live.engine_save",
     "PushResult": "ops.push", "push": "ops.push",
     "inspect_checkpoint": "ops.inspect",
-    "ZeroCheckpoint": "model.checkpoint",
+    "Checkpoint": "model.checkpoint", "ZeroCheckpoint": "model.checkpoint",
     "ReshardResult": "ops.reshard", "reshard": "ops.reshard",
     "open_checkpoint": "layouts.registry", "read_checkpoint": "layouts.registry",
     "read_universal": "layouts.universal",
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from ckpttools.layouts.registry import open_checkpoint, read_checkpoint
     from ckpttools.layouts.universal import read_universal
     from ckpttools.live.engine_save import EngineSaveResult, save_pretrained_from_engine
-    from ckpttools.model.checkpoint import ZeroCheckpoint
+    from ckpttools.model.checkpoint import Checkpoint, ZeroCheckpoint
     from ckpttools.ops.consolidate import ConsolidateOptions, ConsolidateResult, consolidate
     from ckpttools.ops.inspect import inspect_checkpoint
     from ckpttools.ops.push import PushResult, push
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from ckpttools.ops.verify import VerifyReport, verify_folder
 
 __all__ = [
+    "Checkpoint",
     "CheckpointNotFoundError",
     "CkptError",
     "ConsolidateOptions",

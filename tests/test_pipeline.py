@@ -26,7 +26,7 @@ from ckpttools.io.safetensors_writer import read_tensor
 from ckpttools.io.torchfile import RecordReader
 from ckpttools.layouts.pipeline import is_pipeline, pipeline_files, read_pipeline, read_pipeline_stages
 from ckpttools.layouts.registry import locate
-from ckpttools.model.checkpoint import ZeroCheckpoint
+from ckpttools.model.checkpoint import Checkpoint
 from ckpttools.model.origin import CheckpointLocation, TagFiles
 
 from .conftest import FIXTURES, fixture_meta, fixture_names, tree_digest
@@ -46,7 +46,7 @@ def location(root: Path) -> CheckpointLocation:
         return CheckpointLocation(root, tag, root / tag, TagFiles({}, {}, "bf16_", False))
 
 
-def read(root: Path) -> ZeroCheckpoint:
+def read(root: Path) -> Checkpoint:
     return read_pipeline(location(root))
 
 

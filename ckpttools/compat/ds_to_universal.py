@@ -50,7 +50,7 @@ from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.locate import check_tag_name
 from ckpttools.layouts.registry import open_checkpoint
 from ckpttools.layouts.universal import LATEST, STEP
-from ckpttools.model.checkpoint import MASTER, TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.model.checkpoint import MASTER, Checkpoint, TensorSource, strip_prefixes
 from ckpttools.ops.reshard import files_bytes, universal_tag_files
 
 NO_OP_OPTIONS = ("num_extract_workers", "num_merge_workers", "keep_temp_folder", "strict", "inject_missing_state")
@@ -96,7 +96,7 @@ def _output_folder(path: str | os.PathLike[str], tag_dir: Path) -> tuple[Path, b
     return out, True
 
 
-def _module_fp32_files(ckpt: ZeroCheckpoint, written: dict[str, Any]) -> list[tuple[str, TensorSource]]:
+def _module_fp32_files(ckpt: Checkpoint, written: dict[str, Any]) -> list[tuple[str, TensorSource]]:
     """ZeRO-1/2: `zero/<name>/fp32.pt` for every module entry without one, as DeepSpeed 0.19.8 writes them."""
     out = []
     for raw in ckpt.model_state.get("module") or {}:

@@ -50,7 +50,7 @@ from ckpttools.io.staging import check_files_replaceable, staged_files
 from ckpttools.io.torchfile import RecordReader
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import open_checkpoint
-from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.model.checkpoint import Checkpoint, TensorSource, strip_prefixes
 from ckpttools.ops import hf
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
@@ -85,7 +85,7 @@ class _Entry:
         return self.source.numel() * self.file_dtype.itemsize
 
 
-def _plan(ckpt: ZeroCheckpoint, exclude_frozen_parameters: bool) -> OrderedDict[str, _Entry]:
+def _plan(ckpt: Checkpoint, exclude_frozen_parameters: bool) -> OrderedDict[str, _Entry]:
     """DeepSpeed's keys, in its order, with the names as the checkpoint stores them (no prefix stripped).
 
     Buffers (module order, floating ones as float32), frozen params (`frozen_param_shapes` order, the training
@@ -118,7 +118,7 @@ def _plan(ckpt: ZeroCheckpoint, exclude_frozen_parameters: bool) -> OrderedDict[
     return entries
 
 
-def _dropped_frozen(ckpt: ZeroCheckpoint, exclude_frozen_parameters: bool) -> list[str]:
+def _dropped_frozen(ckpt: Checkpoint, exclude_frozen_parameters: bool) -> list[str]:
     """Frozen params the checkpoint holds but DeepSpeed's format leaves out (ZeRO-1 records no frozen shapes)."""
     if exclude_frozen_parameters or ckpt.model_state.get("frozen_param_shapes") is not None:
         return []
@@ -127,7 +127,7 @@ def _dropped_frozen(ckpt: ZeroCheckpoint, exclude_frozen_parameters: bool) -> li
 
 def _open(
     checkpoint_dir: Any, tag: str | None, exclude_frozen_parameters: bool
-) -> tuple[ZeroCheckpoint, OrderedDict[str, _Entry]]:
+) -> tuple[Checkpoint, OrderedDict[str, _Entry]]:
     ckpt = open_checkpoint(Path(checkpoint_dir), tag=tag)
     return ckpt, _plan(ckpt, exclude_frozen_parameters)
 

@@ -39,12 +39,12 @@ from ckpttools.layouts.tp_map import Run, TensorPlan, tensor_plans
 from ckpttools.layouts.universal import NAME_KEY, param_files
 from ckpttools.layouts.zero.read import Zero12Reader
 from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
-from ckpttools.model.checkpoint import Param, Replica, Segment, TensorSource, ZeroCheckpoint, slice_segments
+from ckpttools.model.checkpoint import Checkpoint, Param, Replica, Segment, TensorSource, slice_segments
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
 
-def read_tensor_parallel(loc: CheckpointLocation) -> ZeroCheckpoint:
+def read_tensor_parallel(loc: CheckpointLocation) -> Checkpoint:
     """Read an AutoTP tag folder (DP x TP ranks, ZeRO-1/2) into one checkpoint of full-size tensors.
 
     Raises:
@@ -184,7 +184,7 @@ def _check_tp_ranks_agree(models: Sequence[RankFile], reader: RecordReader) -> N
 def _check_optimizers_agree(
     models: Sequence[RankFile],
     optims: Sequence[Sequence[RankFile]],
-    ranks: Sequence[ZeroCheckpoint],
+    ranks: Sequence[Checkpoint],
     reader: RecordReader,
 ) -> None:
     """The TP ranks ran one optimizer: same groups, hyper-parameters, steps and state keys."""
@@ -202,8 +202,8 @@ def _check_optimizers_agree(
 
 
 def _merged(
-    loc: CheckpointLocation, ranks: list[ZeroCheckpoint], plans: dict[str, TensorPlan], models: list[RankFile], tp: int
-) -> ZeroCheckpoint:
+    loc: CheckpointLocation, ranks: list[Checkpoint], plans: dict[str, TensorPlan], models: list[RankFile], tp: int
+) -> Checkpoint:
     first = ranks[0]
     params = []
     replicas: list[Replica] = []
@@ -230,7 +230,7 @@ def _merged(
         "original_vocab_size": info.get("original_vocab_size"),
         "model_files": [f.path.name for f in models],
     }
-    ckpt = ZeroCheckpoint(
+    ckpt = Checkpoint(
         location=loc,
         zero_stage=first.zero_stage,
         dp_world_size=first.dp_world_size,
@@ -269,7 +269,7 @@ def _replicas(plan: TensorPlan, kind: str, merged: TensorSource, shards: Sequenc
     return out
 
 
-def _index(ckpt: ZeroCheckpoint, name: str) -> int:
+def _index(ckpt: Checkpoint, name: str) -> int:
     return next(i for i, p in enumerate(ckpt.params) if p.name == name)
 
 
@@ -294,7 +294,7 @@ def _full(plan: TensorPlan, shards: Sequence[TensorSource]) -> TensorSource:
 CAT_DIM, VOCAB_TENSOR = "cat_dim", "vocab_tensor"
 
 
-def tensor_universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+def tensor_universal_files(ckpt: Checkpoint) -> dict[str, Any]:
     """Relative path -> object: DeepSpeed's universal layout of an AutoTP checkpoint, as ds_to_universal writes it.
 
     Per trained parameter `zero/<name>/{fp32,<state>}.pt` = `{"param": <full tensor>, ...}` with ds_to_universal's
@@ -346,19 +346,19 @@ class AutoTpLayout:
     def claims(self, names: Sequence[str]) -> bool:
         return bool(model_parallel_ranks(names) - {0})
 
-    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+    def read(self, loc: CheckpointLocation) -> Checkpoint:
         return read_tensor_parallel(loc)
 
     def describe(self, parallel: dict[str, Any]) -> list[str]:
         return []
 
-    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+    def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         check_sliced_reshard(ckpt, target, self.title)
 
-    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
         return tensor_universal_files(ckpt)
 
-    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+    def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         if target.dp is None:
             return tensor_universal_files(ckpt)
         return sliced_tag_files(ckpt, target)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckpttools.errors import UnsupportedCheckpointError
 
 if TYPE_CHECKING:
-    from ckpttools.model.checkpoint import ZeroCheckpoint
+    from ckpttools.model.checkpoint import Checkpoint
     from ckpttools.model.origin import CheckpointLocation
 
 
@@ -41,7 +41,7 @@ class Layout(Protocol):
         """Whether a tag folder holding these file names is of this layout (file names only; no I/O)."""
         ...
 
-    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+    def read(self, loc: CheckpointLocation) -> Checkpoint:
         """The folder as the neutral model, after every invariant check its files offer."""
         ...
 
@@ -49,16 +49,16 @@ class Layout(Protocol):
         """Lines `ckpt inspect` adds for this layout, from the JSON form of its ParallelLayout (`as_dict`)."""
         ...
 
-    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+    def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         """Raise UnsupportedCheckpointError unless the output is one DeepSpeed is proven to load."""
         ...
 
-    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
         """Relative path -> object: the universal tag folder of `ckpt` (as DeepSpeed's ds_to_universal writes it),
         or UnsupportedCheckpointError."""
         ...
 
-    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+    def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         """Relative path -> object (torch-file content): every file of the output's tag folder."""
         ...
 
@@ -72,17 +72,17 @@ class ReadOnlyLayout:
     def describe(self, parallel: dict[str, Any]) -> list[str]:
         return []
 
-    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+    def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         raise UnsupportedCheckpointError(
             f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}); resharding it is "
             "not supported yet (consolidate works)"
         )
 
-    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
         raise UnsupportedCheckpointError(
             f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}); writing it in the "
             "universal format is not supported yet"
         )
 
-    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+    def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         raise AssertionError("check_reshard refuses first")  # pragma: no cover

@@ -25,7 +25,7 @@ from ckpttools.io.torchfile import check_present
 from ckpttools.model.checkpoint import Replica, TensorSource, slice_segments
 
 if TYPE_CHECKING:
-    from ckpttools.model.checkpoint import ZeroCheckpoint
+    from ckpttools.model.checkpoint import Checkpoint
 
 CHUNK_ELEMS = 4 << 20
 SAMPLE_ELEMS = 4096
@@ -139,7 +139,7 @@ def _windows(master: TensorSource, full: bool) -> list[tuple[int, int]]:
     return sorted(ranges)
 
 
-def _chunks(ckpt: ZeroCheckpoint, full: bool) -> list[_Chunk]:
+def _chunks(ckpt: Checkpoint, full: bool) -> list[_Chunk]:
     chunks = []
     for param in ckpt.params:
         copy = ckpt.bit16.get(param.name)
@@ -152,7 +152,7 @@ def _chunks(ckpt: ZeroCheckpoint, full: bool) -> list[_Chunk]:
     return chunks
 
 
-def module_matches_masters(ckpt: ZeroCheckpoint, *, full: bool = False, workers: int | None = None) -> str | None:
+def module_matches_masters(ckpt: Checkpoint, *, full: bool = False, workers: int | None = None) -> str | None:
     """The first trainable parameter whose stored module copy differs from its cast master, or None.
 
     By default both ends of every rank's piece of every parameter are compared (`SAMPLE_ELEMS` each);
@@ -182,7 +182,7 @@ def module_matches_masters(ckpt: ZeroCheckpoint, *, full: bool = False, workers:
     return None
 
 
-def check_module_copies(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
+def check_module_copies(ckpt: Checkpoint, *, full: bool = False) -> None:
     """ZeRO-1/2 save the module's 16-bit weights beside the fp32 masters; the engine copies the cast masters
     into them after every step, so they must be equal. A swapped, stale or mixed-up optimizer file breaks
     this even when every file is intact. By default both ends of every rank's piece of every parameter are
@@ -206,7 +206,7 @@ def check_module_copies(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
 REPLICA_SAMPLE = 4096  # elements compared at each end of every replica by default
 
 
-def replica_mismatch(ckpt: ZeroCheckpoint, *, full: bool = False) -> str | None:
+def replica_mismatch(ckpt: Checkpoint, *, full: bool = False) -> str | None:
     """The first replicated tensor whose copy on another TP rank differs from the one written (the lowest TP
     rank's), or None. AutoTP keeps replicated parameters (norms, embeddings) identical on every TP rank, as
     ds_to_universal asserts; a copy that differs means a file from another save or run. Reads both ends of every
@@ -233,7 +233,7 @@ def _part(src: TensorSource, start: int, count: int) -> TensorSource:
     return TensorSource(src.name, (count,), src.dtype, tuple(slice_segments(src, start, count)), src.kind)
 
 
-def check_replicas(ckpt: ZeroCheckpoint, *, full: bool = False) -> None:
+def check_replicas(ckpt: Checkpoint, *, full: bool = False) -> None:
     """Raise CorruptCheckpointError when TP ranks hold different values for a replicated parameter."""
     what = replica_mismatch(ckpt, full=full)
     if what is not None:

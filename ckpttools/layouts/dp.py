@@ -10,7 +10,7 @@ from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.universal import universal_files
 from ckpttools.layouts.zero.read import read_data_parallel
 from ckpttools.layouts.zero.write import model_file_name, rank_files
-from ckpttools.model.checkpoint import ZeroCheckpoint
+from ckpttools.model.checkpoint import Checkpoint
 from ckpttools.model.origin import CheckpointLocation
 
 
@@ -21,19 +21,19 @@ class DataParallelLayout:
     def claims(self, names: Sequence[str]) -> bool:
         return True  # last in the registry: every ZeRO tag folder no other layout claims
 
-    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+    def read(self, loc: CheckpointLocation) -> Checkpoint:
         return read_data_parallel(loc)
 
     def describe(self, parallel: dict[str, Any]) -> list[str]:
         return []
 
-    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+    def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         return None  # any DP size, any ZeRO stage (stages.check_stage_change checks the stage change itself)
 
-    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
         return universal_files(ckpt)
 
-    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+    def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         if target.dp is None:  # the universal tag keeps the model-states files, as ds_to_universal's does
             files = universal_files(ckpt)
             for rank, model in enumerate(ckpt.model_files):

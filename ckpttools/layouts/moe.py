@@ -60,7 +60,7 @@ from ckpttools.layouts.rankfile import (
 )
 from ckpttools.layouts.zero.pieces import cut_group
 from ckpttools.layouts.zero.read import Zero12Reader, zero12_bit16
-from ckpttools.model.checkpoint import Param, Segment, TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.model.checkpoint import Checkpoint, Param, Segment, TensorSource, strip_prefixes
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
@@ -126,7 +126,7 @@ class MoELayer:
         return self.num_experts // self.ep
 
 
-def read_moe(loc: CheckpointLocation) -> ZeroCheckpoint:
+def read_moe(loc: CheckpointLocation) -> Checkpoint:
     """Read a located DeepSpeed-MoE ZeRO-1/2 tag folder: every expert under its global index.
 
     Raises:
@@ -257,7 +257,7 @@ class _MoEReader(Zero12Reader):
         super().__init__(loc, model0, optims, dp, stage, reader)
         self.experts = experts
 
-    def read(self) -> ZeroCheckpoint:
+    def read(self) -> Checkpoint:
         f0 = self.model0
         mod = read_module(f0)
         groups = param_shapes_of(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
@@ -286,7 +286,7 @@ class _MoEReader(Zero12Reader):
         copies = self._expert_copies(layers, {p.name: p for p in expert_params})
         params = dense + expert_params
         eps = sorted({layer.ep for layer in layers})
-        return ZeroCheckpoint(
+        return Checkpoint(
             location=self.loc,
             zero_stage=self.stage,
             dp_world_size=self.dp,
@@ -488,7 +488,7 @@ def _details(reader: _MoEReader, layers: Sequence[MoELayer]) -> dict[str, Any]:
 # expert-DP group of dp/K ranks. The expert files and the module file (but its dp_world_size) stay as they are.
 
 
-def check_moe_reshard(ckpt: ZeroCheckpoint, *, universal: bool, stage: int | None, dp: int | None = None) -> None:
+def check_moe_reshard(ckpt: Checkpoint, *, universal: bool, stage: int | None, dp: int | None = None) -> None:
     """What `reshard` cannot write for a DeepSpeed-MoE checkpoint, refused before anything is written."""
     what = f"{ckpt.location.tag_dir} is a DeepSpeed-MoE checkpoint ({ckpt.layout.describe()})"
     if universal:
@@ -513,7 +513,7 @@ def check_moe_reshard(ckpt: ZeroCheckpoint, *, universal: bool, stage: int | Non
         )
 
 
-def moe_rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, Any]:
+def moe_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
     """Relative path -> object: every rank file of the checkpoint at `dp` ranks (experts stay where they are).
 
     The optimizer files are planned from the checkpoint model; the module file gets the new dp_world_size; the
@@ -541,7 +541,7 @@ def moe_rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, Any]:
     return files
 
 
-def _group_ep_sizes(ckpt: ZeroCheckpoint) -> list[int]:
+def _group_ep_sizes(ckpt: Checkpoint) -> list[int]:
     """Per param group: K of an `ep_size_K` MoE group, 1 for a dense group (its experts-DP group is every rank)."""
     out = []
     for pg in ckpt.optimizer.param_groups or []:
@@ -550,7 +550,7 @@ def _group_ep_sizes(ckpt: ZeroCheckpoint) -> list[int]:
     return out
 
 
-def _local_members(ckpt: ZeroCheckpoint, g: int, ep: int) -> list[list[Param]]:
+def _local_members(ckpt: Checkpoint, g: int, ep: int) -> list[list[Param]]:
     """Per expert-parallel rank: the params of group g it holds, in file order, under the names it gives them."""
     details = ckpt.layout.details
     layers = zip(details["moe_layers"], details["num_experts"], details["ep_sizes"], strict=True)
@@ -595,7 +595,7 @@ class MoeLayout:
     def claims(self, names: Sequence[str]) -> bool:
         return any(EXPERT_RE.match(n) or EXPERT_OPTIM_RE.match(n) for n in names)
 
-    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+    def read(self, loc: CheckpointLocation) -> Checkpoint:
         return read_moe(loc)
 
     def describe(self, parallel: dict[str, Any]) -> list[str]:
@@ -605,16 +605,16 @@ class MoeLayout:
         expert_dp = ", ".join(map(str, (parallel.get("expert_dp") or {}).values()))
         return [f"experts        {per_layer} (EP {parallel.get('ep')}, expert-DP {expert_dp})"]
 
-    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+    def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         check_moe_reshard(ckpt, universal=target.universal, stage=target.stage, dp=target.dp)
 
-    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
         raise UnsupportedCheckpointError(
             f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}); writing it in the "
             "universal format is not supported yet"
         )
 
-    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+    def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         if target.dp is None:
             return self.universal_files(ckpt)
         return moe_rank_files(ckpt, target.dp, target.stage)

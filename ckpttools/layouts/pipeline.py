@@ -1,4 +1,4 @@
-"""Read a DeepSpeed PipelineModule (pipeline-parallel) checkpoint into one whole-model `ZeroCheckpoint`.
+"""Read a DeepSpeed PipelineModule (pipeline-parallel) checkpoint into one whole-model `Checkpoint`.
 
 A pipeline save of S stages x DP ranks holds, in the tag folder:
   - `mp_rank_{s:02d}_model_states.pt` per stage s: `module` is None; `param_shapes` names the stage's trainable
@@ -43,7 +43,7 @@ from ckpttools.layouts.rankfile import (
 from ckpttools.layouts.universal import param_files
 from ckpttools.layouts.zero.read import Zero12Reader
 from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
-from ckpttools.model.checkpoint import MASTER, Param, TensorSource, ZeroCheckpoint
+from ckpttools.model.checkpoint import MASTER, Checkpoint, Param, TensorSource
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
@@ -108,12 +108,12 @@ def pipeline_files(names: Sequence[str], where: str) -> PipelineFiles:
     return PipelineFiles(stages, optims, layers)
 
 
-def read_pipeline(loc: CheckpointLocation) -> ZeroCheckpoint:
+def read_pipeline(loc: CheckpointLocation) -> Checkpoint:
     """Open a pipeline-parallel checkpoint: every stage checked, merged into whole-model keys.
 
     A tied param (`tied_modules.*`) has an fp32 master and optimizer state on every stage that uses it; the
     merged checkpoint takes the first stage's (the copies need not be bit-identical: every stage's own is in
-    `slices`, one ZeroCheckpoint per stage). `layout_files` lists the layer files (the same at any DP size).
+    `slices`, one Checkpoint per stage). `layout_files` lists the layer files (the same at any DP size).
 
     Raises:
         CheckpointNotFoundError: a stage, optimizer or layer file is missing (named).
@@ -141,7 +141,7 @@ def read_pipeline(loc: CheckpointLocation) -> ZeroCheckpoint:
     return ckpt
 
 
-def read_pipeline_stages(loc: CheckpointLocation) -> list[ZeroCheckpoint]:
+def read_pipeline_stages(loc: CheckpointLocation) -> list[Checkpoint]:
     """Every stage as a checkpoint of its own (`slices`: the stage's whole-model keys, its optimizer files, its
     stage file as stored): what a per-stage reshard works on. Checked exactly as `read_pipeline` checks."""
     return read_pipeline(loc).slices
@@ -415,11 +415,11 @@ def _prefixes(st: _StageNames) -> tuple[str, ...]:
 def _merge(
     loc: CheckpointLocation,
     stages: Sequence[RankFile],
-    parts: Sequence[ZeroCheckpoint],
+    parts: Sequence[Checkpoint],
     optims: Sequence[Sequence[RankFile]],
     layers: _Layers,
     reader: RecordReader,
-) -> ZeroCheckpoint:
+) -> Checkpoint:
     for s, part in enumerate(parts):
         _check_slice_names(optims[s], part)
     firsts = [o[0] for o in optims]
@@ -443,7 +443,7 @@ def _merge(
             buffers.setdefault(name, src)
     keys = _whole_model_keys([p.keys for p in parts])
     p0 = parts[0]
-    return ZeroCheckpoint(
+    return Checkpoint(
         location=loc,
         zero_stage=1,
         dp_world_size=p0.dp_world_size,
@@ -466,7 +466,7 @@ def _merge(
     )
 
 
-def _check_slice_names(optims: Sequence[RankFile], part: ZeroCheckpoint) -> None:
+def _check_slice_names(optims: Sequence[RankFile], part: Checkpoint) -> None:
     """Each optimizer file names the params of its slice: they must be its stage's (a swapped file is not)."""
     by_group: dict[int, set[str]] = {}
     for p in part.params:
@@ -491,7 +491,7 @@ def _whole_model_keys(stage_keys: Sequence[Sequence[str]]) -> list[str]:
     return [*tied, *(k for keys in stage_keys for k in keys if not k.startswith(TIED))]
 
 
-def pipeline_layout(pp: int, dp: int, parts: Sequence[ZeroCheckpoint], layers: _Layers) -> ParallelLayout:
+def pipeline_layout(pp: int, dp: int, parts: Sequence[Checkpoint], layers: _Layers) -> ParallelLayout:
     tied: dict[str, dict[str, Any]] = {}
     for s, part in enumerate(parts):
         for name in part.keys:
@@ -513,7 +513,7 @@ def pipeline_layout(pp: int, dp: int, parts: Sequence[ZeroCheckpoint], layers: _
 # --- The universal format ------------------------------------------------------------------------------------
 
 
-def pipeline_universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+def pipeline_universal_files(ckpt: Checkpoint) -> dict[str, Any]:
     """Relative path -> object: DeepSpeed's universal layout of a ZeRO-1 pipeline checkpoint.
 
     A universal load (`load_universal`) never reads the layer files (`_load_checkpoint` skips
@@ -543,7 +543,7 @@ def pipeline_universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     return files
 
 
-def _check_tied_copies_equal(ckpt: ZeroCheckpoint) -> None:
+def _check_tied_copies_equal(ckpt: Checkpoint) -> None:
     """Every stage's copy of a tied param (master and each state) must be bit-identical to the first stage's:
     the universal folder holds one, which every stage then loads."""
     first: dict[str, tuple[int, Param]] = {}
@@ -576,7 +576,7 @@ class PipelineLayout:
     def claims(self, names: Sequence[str]) -> bool:
         return any(PIPE_LAYER_RE.match(n) for n in names)
 
-    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+    def read(self, loc: CheckpointLocation) -> Checkpoint:
         return read_pipeline(loc)
 
     def describe(self, parallel: dict[str, Any]) -> list[str]:
@@ -590,7 +590,7 @@ class PipelineLayout:
         )
         return [f"stages         {stages or parallel.get('pp')}"] + ([f"tied modules   {tied}"] if tied else [])
 
-    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+    def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         check_sliced_reshard(ckpt, target, self.title)
         zero = ckpt.ds_config.get("zero_optimization")
         if (zero.get("stage", 0) if isinstance(zero, dict) else 0) == 0:
@@ -601,10 +601,10 @@ class PipelineLayout:
                 "is not supported (consolidate works)"
             )
 
-    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
         return pipeline_universal_files(ckpt)
 
-    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+    def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         if target.dp is None:
             return pipeline_universal_files(ckpt)
         return sliced_tag_files(ckpt, target)

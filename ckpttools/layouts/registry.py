@@ -16,7 +16,7 @@ from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.layouts.base import Layout
 from ckpttools.layouts.locate import classify_tag_files, find_tag_folder
 from ckpttools.layouts.universal import is_universal, read_universal, resolve_root
-from ckpttools.model.checkpoint import ZeroCheckpoint
+from ckpttools.model.checkpoint import Checkpoint
 from ckpttools.model.origin import CheckpointLocation
 
 # Detection order: the first whose LAYOUT claims a tag folder's file names reads it (one line per layout).
@@ -48,7 +48,7 @@ def layout_named(kind: str) -> Layout:
     raise UnsupportedCheckpointError(f"no layout named {kind!r} in this version of ckpttools")
 
 
-def layout_of(ckpt: ZeroCheckpoint) -> Layout:
+def layout_of(ckpt: Checkpoint) -> Layout:
     """The plug-in that read `ckpt` (universal folders: the layout of the run that wrote them)."""
     return layout_named(ckpt.layout.kind)
 
@@ -67,7 +67,7 @@ def locate(
 
 def open_checkpoint(
     path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
-) -> ZeroCheckpoint:
+) -> Checkpoint:
     """A native checkpoint of any supported layout (save_dir, Trainer folder or output_dir, tag folder), or a
     universal one."""
     path = Path(path)
@@ -90,7 +90,7 @@ def checkpoint_root(
 
 def read_checkpoint(
     path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
-) -> ZeroCheckpoint:
+) -> Checkpoint:
     """Open a native checkpoint of any layout and check everything its files say about each other.
 
     Args:
@@ -110,6 +110,6 @@ def read_checkpoint(
     return read_located(locate(Path(path), tag=tag, step=step, best=best))
 
 
-def read_located(loc: CheckpointLocation) -> ZeroCheckpoint:
+def read_located(loc: CheckpointLocation) -> Checkpoint:
     """Open a located tag folder with the reader of its layout."""
     return layout_named(loc.files.layout).read(loc)

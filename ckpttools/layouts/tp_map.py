@@ -18,7 +18,7 @@ from ckpttools.layouts.rankfile import (
     RankFile,
     param_shapes_of,
 )
-from ckpttools.model.checkpoint import ZeroCheckpoint
+from ckpttools.model.checkpoint import Checkpoint
 
 AFFINE_MAP_VERSION = 1
 
@@ -51,7 +51,7 @@ class TensorPlan:
 # --- The map: how TP shards make full tensors ---------------------------------------------------------------
 
 
-def tensor_plans(models: Sequence[RankFile], ranks: Sequence[ZeroCheckpoint]) -> dict[str, TensorPlan]:
+def tensor_plans(models: Sequence[RankFile], ranks: Sequence[Checkpoint]) -> dict[str, TensorPlan]:
     """A plan for every parameter (trained or frozen) of the module, from TP rank 0's map."""
     return _plans_of(models[0], {name: [_local_shape(c, name) for c in ranks] for name in _param_names(ranks[0])})
 
@@ -354,13 +354,13 @@ def _tiled(f0: RankFile, name: str, logical: tuple[int, ...], shape: tuple[int, 
     return runs
 
 
-def _param_names(ckpt: ZeroCheckpoint) -> list[str]:
+def _param_names(ckpt: Checkpoint) -> list[str]:
     """Every parameter of the module (trained and frozen), in state-dict order."""
     masters = ckpt.masters
     return [k for k in ckpt.keys if k in masters or (k in ckpt.bit16 and k not in ckpt.shared_params)]
 
 
-def _local_shape(ckpt: ZeroCheckpoint, name: str) -> tuple[int, ...]:
+def _local_shape(ckpt: Checkpoint, name: str) -> tuple[int, ...]:
     src = ckpt.masters.get(name) or ckpt.bit16.get(name)
     if src is None:
         raise CorruptCheckpointError(f"{ckpt.location.tag_dir}: a TP rank's files lack parameter {name}")

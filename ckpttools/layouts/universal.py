@@ -35,11 +35,11 @@ from ckpttools.layouts.tp_map import full_shapes
 from ckpttools.layouts.zero.read import zero3_frozen, zero3_optimizer_parts, zero12_bit16
 from ckpttools.model.checkpoint import (
     MASTER,
+    Checkpoint,
     OptimizerState,
     Param,
     Segment,
     TensorSource,
-    ZeroCheckpoint,
     strip_prefixes,
 )
 from ckpttools.model.origin import CheckpointLocation, TagFiles
@@ -70,7 +70,7 @@ def resolve_root(path: Path, tag: str | None) -> tuple[Path, str]:
     return path, check_tag_name(tag)
 
 
-def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoint:
+def read_universal(path: Path | str, *, tag: str | None = None) -> Checkpoint:
     """Open a universal checkpoint (root or tag folder) into the validated checkpoint model.
 
     Raises:
@@ -113,7 +113,7 @@ def read_universal(path: Path | str, *, tag: str | None = None) -> ZeroCheckpoin
     prefix = "bf16_" if dict_at(ds_config, "bf16").get("enabled") else ""
     files = TagFiles({i: m.path.name for i, m in enumerate(models)}, {}, prefix, stage == 3)
     side = [name for name in ("config.json", *HF_SIDE_FILES) if (root / name).is_file()]
-    return ZeroCheckpoint(
+    return Checkpoint(
         location=CheckpointLocation(root, tag, tag_dir, files, None, side),
         zero_stage=stage,
         dp_world_size=dp,
@@ -301,7 +301,7 @@ def param_files(params: Sequence[Param], group_scalars: Sequence[dict[str, Any]]
     return files
 
 
-def universal_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+def universal_files(ckpt: Checkpoint) -> dict[str, Any]:
     """Relative path -> object: the universal layout of a checkpoint, one folder per parameter.
 
     Every state file is `{"param": full-shape tensor, "cat_dim": 0}`, for all stages, under the optimizer's

@@ -44,7 +44,7 @@ from ckpttools.layouts.rankfile import (
     state_entries,
     train_dtype_of,
 )
-from ckpttools.model.checkpoint import OptimizerState, Param, Segment, TensorSource, ZeroCheckpoint
+from ckpttools.model.checkpoint import Checkpoint, OptimizerState, Param, Segment, TensorSource
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
@@ -56,8 +56,8 @@ COMPARE_END_ELEMS = 4096  # larger ones at both ends
 MAX_SEARCH_STATES = 200_000
 
 
-def read_zero0(loc: CheckpointLocation) -> ZeroCheckpoint:
-    """Open a stage-0 tag folder (`mp_rank_00_model_states.pt` holding `optimizer`) into a `ZeroCheckpoint`.
+def read_zero0(loc: CheckpointLocation) -> Checkpoint:
+    """Open a stage-0 tag folder (`mp_rank_00_model_states.pt` holding `optimizer`) into a `Checkpoint`.
 
     Raises:
         CorruptCheckpointError: missing keys, shapes or dtypes that do not fit, steps that disagree.
@@ -414,7 +414,7 @@ def _checkpoint(
     params: list[Param],
     frozen_names: list[str],
     dp: int,
-) -> ZeroCheckpoint:
+) -> Checkpoint:
     by_name = {p.name: p for p in params}
     train_dtype = train_dtype_of(mod.tensors, by_name)
     if (w.kind == "torch") != (train_dtype == dtypes.FLOAT32):
@@ -426,7 +426,7 @@ def _checkpoint(
     if w.kind != "torch":
         bit16.update({n: module_tensor(f, n, mod.tensors[n], "trainable") for n in by_name})
     check_ties_and_keys(f, mod, by_name, {n: bit16[n] for n in frozen_names})
-    return ZeroCheckpoint(
+    return Checkpoint(
         location=loc,
         zero_stage=0,
         dp_world_size=dp,
@@ -461,14 +461,14 @@ def _optimizer_state(w: _Wrapper) -> OptimizerState:
 # --- Resharding ------------------------------------------------------------------------------------------------
 
 
-def zero0_rank_files(ckpt: ZeroCheckpoint, dp: int) -> dict[str, Any]:
+def zero0_rank_files(ckpt: Checkpoint, dp: int) -> dict[str, Any]:
     """What `reshard --dp M` writes for a stage-0 checkpoint: the one model-states file, unchanged but for
     dp_world_size. Stage 0 keeps the whole optimizer state on every rank and DeepSpeed's load_checkpoint checks no
     DP size without ZeRO, so the file loads at any DP as it is; dp_world_size is kept truthful."""
     return {MODEL_FILE: {**ckpt.model_state, "dp_world_size": dp}}
 
 
-def check_zero0_reshard(ckpt: ZeroCheckpoint, *, universal: bool, stage: int | None) -> None:
+def check_zero0_reshard(ckpt: Checkpoint, *, universal: bool, stage: int | None) -> None:
     """What `reshard` cannot write for a stage-0 checkpoint, refused before anything is written.
 
     DeepSpeed has no universal checkpoint without ZeRO: `ds_to_universal` wants `*_optim_states.pt` files, and
@@ -499,22 +499,22 @@ class ZeroZeroLayout:
         has_optim = any(OPTIM_RE.match(n) or ZERO3_MODEL_RE.match(n) for n in names)
         return not has_optim and model_parallel_ranks(names) == {0}
 
-    def read(self, loc: CheckpointLocation) -> ZeroCheckpoint:
+    def read(self, loc: CheckpointLocation) -> Checkpoint:
         return read_zero0(loc)
 
     def describe(self, parallel: dict[str, Any]) -> list[str]:
         return []
 
-    def check_reshard(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> None:
+    def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         check_zero0_reshard(ckpt, universal=target.universal, stage=target.stage)
 
-    def universal_files(self, ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
         raise UnsupportedCheckpointError(
             f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}); writing it in the "
             "universal format is not supported yet"
         )
 
-    def tag_files(self, ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+    def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         if target.dp is None:
             return self.universal_files(ckpt)
         return zero0_rank_files(ckpt, target.dp)

@@ -81,8 +81,14 @@ class OptimizerState:
 
 
 @dataclass
-class ZeroCheckpoint:
-    """A parsed, validated ZeRO checkpoint. `keys` is the model's state-dict order (without prefixes)."""
+class Checkpoint:
+    """A parsed, validated checkpoint, whatever layout read it: the tensors (`params` with their fp32 masters and
+    optimizer states, `bit16`, `buffers`) as segments of stored records, ties, the run's scalars, and the parallel
+    `layout`. `keys` is the model's state-dict order (without prefixes).
+
+    The facts a DeepSpeed save records about its run (zero_stage, dp_world_size, optimizer_kind, ds_version,
+    ds_config, model_files) are fields too: every layout read today is DeepSpeed's, and `reshard` writes them back.
+    """
 
     location: CheckpointLocation
     zero_stage: int
@@ -104,7 +110,7 @@ class ZeroCheckpoint:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     # Pipeline / tensor-parallel: per model-parallel rank (stage or TP rank), that slice as the data-parallel
     # ZeRO checkpoint its files hold (names as stored); resharding re-cuts each. Empty for plain DP.
-    slices: list[ZeroCheckpoint] = field(default_factory=list)
+    slices: list[Checkpoint] = field(default_factory=list)
     layout_files: list[str] = field(default_factory=list)  # DP-independent files of the layout, kept as they are
     replicas: list[Replica] = field(default_factory=list)  # checked by crosscheck.check_module_copies
 
@@ -156,6 +162,9 @@ class ZeroCheckpoint:
 
     def param_count(self) -> int:
         return sum(s.numel() for s in self.sources(dtypes.FLOAT32) if s.kind != "buffer")
+
+
+ZeroCheckpoint = Checkpoint  # the name of ckpttools 0.1, kept for code written against it
 
 
 def strip_prefixes(name: str) -> str:

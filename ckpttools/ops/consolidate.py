@@ -23,7 +23,7 @@ from ckpttools.io.staging import check_output_dir
 from ckpttools.io.torchfile import Record, RecordReader
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import open_checkpoint
-from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint
+from ckpttools.model.checkpoint import Checkpoint, TensorSource
 from ckpttools.ops import hf, peft
 from ckpttools.ranks import executor
 
@@ -94,7 +94,7 @@ class ConsolidateResult:
 
 
 def plan_tensors(
-    ckpt: ZeroCheckpoint, dtype: DType, *, hf_folder: bool, config: dict[str, Any] | None = None
+    ckpt: Checkpoint, dtype: DType, *, hf_folder: bool, config: dict[str, Any] | None = None
 ) -> tuple[list[OutputTensor], dict[str, str]]:
     """Output tensors in model order, and the tied aliases left out.
 
@@ -139,7 +139,7 @@ class _KeyCheck:
             self.proc.kill()
             self.proc.wait()
 
-    def problems(self, ckpt: ZeroCheckpoint, omitted: dict[str, str], notes: list[str]) -> None:
+    def problems(self, ckpt: Checkpoint, omitted: dict[str, str], notes: list[str]) -> None:
         if self.proc is None:
             return
         result = hf.finish_key_check(self.proc)
@@ -233,7 +233,7 @@ class _Consolidation:
     def run(self, path: Path, out_dir: Path | None, user_path: Callable[[Path], Path]) -> ConsolidateResult:
         opts = self.opts
 
-        def open_output() -> tuple[ZeroCheckpoint, Path]:
+        def open_output() -> tuple[Checkpoint, Path]:
             ckpt = open_checkpoint(path, **opts.select)
             root = ckpt.location.root
             return ckpt, executor.output_folder(out_dir, default_output_dir, root, user_path, opts.overwrite)
@@ -292,7 +292,7 @@ class _Consolidation:
 class _Output:
     """What a consolidation writes, planned before anything is: tensors, shards, the config and notes."""
 
-    ckpt: ZeroCheckpoint
+    ckpt: Checkpoint
     dtype: DType
     to: str
     model_config: hf.ModelConfig | None
@@ -331,7 +331,7 @@ class _Output:
 
 
 def _plan_output(
-    ckpt: ZeroCheckpoint, dtype: DType, to: str, max_shard_size: int | str, config: Path | str | None
+    ckpt: Checkpoint, dtype: DType, to: str, max_shard_size: int | str, config: Path | str | None
 ) -> _Output:
     model_config = hf.find_config(ckpt.location.root, config)  # read once, refused before writing
     tensors, omitted = plan_tensors(ckpt, dtype, hf_folder=model_config is not None,
@@ -350,18 +350,18 @@ _NO_CONFIG_NOTE = (
 )
 
 
-def _is_accelerate(ckpt: ZeroCheckpoint) -> bool:
+def _is_accelerate(ckpt: Checkpoint) -> bool:
     """accelerate's save_state: tag `pytorch_model`, RNG states as `random_states_N.pkl` (never loaded)."""
     loc = ckpt.location
     return loc.tag == "pytorch_model" and any(loc.root.glob("random_states_*.pkl"))
 
 
-def _param_count(tensors: list[OutputTensor], ckpt: ZeroCheckpoint) -> int:
+def _param_count(tensors: list[OutputTensor], ckpt: Checkpoint) -> int:
     """Parameters written, each tied weight counted once."""
     return sum(t.source.numel() for t in tensors if t.source.kind != "buffer" and t.name not in ckpt.shared_params)
 
 
-def source_summary(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+def source_summary(ckpt: Checkpoint) -> dict[str, Any]:
     return {
         "path": str(ckpt.location.root),
         "tag": ckpt.location.tag,
@@ -375,7 +375,7 @@ def source_summary(ckpt: ZeroCheckpoint) -> dict[str, Any]:
 
 def _write_hf_files(
     tmp: Path,
-    ckpt: ZeroCheckpoint,
+    ckpt: Checkpoint,
     shards: dict[str, list[OutputTensor]],
     tensors: list[OutputTensor],
     to: str,
@@ -388,7 +388,7 @@ def _write_hf_files(
     return files + hf.copy_side_files(root, [n for n in ckpt.location.side_files if n not in files], tmp)
 
 
-def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader, dtype: DType = dtypes.FLOAT32) -> list[str]:
+def compare_with_existing(ckpt: Checkpoint, reader: RecordReader, dtype: DType = dtypes.FLOAT32) -> list[str]:
     """Compare the 16-bit weights a Trainer saved beside the shards with what this consolidation writes."""
     files = hf.existing_weight_files(ckpt.location.root)
     if not files:
@@ -410,9 +410,7 @@ def compare_with_existing(ckpt: ZeroCheckpoint, reader: RecordReader, dtype: DTy
     return [f"the weights already saved beside the shards ({where}) match the shards exactly"]
 
 
-def _differences(
-    ckpt: ZeroCheckpoint, reader: RecordReader, dtype: DType, files: list[Path]
-) -> tuple[list[str], set[str]]:
+def _differences(ckpt: Checkpoint, reader: RecordReader, dtype: DType, files: list[Path]) -> tuple[list[str], set[str]]:
     import torch
     from safetensors import safe_open
 
@@ -443,7 +441,7 @@ class _PeftJob:
     """A PEFT run's outputs, planned for the executor: the adapter folder(s) save_pretrained writes, or the merged
     model. Both are written whole by rank 0 (`finish`): the adapters are small, the merge one pass."""
 
-    ckpt: ZeroCheckpoint
+    ckpt: Checkpoint
     out: Path
     dtype: DType
     max_shard_size: int | str

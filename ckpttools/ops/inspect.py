@@ -9,7 +9,7 @@ from typing import Any
 from ckpttools.io import dtypes
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import open_checkpoint
-from ckpttools.model.checkpoint import ZeroCheckpoint
+from ckpttools.model.checkpoint import Checkpoint
 from ckpttools.ops import hf
 from ckpttools.ops.consolidate import DTYPES, plan_tensors, source_summary
 
@@ -32,7 +32,7 @@ def _trainer_state(root: Path) -> dict[str, Any]:
     }
 
 
-def summarize(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     """Everything `ckpt inspect` reports, as plain JSON-able values."""
     loc = ckpt.location
     config_path = loc.root / "config.json"

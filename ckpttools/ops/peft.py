@@ -34,7 +34,7 @@ from ckpttools.io.safetensors_writer import (
 )
 from ckpttools.io.staging import WriteBehind
 from ckpttools.io.torchfile import RecordReader
-from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint
+from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -90,7 +90,7 @@ class PeftRun:
 # --- Detection and key naming ------------------------------------------------------------------------------
 
 
-def is_peft(ckpt: ZeroCheckpoint) -> bool:
+def is_peft(ckpt: Checkpoint) -> bool:
     """A PEFT run: adapter_config.json beside the checkpoint, or LoRA tensors among its names."""
     return (ckpt.location.root / ADAPTER_CONFIG).is_file() or any(_LORA.match(k) for k in ckpt.keys)
 
@@ -108,7 +108,7 @@ def saved_name(name: str, adapter: str) -> str:
     return f"{re.sub(re.escape('.' + adapter) + '$', '', head)}.{suffix}"
 
 
-def read_peft_run(ckpt: ZeroCheckpoint) -> PeftRun:
+def read_peft_run(ckpt: Checkpoint) -> PeftRun:
     """The adapters of a PEFT checkpoint, their configs (default at the root, others in sub-folders, as PEFT
     saves them) and the name each tensor is saved under.
 
@@ -136,7 +136,7 @@ def read_peft_run(ckpt: ZeroCheckpoint) -> PeftRun:
     return PeftRun(adapters, untracked)
 
 
-def trained_adapters(run: PeftRun, ckpt: ZeroCheckpoint) -> PeftRun:
+def trained_adapters(run: PeftRun, ckpt: Checkpoint) -> PeftRun:
     """The adapters the run trained (active ones: PEFT freezes the others), which merge_and_unload merges."""
     masters = ckpt.masters
     return PeftRun([a for a in run.adapters if any(n in masters for n in a.tensors)], run.untracked)
@@ -187,7 +187,7 @@ def base_name(name: str) -> str | None:
 # --- Adapter folders ---------------------------------------------------------------------------------------
 
 
-def adapter_tensors(ckpt: ZeroCheckpoint, adapter: Adapter, dtype: DType) -> list[OutputTensor]:
+def adapter_tensors(ckpt: Checkpoint, adapter: Adapter, dtype: DType) -> list[OutputTensor]:
     """The adapter's tensors under their saved names, in model order: fp32 masters for fp32 (as the run trained
     them), the engine's 16-bit weights otherwise."""
     by_name = {s.name: s for s in ckpt.sources(dtype)}
@@ -200,7 +200,7 @@ def adapter_tensors(ckpt: ZeroCheckpoint, adapter: Adapter, dtype: DType) -> lis
 
 
 def write_adapter_folder(
-    tmp: Path, ckpt: ZeroCheckpoint, adapter: Adapter, dtype: DType, reader: RecordReader,
+    tmp: Path, ckpt: Checkpoint, adapter: Adapter, dtype: DType, reader: RecordReader,
     on_progress: ProgressFn | None = None,
 ) -> list[str]:  # fmt: skip
     """adapter_model.safetensors, adapter_config.json and the model card, as save_pretrained writes them."""
@@ -261,7 +261,7 @@ class MergedTensor:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-def base_from_checkpoint(ckpt: ZeroCheckpoint) -> list[BaseTensor]:
+def base_from_checkpoint(ckpt: Checkpoint) -> list[BaseTensor]:
     """The base weights a run saved with its frozen params (ZeRO-2/3 frozen fragments, ZeRO-1 module).
 
     Raises:
@@ -280,7 +280,7 @@ def base_from_checkpoint(ckpt: ZeroCheckpoint) -> list[BaseTensor]:
     return out
 
 
-def _base_sources(ckpt: ZeroCheckpoint) -> list[TensorSource]:
+def _base_sources(ckpt: Checkpoint) -> list[TensorSource]:
     """Frozen params and buffers in model order, stored dtype (the frozen copies are the engine's 16-bit ones)."""
     out = []
     for name in ckpt.keys:
@@ -373,7 +373,7 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
 
 
 def plan_merge(
-    ckpt: ZeroCheckpoint, run: PeftRun, base: Sequence[BaseTensor], dtype: DType, tied: dict[str, str]
+    ckpt: Checkpoint, run: PeftRun, base: Sequence[BaseTensor], dtype: DType, tied: dict[str, str]
 ) -> list[MergedTensor]:
     """Every output tensor of the merged model, in the base model's order, with what changes it.
 
@@ -400,7 +400,7 @@ def plan_merge(
     return out
 
 
-def _lora_pairs(ckpt: ZeroCheckpoint, run: PeftRun) -> dict[str, list[LoraPair]]:
+def _lora_pairs(ckpt: Checkpoint, run: PeftRun) -> dict[str, list[LoraPair]]:
     sources = {s.name: s for s in ckpt.sources(dtypes.FLOAT32)}
     pairs: dict[str, list[LoraPair]] = {}
     for adapter in run.adapters:
@@ -436,7 +436,7 @@ def _lora_pairs(ckpt: ZeroCheckpoint, run: PeftRun) -> dict[str, list[LoraPair]]
     return pairs
 
 
-def _replacements(ckpt: ZeroCheckpoint, run: PeftRun) -> dict[str, TensorSource]:
+def _replacements(ckpt: Checkpoint, run: PeftRun) -> dict[str, TensorSource]:
     """modules_to_save: the trained copy replaces the base module's tensor (the first adapter's, if several)."""
     sources = {s.name: s for s in ckpt.sources(dtypes.FLOAT32)}
     out: dict[str, TensorSource] = {}
@@ -511,7 +511,7 @@ def write_merged_safetensors(
     return written
 
 
-def tied_aliases(base: Sequence[BaseTensor], config: dict[str, Any], ckpt: ZeroCheckpoint) -> dict[str, str]:
+def tied_aliases(base: Sequence[BaseTensor], config: dict[str, Any], ckpt: Checkpoint) -> dict[str, str]:
     """Tied aliases left out of the merged folder (save_pretrained stores a tied weight once)."""
     if config.get("tie_word_embeddings", True) is False:
         return {}

@@ -26,7 +26,7 @@ from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import layout_of, open_checkpoint
 from ckpttools.layouts.zero import stages
-from ckpttools.model.checkpoint import ZeroCheckpoint
+from ckpttools.model.checkpoint import Checkpoint
 from ckpttools.ops import hf
 from ckpttools.ranks import executor
 
@@ -199,7 +199,7 @@ def _agreed(group: ProcessGroup | None, fn: Callable[[], _T]) -> _T:
 class _Job:
     """What `reshard` writes, once its arguments and the checkpoint are checked."""
 
-    ckpt: ZeroCheckpoint
+    ckpt: Checkpoint
     dp: int | None  # None: universal output
     stage: int
     model_config: hf.ModelConfig | None
@@ -295,7 +295,7 @@ def _unit(name: str) -> str:
 
 
 def _plan_output(
-    ckpt: ZeroCheckpoint,
+    ckpt: Checkpoint,
     dp: int | None,
     stage: int,
     out_dir: Any,
@@ -336,7 +336,7 @@ def files_bytes(files: dict[str, Any]) -> int:
 
 
 def _finish_folder(
-    ckpt: ZeroCheckpoint,
+    ckpt: Checkpoint,
     dp: int | None,
     stage: int,
     tmp: Path,
@@ -392,12 +392,12 @@ def _tensor_bytes(obj: Any) -> int:
     return sum(t.numel() * t.dtype.itemsize for t in _tensors_in(obj))
 
 
-def universal_tag_files(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+def universal_tag_files(ckpt: Checkpoint) -> dict[str, Any]:
     """Relative path -> object: the universal tag folder of a checkpoint of any layout that has one."""
     return layout_of(ckpt).universal_files(ckpt)
 
 
-def _tag_files(ckpt: ZeroCheckpoint, dp: int | None, stage: int) -> dict[str, Any]:
+def _tag_files(ckpt: Checkpoint, dp: int | None, stage: int) -> dict[str, Any]:
     """Relative path in the tag folder -> object: every file the output's tag holds (dp None: universal)."""
     return layout_of(ckpt).tag_files(ckpt, ReshardTarget(dp, stage))
 

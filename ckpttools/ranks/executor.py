@@ -27,7 +27,7 @@ from ckpttools.ranks import nodelocal
 from ckpttools.ranks.distributed import check_records, plan_by_bytes
 
 if TYPE_CHECKING:
-    from ckpttools.model.checkpoint import ZeroCheckpoint
+    from ckpttools.model.checkpoint import Checkpoint
     from ckpttools.ranks.distributed import ProcessGroup
 
 R = TypeVar("R")
@@ -198,7 +198,7 @@ def _gathered(job: Job[R], group: ProcessGroup, holdings: list[nodelocal.Holding
         result = job.to_dict(job.run(view, None, user_path))
         return {**result, "world_size": group.world_size, "ranks": dict.fromkeys(result["files"], 0)}
 
-    def open_view(view: Path) -> ZeroCheckpoint:
+    def open_view(view: Path) -> Checkpoint:
         return open_checkpoint(view, **job.select)
 
     steps = nodelocal.GatherSteps(lambda v: checkpoint_root(v, **job.select), job.check_output, open_view, on_copy)

@@ -38,7 +38,7 @@ from ckpttools.errors import CkptError, CorruptCheckpointError, UnsafeCheckpoint
 from ckpttools.io import staging, threads, torchfile
 
 if TYPE_CHECKING:
-    from ckpttools.model.checkpoint import TensorSource, ZeroCheckpoint
+    from ckpttools.model.checkpoint import Checkpoint, TensorSource
     from ckpttools.ranks.distributed import ProcessGroup
 
 # Storage records up to this size travel with the skeleton (scalars, small params); CKPT_SKELETON_RECORD_MAX
@@ -249,9 +249,7 @@ def chunked(spans: Sequence[Span], chunk_bytes: int = CHUNK_BYTES) -> list[Span]
     return out
 
 
-def records_to_fetch(
-    ckpt: ZeroCheckpoint, absent: set[tuple[str, str]], *, optimizer_states: bool
-) -> set[tuple[str, str]]:
+def records_to_fetch(ckpt: Checkpoint, absent: set[tuple[str, str]], *, optimizer_states: bool) -> set[tuple[str, str]]:
     """The (file, record) holes a conversion of `ckpt` may read: those under its folder (a Trainer output_dir's
     other checkpoints are never read), for a reshard all of them, for a consolidation all but those only the
     optimizer moments use (most of the bytes)."""
@@ -474,7 +472,7 @@ class GatherSteps:
 
     locate: Callable[[Path], tuple[Path, str]]  # the checkpoint root and tag the command reads
     check_output: Callable[[Path], object]  # refuse the output folder (given the user's checkpoint root)
-    open: Callable[[Path], ZeroCheckpoint]  # read the checkpoint, as the command will
+    open: Callable[[Path], Checkpoint]  # read the checkpoint, as the command will
     # the one-process conversion of the copy of PATH, given a map from the copy's paths to the user's; its result
     convert: Callable[[Path, Callable[[Path], Path]], dict[str, Any]]
 

@@ -17,7 +17,7 @@ from ckpttools.io import dtypes
 from ckpttools.io.torchfile import DEEPSPEED_STUBS
 from ckpttools.io.torchwriter import Fill, NewTensor, Slice
 from ckpttools.layouts.zero import partition
-from ckpttools.model.checkpoint import MASTER, Param, TensorSource, ZeroCheckpoint
+from ckpttools.model.checkpoint import MASTER, Checkpoint, Param, TensorSource
 
 _FRAGMENT = DEEPSPEED_STUBS[("deepspeed.utils.tensor_fragment", "fragment_address")]
 Pieces = list[Slice | Fill]
@@ -78,11 +78,11 @@ def state_of(p: Param, key: str) -> TensorSource:
     return p.fp32 if key == MASTER else p.states[key]
 
 
-def group_params(ckpt: ZeroCheckpoint, g: int) -> list[Param]:
+def group_params(ckpt: Checkpoint, g: int) -> list[Param]:
     return [p for p in ckpt.params if p.group == g]
 
 
-def group_count(ckpt: ZeroCheckpoint) -> int:
+def group_count(ckpt: Checkpoint) -> int:
     return max(len(ckpt.optimizer.group_scalars), 1 + max((p.group for p in ckpt.params), default=-1))
 
 

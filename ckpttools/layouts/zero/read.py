@@ -54,11 +54,11 @@ from ckpttools.layouts.rankfile import (
 )
 from ckpttools.layouts.zero import partition
 from ckpttools.model.checkpoint import (
+    Checkpoint,
     OptimizerState,
     Param,
     Segment,
     TensorSource,
-    ZeroCheckpoint,
     shape_numel,
     strip_prefixes,
 )
@@ -66,7 +66,7 @@ from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
 
 
-def read_data_parallel(loc: CheckpointLocation) -> ZeroCheckpoint:
+def read_data_parallel(loc: CheckpointLocation) -> Checkpoint:
     """Read a located data-parallel ZeRO-1/2/3 tag folder (`sources.read_checkpoint` picks the reader)."""
     first = min(loc.files.model_files)
     model0 = RankFile(
@@ -121,7 +121,7 @@ class Zero12Reader:
         self.osds = [f.obj["optimizer_state_dict"] for f in optims]
         self.bf16_optimizer = "zero_stage" not in self.osds[0]
 
-    def read(self) -> ZeroCheckpoint:
+    def read(self) -> Checkpoint:
         f0 = self.model0
         mod = read_module(f0)
         groups = param_shapes_of(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
@@ -144,7 +144,7 @@ class Zero12Reader:
                 raise f0.fail(
                     f"{name} has shape {list(src.shape)} in the module but {list(by_name[name].shape)} in param_shapes"
                 )
-        return ZeroCheckpoint(
+        return Checkpoint(
             location=self.loc,
             zero_stage=self.stage,
             dp_world_size=self.dp,
@@ -349,7 +349,7 @@ class _Zero3Reader:
         self.loc, self.models, self.optims, self.dp, self.reader = loc, models, optims, dp, reader
         self.osds = [f.obj["optimizer_state_dict"] for f in optims]
 
-    def read(self) -> ZeroCheckpoint:
+    def read(self) -> Checkpoint:
         f0 = self.models[0]
         mod = read_module(f0)
         self._check_ranks_agree()
@@ -371,7 +371,7 @@ class _Zero3Reader:
         drop_excluded_ties(self.loc, mod, by_name, frozen)
         check_ties(f0, mod, by_name, frozen)
         check_module_keys(f0, mod, by_name, frozen)
-        return ZeroCheckpoint(
+        return Checkpoint(
             location=self.loc,
             zero_stage=3,
             dp_world_size=self.dp,

@@ -20,13 +20,13 @@ from typing import Any
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.io.torchfile import TorchSize, ZeroStageEnum
 from ckpttools.io.torchwriter import NewTensor, whole_tensor
-from ckpttools.model.checkpoint import ZeroCheckpoint, strip_prefixes
+from ckpttools.model.checkpoint import Checkpoint, strip_prefixes
 
 ZERO12_ONLY = ("group_paddings", "param_alignment_paddings", "clip_grad", "ds_version", "param_slice_mappings")
 ZERO3_ONLY = ("fp32_flat_groups",)
 
 
-def check_stage_change(ckpt: ZeroCheckpoint, stage: int) -> None:
+def check_stage_change(ckpt: Checkpoint, stage: int) -> None:
     """Refuse, by name, what a stage change cannot carry over."""
     where = ckpt.location.tag_dir
     if ckpt.optimizer_kind == "bf16_optimizer":
@@ -42,7 +42,7 @@ def check_stage_change(ckpt: ZeroCheckpoint, stage: int) -> None:
         )
 
 
-def _zero_config(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+def _zero_config(ckpt: Checkpoint) -> dict[str, Any]:
     zero = (ckpt.optimizer.file_meta.get("ds_config") or {}).get("zero_optimization")
     return zero if isinstance(zero, dict) else {}
 
@@ -55,7 +55,7 @@ def ds_config_at(config: Any, stage: int) -> Any:
     return {**config, "zero_optimization": {**(zero if isinstance(zero, dict) else {}), "stage": stage}}
 
 
-def optimizer_common(ckpt: ZeroCheckpoint, stage: int) -> dict[str, Any]:
+def optimizer_common(ckpt: Checkpoint, stage: int) -> dict[str, Any]:
     """The optimizer's unsharded entries (loss scaler, overflow, ...) as stage `stage` saves them."""
     common = {k: v for k, v in ckpt.optimizer.common.items() if k != "param_groups"}
     if (ckpt.zero_stage == 3) == (stage == 3):
@@ -68,25 +68,25 @@ def optimizer_common(ckpt: ZeroCheckpoint, stage: int) -> dict[str, Any]:
     return {**common, "zero_stage": ZeroStageEnum(stage)}
 
 
-def file_meta_at(ckpt: ZeroCheckpoint, stage: int) -> dict[str, Any]:
+def file_meta_at(ckpt: Checkpoint, stage: int) -> dict[str, Any]:
     meta = dict(ckpt.optimizer.file_meta)
     if "ds_config" in meta:
         meta["ds_config"] = ds_config_at(meta["ds_config"], stage)
     return meta
 
 
-def _raw_module(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+def _raw_module(ckpt: Checkpoint) -> dict[str, Any]:
     module = ckpt.model_state.get("module")
     return module if isinstance(module, dict) else {}
 
 
-def _frozen_raw(ckpt: ZeroCheckpoint) -> list[str]:
+def _frozen_raw(ckpt: Checkpoint) -> list[str]:
     """The frozen params by their raw (stored) names, in module order."""
     frozen = set(ckpt.frozen_names)
     return [raw for raw in _raw_module(ckpt) if strip_prefixes(raw) in frozen]
 
 
-def zero12_model_state(ckpt: ZeroCheckpoint, stage: int, dp: int) -> dict[str, Any]:
+def zero12_model_state(ckpt: Checkpoint, stage: int, dp: int) -> dict[str, Any]:
     """The ZeRO-`stage` (1 or 2) `mp_rank_00_model_states.pt` of this checkpoint at `dp` ranks."""
     model0 = ckpt.model_state
     module = OrderedDict()
@@ -126,7 +126,7 @@ def zero12_model_state(ckpt: ZeroCheckpoint, stage: int, dp: int) -> dict[str, A
     }
 
 
-def zero3_module(ckpt: ZeroCheckpoint) -> tuple[OrderedDict[str, Any], OrderedDict[str, TorchSize]]:
+def zero3_module(ckpt: Checkpoint) -> tuple[OrderedDict[str, Any], OrderedDict[str, TorchSize]]:
     """The module of a ZeRO-3 model-states file (parameters as empty placeholders), and its frozen shapes."""
     module = OrderedDict()
     placeholders: dict[str, NewTensor] = {}

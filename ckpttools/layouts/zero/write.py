@@ -29,7 +29,7 @@ from ckpttools.layouts.zero.pieces import (
     pieces_of,
     state_of,
 )
-from ckpttools.model.checkpoint import MASTER, Param, TensorSource, ZeroCheckpoint, strip_prefixes
+from ckpttools.model.checkpoint import MASTER, Checkpoint, Param, TensorSource, strip_prefixes
 
 DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 
@@ -37,7 +37,7 @@ DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_grou
 # --- Native ZeRO-1/2 rank files -----------------------------------------------------------------------------
 
 
-def _zero12_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _zero12_files(ckpt: Checkpoint, dp: int, stage: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     opt = ckpt.optimizer
     bf16_optimizer = ckpt.optimizer_kind == "bf16_optimizer"
     num_groups = group_count(ckpt)
@@ -100,7 +100,7 @@ def _zero3_slice(flat: Flat, numel: int, dp: int, rank: int) -> Pieces:
     return padded(flat.take(rank * p, n) if n else [], p - n)
 
 
-def _sub_group_size(ckpt: ZeroCheckpoint) -> int:
+def _sub_group_size(ckpt: Checkpoint) -> int:
     zero_cfg = (ckpt.optimizer.file_meta.get("ds_config") or {}).get("zero_optimization") or {}
     try:
         size = int(float(zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
@@ -111,7 +111,7 @@ def _sub_group_size(ckpt: ZeroCheckpoint) -> int:
     return max(size, 1)
 
 
-def _zero3_files(ckpt: ZeroCheckpoint, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _zero3_files(ckpt: Checkpoint, dp: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     changed = ckpt.zero_stage != 3
     opt = ckpt.optimizer
     groups = opt.param_groups or []
@@ -174,7 +174,7 @@ def _own_copy(value: Any) -> Any:
     return value
 
 
-def _zero3_model_files(ckpt: ZeroCheckpoint, subgroups: list[list[Param]], dp: int) -> list[dict[str, Any]]:
+def _zero3_model_files(ckpt: Checkpoint, subgroups: list[list[Param]], dp: int) -> list[dict[str, Any]]:
     flats = _Flats()
     model0 = ckpt.model_files[0]
     param_shapes = [OrderedDict((p.file_name, TorchSize(p.shape)) for p in members) for members in subgroups]
@@ -196,7 +196,7 @@ def _zero3_model_files(ckpt: ZeroCheckpoint, subgroups: list[list[Param]], dp: i
     return files
 
 
-def rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int, mp: int = 0) -> dict[str, Any]:
+def rank_files(ckpt: Checkpoint, dp: int, stage: int, mp: int = 0) -> dict[str, Any]:
     """The optimizer and model-states files of one model-parallel slice (`mp`: stage or TP rank) at `dp` ranks."""
     if ckpt.zero_stage == 0:
         return zero0.zero0_rank_files(ckpt, dp)
@@ -217,7 +217,7 @@ def model_file_name(stage: int, rank: int, mp: int = 0) -> str:
     )
 
 
-def sliced_rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, Any]:
+def sliced_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
     """Pipeline / tensor-parallel: every slice re-cut on its own, the layout's other files kept."""
     files: dict[str, Any] = {}
     for mp, part in enumerate(ckpt.slices):
@@ -228,7 +228,7 @@ def sliced_rank_files(ckpt: ZeroCheckpoint, dp: int, stage: int) -> dict[str, An
 # --- Layouts made of data-parallel slices (pipeline stages, TP ranks) -----------------------------------------
 
 
-def check_sliced_reshard(ckpt: ZeroCheckpoint, target: ReshardTarget, title: str) -> None:
+def check_sliced_reshard(ckpt: Checkpoint, target: ReshardTarget, title: str) -> None:
     """What a layout of DP slices (pipeline stages, TP ranks) can be resharded to: another DP size, slice by slice,
     from the native checkpoint at its own ZeRO stage."""
     what = f"{ckpt.location.tag_dir} is a {title} checkpoint ({ckpt.layout.describe()})"
@@ -243,7 +243,7 @@ def check_sliced_reshard(ckpt: ZeroCheckpoint, target: ReshardTarget, title: str
         raise UnsupportedCheckpointError(f"{what}; --stage is supported for data-parallel checkpoints only")
 
 
-def sliced_tag_files(ckpt: ZeroCheckpoint, target: ReshardTarget) -> dict[str, Any]:
+def sliced_tag_files(ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
     """Every slice re-cut for `target.dp` ranks, and the layout's DP-independent files (layer files, TP model
     files) rewritten, not copied: every record's CRC is checked on the way."""
     assert target.dp is not None
