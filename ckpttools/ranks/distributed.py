@@ -19,6 +19,8 @@ import json
 import os
 import re
 import socket
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -352,21 +354,49 @@ def join_group(launch: Launch, timeout_s: float | None = None, rendezvous_s: flo
         rendezvous_s = _env_seconds("CKPT_RENDEZVOUS_TIMEOUT", DEFAULT_RENDEZVOUS_S)
     store = _rendezvous(launch, rendezvous_s)
     try:
-        _interruptible(
-            lambda: dist.init_process_group(
-                "gloo",
-                store=dist.PrefixStore("group", store),
-                rank=launch.rank,
-                world_size=launch.world_size,
-                timeout=timedelta(seconds=timeout_s),
+        with _gloo_connect_noise_held_back():
+            _interruptible(
+                lambda: dist.init_process_group(
+                    "gloo",
+                    store=dist.PrefixStore("group", store),
+                    rank=launch.rank,
+                    world_size=launch.world_size,
+                    timeout=timedelta(seconds=timeout_s),
+                )
             )
-        )
     except Exception as e:  # every rank joined, yet the group failed: one line, not a traceback
         raise CkptError(
             f"rank {launch.rank} cannot join the group at {_where(launch)} ({type(e).__name__}: "
             f"{' '.join(str(e).split())[:200]})"
         ) from e
     return ProcessGroup(launch, dist)
+
+
+# What gloo's C++ transport writes to fd 2 while it connects the group: one line per failed attempt to reach a rank
+# that died, and the failure itself; the one line `join_group` raises names the cause already.
+_GLOO_CONNECT_NOISE = re.compile(
+    r"gloo/transport/tcp/\S+:\d+\] ERROR failed to connect|ProcessGroupGloo\.cpp:\d+\] Gloo connectFullMesh failed"
+)
+
+
+@contextlib.contextmanager
+def _gloo_connect_noise_held_back() -> Iterator[None]:
+    """Hold fd 2 in a file while the group connects, then pass on every line but gloo's connect retries."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
+                    if not _GLOO_CONNECT_NOISE.search(line)]  # fmt: skip
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 def _interruptible(call: Callable[[], object]) -> None:
