@@ -381,22 +381,26 @@ _GLOO_CONNECT_NOISE = re.compile(
 
 @contextlib.contextmanager
 def _gloo_connect_noise_held_back() -> Iterator[None]:
-    """Hold fd 2 in a file while the group connects, then pass on every line but gloo's connect retries."""
-    sys.stderr.flush()
+    """Hold what native code writes to fd 2 while the group connects, then pass on every line but gloo's connect
+    retries. Python's own stderr keeps writing to the real stream meanwhile (a signal's one line goes out once)."""
+    python_stderr = sys.stderr
+    python_stderr.flush()
     saved = os.dup(2)
     with tempfile.TemporaryFile() as held:
+        sys.stderr = open(saved, "w", closefd=False, buffering=1, errors="backslashreplace")  # noqa: SIM115
         os.dup2(held.fileno(), 2)
         try:
             yield
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
+            sys.stderr = python_stderr
             os.close(saved)
             held.seek(0)
             kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
                     if not _GLOO_CONNECT_NOISE.search(line)]  # fmt: skip
-            sys.stderr.write("".join(kept))
-            sys.stderr.flush()
+            python_stderr.write("".join(kept))
+            python_stderr.flush()
 
 
 def _interruptible(call: Callable[[], object]) -> None:
