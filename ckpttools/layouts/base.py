@@ -79,10 +79,15 @@ class ReadOnlyLayout:
         )
 
     def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
-        raise UnsupportedCheckpointError(
-            f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}); writing it in the "
-            "universal format is not supported yet"
-        )
+        raise no_universal_form(ckpt, self.title)
 
     def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         raise AssertionError("check_reshard refuses first")  # pragma: no cover
+
+
+def no_universal_form(ckpt: Checkpoint, title: str) -> UnsupportedCheckpointError:
+    """The refusal of a layout that has no universal form (yet): what its `universal_files` raises."""
+    return UnsupportedCheckpointError(
+        f"{ckpt.location.tag_dir} is a {title} checkpoint ({ckpt.layout.describe()}); writing it in the universal "
+        "format is not supported yet"
+    )

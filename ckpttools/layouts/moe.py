@@ -33,7 +33,7 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import RecordReader, load_pickle
-from ckpttools.layouts.base import ReshardTarget
+from ckpttools.layouts.base import ReshardTarget, no_universal_form
 from ckpttools.layouts.locate import EXPERT_OPTIM_RE, EXPERT_RE, MODEL_RE
 from ckpttools.layouts.rankfile import (
     MODEL_KEYS,
@@ -609,10 +609,7 @@ class MoeLayout:
         check_moe_reshard(ckpt, universal=target.universal, stage=target.stage, dp=target.dp)
 
     def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
-        raise UnsupportedCheckpointError(
-            f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}); writing it in the "
-            "universal format is not supported yet"
-        )
+        raise no_universal_form(ckpt, self.title)
 
     def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         if target.dp is None:

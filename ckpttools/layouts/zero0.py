@@ -25,7 +25,7 @@ from typing import Any
 from ckpttools.errors import UnsupportedCheckpointError, UsageError, short
 from ckpttools.io import dtypes
 from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
-from ckpttools.layouts.base import ReshardTarget
+from ckpttools.layouts.base import ReshardTarget, no_universal_form
 from ckpttools.layouts.crosscheck import OpenFiles, casts_equal, read_elements
 from ckpttools.layouts.locate import OPTIM_RE, ZERO3_MODEL_RE, model_parallel_ranks
 from ckpttools.layouts.rankfile import (
@@ -509,10 +509,7 @@ class ZeroZeroLayout:
         check_zero0_reshard(ckpt, universal=target.universal, stage=target.stage)
 
     def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
-        raise UnsupportedCheckpointError(
-            f"{ckpt.location.tag_dir} is a {self.title} checkpoint ({ckpt.layout.describe()}); writing it in the "
-            "universal format is not supported yet"
-        )
+        raise no_universal_form(ckpt, self.title)
 
     def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         if target.dp is None:
