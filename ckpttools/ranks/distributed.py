@@ -392,9 +392,11 @@ def _gloo_connect_noise_held_back() -> Iterator[None]:
         try:
             yield
         finally:
-            sys.stderr.flush()
+            replacement = sys.stderr
+            replacement.flush()
             os.dup2(saved, 2)
             sys.stderr = python_stderr
+            replacement.close()  # the wrapper only: closefd=False leaves `saved` to the next line
             os.close(saved)
             held.seek(0)
             kept = [line for line in held.read().decode(errors="replace").splitlines(keepends=True)
