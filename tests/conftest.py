@@ -73,6 +73,9 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_threads.py": (UNIT,),
     "test_torchfile.py": (UNIT,),
     "test_tp_map.py": (UNIT,),
+    "test_dcp_metadata.py": (UNIT,),
+    "test_legacy_serialization.py": (UNIT,),
+    "test_remote_source.py": (UNIT,),
     # the commands on the fixture matrix, in this process or as `ckpt` subprocesses
     "test_cli.py": (),
     "test_cli_boundary.py": (),
@@ -92,6 +95,8 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_verify.py": (),
     "test_verify_adapter.py": (),
     "test_verify_counts.py": (),
+    "test_dcp.py": (),  # FSDP2 / torch DCP input, against torch's dcp_to_torch_save and accelerate
+    "test_remote.py": (),  # s3:// and hf:// sources against local servers started by the tests
     # against DeepSpeed's own converters and loaders
     "test_ds_to_universal.py": (DEEPSPEED,),
     "test_reshard.py": (DEEPSPEED,),
@@ -113,6 +118,13 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_tensor_parallel.py": (DEEPSPEED, RANKS),
     "test_zero0.py": (DEEPSPEED, RANKS),
     "test_reshard_deepspeed.py": (DEEPSPEED, RANKS, SLOW),
+    "test_zero_to_torch.py": (DEEPSPEED,),
+    "test_keep_in_fp32.py": (DEEPSPEED, RANKS),
+    "test_muon.py": (DEEPSPEED, RANKS),
+    "test_pipeline_tp.py": (DEEPSPEED, RANKS),
+    "test_dualpipev.py": (DEEPSPEED, RANKS),
+    "test_autoep.py": (DEEPSPEED, RANKS),
+    "test_fsdp2_live.py": (RANKS, SLOW),  # FSDP2 runs under torchrun, rebuilt and compared on every CI run
     # `ckpt` as the ranks of one group
     "test_distributed.py": (RANKS, TIMING),  # TIMING: ranks that meet on ports, run alone (no port races)
     "test_ds_launch.py": (RANKS,),
