@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ckpttools.errors import UnsupportedCheckpointError
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ckpttools.model.checkpoint import Checkpoint
     from ckpttools.model.origin import CheckpointLocation
 
@@ -60,6 +62,23 @@ class Layout(Protocol):
 
     def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         """Relative path -> object (torch-file content): every file of the output's tag folder."""
+        ...
+
+
+class FolderFormat(Protocol):
+    """A checkpoint folder that is not a DeepSpeed tag folder (universal, torch DCP): recognised from what `path`
+    holds, before any tag folder is looked for. `registry.FOLDER_FORMATS` lists them."""
+
+    def recognizes(self, path: Path) -> bool:
+        """Whether `path` (as the user gave it) is, or holds, a checkpoint of this format (small reads only)."""
+        ...
+
+    def open(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> Checkpoint:
+        """The checkpoint as the neutral model, after every check its files offer."""
+        ...
+
+    def root(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> tuple[Path, str]:
+        """The folder and the tag (or step) `open` reads, without reading tensor metadata."""
         ...
 
 

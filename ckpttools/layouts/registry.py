@@ -1,8 +1,9 @@
 """Every kind of checkpoint folder ckpttools reads, detected and opened into the one checkpoint model.
 
 A layout is one module holding a `LAYOUT` plug-in (`base.Layout`) plus its line in `LAYOUTS`: the first layout
-whose `claims` accepts a tag folder's file names reads it. Universal folders (DeepSpeed's `ds_to_universal`
-output) are a folder format of their own, recognised before any tag folder is looked for.
+whose `claims` accepts a tag folder's file names reads it. Folder formats that are not DeepSpeed tag folders
+(DeepSpeed's universal folders, torch Distributed Checkpoint folders) are `base.FolderFormat`s in `FOLDER_FORMATS`,
+recognised before any tag folder is looked for.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ckpttools.errors import UnsupportedCheckpointError
-from ckpttools.layouts.base import Layout
+from ckpttools.layouts.base import FolderFormat, Layout
 from ckpttools.layouts.locate import classify_tag_files, find_tag_folder
 from ckpttools.layouts.universal import is_universal, read_universal, resolve_root
 from ckpttools.model.checkpoint import Checkpoint
@@ -27,6 +28,43 @@ LAYOUTS = (
     "ckpttools.layouts.zero0",  # no ZeRO: the optimizer inside mp_rank_00_model_states.pt
     "ckpttools.layouts.dp",  # data-parallel ZeRO-1/2/3: everything else
 )
+
+
+# Folder formats, asked in this order before a DeepSpeed tag folder is looked for (one line per format).
+FOLDER_FORMATS = (
+    "ckpttools.layouts.registry:UNIVERSAL",  # ds_to_universal output: <root>/<tag>/zero/<param>/fp32.pt
+)
+
+
+class _UniversalFolder:
+    """DeepSpeed's universal folders, as a folder format."""
+
+    def recognizes(self, path: Path) -> bool:
+        return path.is_dir() and is_universal(path)
+
+    def open(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> Checkpoint:
+        return read_universal(path, tag=tag)
+
+    def root(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> tuple[Path, str]:
+        return resolve_root(path, tag)
+
+
+UNIVERSAL = _UniversalFolder()
+
+
+@functools.cache
+def folder_formats() -> tuple[FolderFormat, ...]:
+    """The folder formats, in the order they are asked (imported on first use)."""
+    found = []
+    for entry in FOLDER_FORMATS:
+        module, _, name = entry.partition(":")
+        found.append(getattr(importlib.import_module(module), name or "FOLDER"))
+    return tuple(found)
+
+
+def folder_format_of(path: Path) -> FolderFormat | None:
+    """The folder format that recognises `path`, if any (None: look for a DeepSpeed tag folder)."""
+    return next((fmt for fmt in folder_formats() if fmt.recognizes(path)), None)
 
 
 @functools.cache
@@ -68,11 +106,12 @@ def locate(
 def open_checkpoint(
     path: Path | str, *, tag: str | None = None, step: int | None = None, best: bool = False
 ) -> Checkpoint:
-    """A native checkpoint of any supported layout (save_dir, Trainer folder or output_dir, tag folder), or a
-    universal one."""
+    """A checkpoint of any supported layout: a DeepSpeed save_dir, Trainer folder or output_dir, tag folder, or a
+    folder of one of the `FOLDER_FORMATS` (universal, torch DCP)."""
     path = Path(path)
-    if path.is_dir() and is_universal(path):
-        return read_universal(path, tag=tag)
+    fmt = folder_format_of(path)
+    if fmt is not None:
+        return fmt.open(path, tag=tag, step=step, best=best)
     return read_checkpoint(path, tag=tag, step=step, best=best)
 
 
@@ -82,8 +121,9 @@ def checkpoint_root(
     """The checkpoint root and tag `open_checkpoint` reads, from file names and the small files that select them
     (`latest`, trainer_state.json) alone."""
     path = Path(path)
-    if path.is_dir() and is_universal(path):
-        return resolve_root(path, tag)
+    fmt = folder_format_of(path)
+    if fmt is not None:
+        return fmt.root(path, tag=tag, step=step, best=best)
     loc = locate(path, tag=tag, step=step, best=best)
     return loc.root, loc.tag
 
