@@ -242,15 +242,21 @@ def _layout_lines(p: dict[str, Any]) -> list[str]:
     return layout_named(p["kind"]).describe(p) if p.get("kind") else []
 
 
+def _run_line(d: dict[str, Any]) -> str:
+    """How the run saved it: ZeRO stage, layout, dtypes and DeepSpeed version (other writers: layout and dtype)."""
+    if not d.get("ds_version"):  # not written by DeepSpeed (torch DCP): what its layout plug-in calls it
+        return f"{_parallel(d)}, {d['train_dtype']} tensors"
+    return (
+        f"ZeRO-{d['zero_stage']}, {_parallel(d)}, {d['train_dtype']} training, {d['optimizer']} optimizer, "
+        f"DeepSpeed {d['ds_version']}" + (" (universal format)" if d.get("format") == "universal" else "")
+    )
+
+
 def _human_inspect(d: dict[str, Any]) -> str:
     ts = d["trainer_state"]
     lines = [
         f"checkpoint     {d['path']} (tag {d['tag']}; tags here: {', '.join(d['tags'])})",
-        (
-            f"layout         ZeRO-{d['zero_stage']}, {_parallel(d)}, {d['train_dtype']} training, "
-            f"{d['optimizer']} optimizer, DeepSpeed {d['ds_version']}"
-            + (" (universal format)" if d.get("format") == "universal" else "")
-        ),
+        f"layout         {_run_line(d)}",
         f"optim states   {', '.join(d.get('optimizer_states') or []) or 'none yet (saved before the first step)'}",
         (
             f"parameters     {d['trainable_parameters'] + d['frozen_parameters']:,} "

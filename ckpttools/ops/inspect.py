@@ -49,7 +49,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     return {
         **source_summary(ckpt),
         "optimizer": ckpt.optimizer_kind,
-        "optimizer_states": ckpt.state_keys,
+        "optimizer_states": ckpt.state_keys or ckpt.layout.details.get("optimizer_states", []),
         "format": ckpt.source_format,
         "parallel": ckpt.layout.as_dict(),
         "tags": tags,

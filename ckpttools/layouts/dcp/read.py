@@ -1,0 +1,255 @@
+"""torch Distributed Checkpoint (DCP) folders, as FSDP2 runs save them, read into the neutral model.
+
+Where they are: a DCP folder holds `.metadata` and `__{rank}_{i}.distcp` files. torchtitan-style runs save
+`<run>/step-N/`, accelerate and the Trainer `checkpoint-N/pytorch_model_fsdp_0/` (the model; `optimizer_0/` beside
+it). The user may point at the DCP folder, at the folder holding it, or at a run folder of `step-N`/`checkpoint-N`
+folders (the newest is read, or `--step`).
+
+What is read: only `.metadata` and the records of the model's tensors. The model is the sub-tree `model` of the
+saved state dict when there is one (`get_state_dict`, accelerate: `{"model": ..., "optim": ...}`; OpenRLHF nests it
+under `app`), otherwise every tensor outside the optimizer, scheduler and loader entries (`dcp.save(model.state_dict
+())`, torchtitan's flattened model). Optimizer chunks are never opened: their state keys come from `.metadata`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, short
+from ckpttools.io import dtypes
+from ckpttools.io.source import list_names, open_source, read_full
+from ckpttools.layouts.base import ReadOnlyLayout
+from ckpttools.layouts.dcp.chunks import ChunkFiles, chunk_tensor, tensor_segments
+from ckpttools.layouts.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, DcpMetadata, TensorEntry, parse_metadata
+from ckpttools.layouts.locate import HF_SIDE_FILES
+from ckpttools.model.checkpoint import Checkpoint, OptimizerState, Param, TensorSource, strip_prefixes
+from ckpttools.model.origin import CheckpointLocation, TagFiles
+from ckpttools.model.parallel import ParallelLayout
+
+KIND = "dcp"
+RANK_FILE_RE = re.compile(r"^__(?P<rank>\d+)_(?P<i>\d+)\.distcp$")
+MODEL_FOLDER_RE = re.compile(r"^pytorch_model_fsdp_(?P<n>\d+)$")  # accelerate / Trainer SHARDED_STATE_DICT
+STEP_FOLDER_RE = re.compile(r"^(?:step|checkpoint|global_step|iter|epoch)[-_]?(?P<n>\d+)$")
+MODEL_ROOTS = ("model", "module", "models")
+NON_MODEL_ROOTS = frozenset({
+    "optim", "optimizer", "optimizers", "optim_state", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
+    "dataloader", "data_loader", "train_state", "trainer_state", "rng", "rng_state", "rng_states", "extra_state",
+    "state", "param_groups",  # a flattened optimizer (torchtitan: state.<fqn>.exp_avg, param_groups.<fqn>.lr)
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DcpFolder:
+    """A located DCP folder: the folder itself, the checkpoint root (config.json, default output beside it)."""
+
+    folder: Path
+    root: Path
+    tag: str
+    output_dir: Path | None = None
+
+
+def is_dcp_folder(path: Path) -> bool:
+    return (path / METADATA_FILE).is_file()
+
+
+def find_dcp(path: Path, *, tag: str | None = None, step: int | None = None) -> DcpFolder | None:
+    """The DCP folder `path` is, holds, or (a run folder of step folders) the newest one / `step` of; else None."""
+    if not path.is_dir():
+        return None
+    if is_dcp_folder(path):
+        parent = path.parent
+        named = MODEL_FOLDER_RE.match(path.name) or STEP_FOLDER_RE.match(path.name)
+        owned = named or (parent / "config.json").is_file()
+        return DcpFolder(path, parent, path.name) if owned else DcpFolder(path, path, ".")
+    models = _children(path, MODEL_FOLDER_RE)
+    if models:
+        name = tag if tag is not None else min(models, key=lambda n: int(MODEL_FOLDER_RE.match(n)["n"]))  # type: ignore[index]
+        if name not in models:
+            raise CheckpointNotFoundError(f"{path} has no DCP model folder {name!r} (it has {', '.join(models)})")
+        return DcpFolder(path / name, path, name)
+    steps = {int(STEP_FOLDER_RE.match(n)["n"]): n for n in _children(path, STEP_FOLDER_RE)}  # type: ignore[index]
+    if not steps:
+        return None
+    if step is not None and step not in steps:
+        raise CheckpointNotFoundError(f"{path} has no step {step} (steps: {', '.join(map(str, sorted(steps)))})")
+    chosen = path / steps[step if step is not None else max(steps)]
+    found = find_dcp(chosen, tag=tag)
+    if found is not None and found.output_dir is None:
+        found = DcpFolder(found.folder, found.root, found.tag, output_dir=path)
+    return found
+
+
+def _children(path: Path, pattern: re.Pattern[str]) -> list[str]:
+    """Sub-folders named by `pattern` that are, or hold, a DCP folder."""
+    return [
+        child.name
+        for child in sorted(path.iterdir())
+        if pattern.match(child.name) and child.is_dir() and (is_dcp_folder(child) or _holds_model_folder(child))
+    ]
+
+
+def _holds_model_folder(path: Path) -> bool:
+    return any(MODEL_FOLDER_RE.match(c.name) and is_dcp_folder(c) for c in path.iterdir())
+
+
+def read_metadata(folder: Path) -> DcpMetadata:
+    path = folder / METADATA_FILE
+    with contextlib.closing(open_source(path)) as source:
+        size = source.size()
+        if size > MAX_METADATA_BYTES:
+            raise CorruptCheckpointError(f"{path} is {size} bytes: too large for DCP metadata")
+        data = bytearray(size)
+        if read_full(source, 0, memoryview(data)) != size:
+            raise CorruptCheckpointError(f"{path} is truncated; re-copy it")
+    return parse_metadata(bytes(data), str(path))
+
+
+def read_dcp(found: DcpFolder) -> Checkpoint:
+    """Open a located DCP folder into the checkpoint model (metadata and the model's chunk headers only)."""
+    names = list_names(found.folder)
+    meta = read_metadata(found.folder)
+    model = model_tensors(meta, found.folder)
+    files = ChunkFiles(found.folder, set(names))
+    try:
+        sources = {name: _source(files, name, entry) for name, entry in model.items()}
+    finally:
+        files.close()
+    return _checkpoint(found, names, meta, sources)
+
+
+def model_tensors(meta: DcpMetadata, where: Path) -> dict[str, TensorEntry]:
+    """The model's tensors by their names in the model (the state dict's model sub-tree, prefixes stripped)."""
+    paths = {fqn: meta.key_paths.get(fqn) or tuple(fqn.split(".")) for fqn in meta.tensors}
+    roots = {str(p[0]) for p in paths.values() if p}
+    prefix: tuple[str, ...] = ()
+    if roots & set(MODEL_ROOTS):
+        prefix = (next(r for r in MODEL_ROOTS if r in roots),)
+    elif len(roots) == 1 and (only := next(iter(roots))) not in NON_MODEL_ROOTS:
+        nested = {str(p[1]) for p in paths.values() if len(p) > 2}
+        if nested & set(MODEL_ROOTS):  # OpenRLHF: app.model.*
+            prefix = (only, next(r for r in MODEL_ROOTS if r in nested))
+    out: dict[str, TensorEntry] = {}
+    for fqn, entry in meta.tensors.items():
+        path = paths[fqn]
+        if prefix:
+            if tuple(str(p) for p in path[: len(prefix)]) != prefix:
+                continue
+            name = ".".join(str(p) for p in path[len(prefix) :])
+        elif path and str(path[0]) in NON_MODEL_ROOTS:
+            continue
+        else:
+            name = fqn
+        out[strip_prefixes(name)] = entry
+    if not out:
+        raise CorruptCheckpointError(
+            f"{where} holds no model tensors (its entries: {short(', '.join(sorted(roots)), 120)}); "
+            "point at the folder of the model's DCP save"
+        )
+    return out
+
+
+def optimizer_state_keys(meta: DcpMetadata) -> list[str]:
+    """The optimizer's state keys (exp_avg, exp_avg_sq, step, momentum_buffer, ...), from key paths alone."""
+    seen: dict[str, None] = {}
+    for fqn in [*meta.tensors, *meta.byte_entries]:
+        path = meta.key_paths.get(fqn) or tuple(fqn.split("."))
+        if len(path) >= 4 and str(path[0]) in NON_MODEL_ROOTS | {"optim"} and "state" in map(str, path[:2]):
+            seen[str(path[-1])] = None
+    return list(seen)
+
+
+def _source(files: ChunkFiles, name: str, entry: TensorEntry) -> TensorSource:
+    tensors = [chunk_tensor(files, entry, chunk) for chunk in entry.chunks]
+    segments = tensor_segments(entry, tensors)
+    return TensorSource(name, entry.size, entry.dtype, segments, "trainable")
+
+
+def _checkpoint(
+    found: DcpFolder, names: Sequence[str], meta: DcpMetadata, sources: dict[str, TensorSource]
+) -> Checkpoint:
+    ranks = {int(m["rank"]) for n in names if (m := RANK_FILE_RE.match(n))}
+    world = max(ranks) + 1 if ranks else 1
+    floating = [s.dtype for s in sources.values() if s.dtype.is_floating_point]
+    train_dtype = max(set(floating), key=floating.count) if floating else dtypes.FLOAT32
+    states = optimizer_state_keys(meta)
+    trained = _optimized_names(meta) if states else set(sources)
+    params, bit16 = [], {}
+    for name, src in sources.items():
+        if src.dtype is dtypes.FLOAT32 and train_dtype is not dtypes.FLOAT32:
+            # kept fp32 in a 16-bit model on purpose (a buffer, a router bias): 16-bit output keeps it so
+            bit16[name] = TensorSource(name, src.shape, src.dtype, src.segments, "buffer")
+        elif name in trained:
+            params.append(Param(name, name, src.shape, 0, 0, src, {}))
+        else:
+            bit16[name] = TensorSource(name, src.shape, src.dtype, src.segments, "frozen")
+    side = [n for n in ("config.json", *HF_SIDE_FILES) if (found.root / n).is_file()]
+    files = TagFiles({}, {}, "", False, layout=KIND, names=tuple(names))
+    loc = CheckpointLocation(found.root, found.tag, found.folder, files, found.output_dir, side)
+    details: dict[str, Any] = {"format": "torch DCP", "world_size": world, "optimizer_states": states}
+    if meta.version:
+        details["dcp_version"] = meta.version
+    step = STEP_FOLDER_RE.match(found.folder.name) or STEP_FOLDER_RE.match(found.root.name)
+    return Checkpoint(
+        location=loc, zero_stage=0, dp_world_size=world, train_dtype=train_dtype, optimizer_kind="",
+        ds_version="", global_steps=int(step["n"]) if step else None, keys=list(sources), params=params,
+        optimizer=OptimizerState([], {}, {}), bit16=bit16, buffers={}, shared_params={}, frozen_excluded=False,
+        layout=ParallelLayout(kind=KIND, dp=world, details=details),
+    )  # fmt: skip
+
+
+def _optimized_names(meta: DcpMetadata) -> set[str]:
+    """Names (as in the model) of the tensors the optimizer holds state for: the trained parameters."""
+    out = set()
+    for fqn in meta.tensors:
+        path = meta.key_paths.get(fqn) or tuple(fqn.split("."))
+        if len(path) >= 4 and str(path[1]) == "state":
+            out.add(strip_prefixes(str(path[2])))
+        elif len(path) >= 3 and str(path[0]) == "state":
+            out.add(strip_prefixes(".".join(str(p) for p in path[1:-1])))
+    return out
+
+
+class DcpLayout(ReadOnlyLayout):
+    """torch Distributed Checkpoint folders (FSDP2, torchtitan, accelerate SHARDED_STATE_DICT): read only."""
+
+    kind = KIND
+    title = "torch Distributed Checkpoint (FSDP2)"
+
+    def claims(self, names: Sequence[str]) -> bool:
+        return False  # never a DeepSpeed tag folder: found as a folder format (FOLDER)
+
+    def read(self, loc: CheckpointLocation) -> Checkpoint:
+        return read_dcp(DcpFolder(loc.tag_dir, loc.root, loc.tag, loc.output_dir))
+
+    def describe(self, parallel: dict[str, Any]) -> list[str]:
+        return [f"saved by       {parallel.get('world_size', '?')} ranks (torch DCP {parallel.get('dcp_version', '')})"]
+
+
+class DcpFolderFormat:
+    def recognizes(self, path: Path) -> bool:
+        try:
+            return find_dcp(path) is not None
+        except CheckpointNotFoundError:
+            return True  # it is one; `open` says what is missing
+
+    def open(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> Checkpoint:
+        return read_dcp(self._find(path, tag, step))
+
+    def root(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> tuple[Path, str]:
+        found = self._find(path, tag, step)
+        return found.root, found.tag
+
+    def _find(self, path: Path, tag: str | None, step: int | None) -> DcpFolder:
+        found = find_dcp(path, tag=tag, step=step)
+        if found is None:
+            raise CheckpointNotFoundError(f"{path} holds no torch DCP folder (.metadata)")
+        return found
+
+
+LAYOUT = DcpLayout()
+FOLDER = DcpFolderFormat()
