@@ -261,8 +261,8 @@ class _Checker:
             if len(offsets) != len(dims) or len(sizes) != len(dims):
                 raise self.fail(f"a chunk of {fqn!r} has {len(sizes)} dimensions, the tensor {len(dims)}")
             if any(o + s > d for o, s, d in zip(offsets, sizes, dims, strict=True)):
-                where = f"a chunk of {fqn!r} at {list(offsets)} of size {list(sizes)}"
-                raise self.fail(f"{where} lies outside {list(dims)}")
+                block = f"a chunk of {fqn!r} at {list(offsets)} of size {list(sizes)}"
+                raise self.fail(f"{block} lies outside {list(dims)}")
             where = stored.get((fqn, offsets))
             if where is None:
                 raise self.fail(f"the chunk of {fqn!r} at {list(offsets)} is stored nowhere (no storage_data entry)")
