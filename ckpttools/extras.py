@@ -18,6 +18,9 @@ EXTRA_FOR_MODULE = {
     "safetensors": "verify",
     "peft": "peft",
     "deepspeed": "engine",
+    "s3fs": "s3",  # s3:// sources (io/remote.py)
+    "gcsfs": "gcs",
+    "adlfs": "azure",
 }
 
 # Commands whose own extra is the one to name, whatever module they missed first: `push` verifies with

@@ -3,8 +3,9 @@
 Every read of a checkpoint file goes through `open_source`, so no reader or layout knows whether the bytes lie on
 a local disk. Reads have `pread` semantics (the offset is given, there is no shared file position), so one source
 serves many worker threads at once, and the bytes land in the caller's buffer with no copy in between. A remote
-source (s3://, gs://, hf:// through fsspec) plugs in as one more entry of `SCHEMES`: a ranged read becomes a
-ranged GET, `advise` a prefetch.
+source (s3://, gs://, az://, hf:// through fsspec: io/remote.py) is one more entry of `SCHEMES`: a ranged read
+becomes a ranged GET. A remote checkpoint folder mounted by `io.remote.mount` reads as a local one whose rank
+files `_open_local` answers with remote sources.
 """
 
 from __future__ import annotations
@@ -181,8 +182,33 @@ def _local_path(location: Path | str) -> Path | str:
     return location
 
 
-def _open_local(location: Path | str) -> LocalFile:
-    return LocalFile(_local_path(location))
+def _open_local(location: Path | str) -> ByteSource:
+    """A local file, or the remote object behind a placeholder of a mounted remote checkpoint (io.remote.mount)."""
+    path = _local_path(location)
+    if os.environ.get(MOUNTS_VAR):
+        from ckpttools.io.remote import open_mounted
+
+        remote = open_mounted(path)
+        if remote is not None:
+            return remote
+    return LocalFile(path)
+
+
+# --- Remote files (io.remote, imported when one is opened: fsspec and its stores are optional) -------------------
+
+MOUNTS_VAR = "CKPTTOOLS_REMOTE_MOUNTS"  # set while a remote checkpoint is mounted (io.remote.MOUNTS_VAR)
+
+
+def _open_remote(location: Path | str) -> ByteSource:
+    from ckpttools.io.remote import open_remote
+
+    return open_remote(location)
+
+
+def _list_remote(location: Path | str) -> list[str]:
+    from ckpttools.io.remote import list_remote
+
+    return list_remote(location)
 
 
 # --- Opening a source -------------------------------------------------------------------------------------------
@@ -196,7 +222,11 @@ class Scheme:
     list: Callable[[Path | str], list[str]] | None = None
 
 
-SCHEMES: dict[str, Scheme] = {"file": Scheme(_open_local, list_local)}
+SCHEMES: dict[str, Scheme] = {
+    "file": Scheme(_open_local, list_local),
+    # object stores through fsspec (s3fs, gcsfs, adlfs: optional extras) and the Hub through HfFileSystem
+    **{name: Scheme(_open_remote, _list_remote) for name in ("s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "hf")},
+}
 _URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 
 

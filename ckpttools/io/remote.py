@@ -1,0 +1,436 @@
+"""Checkpoints where they live: s3://, gs://, az:// (fsspec: s3fs, gcsfs, adlfs) and hf:// (huggingface_hub's
+HfFileSystem: model repos and Storage Buckets), read by byte range.
+
+Two pieces:
+
+- `RemoteFile`, the `ByteSource` of one object: every `read_into` is one ranged GET (`cat_file(path, start, end)`)
+  of at most `MAX_GET` bytes, safe from many threads at once, retried with backoff on transient errors. The CRC-32
+  checks and the bounded memory are the `RecordReader`'s, as for a local file.
+- `mount`, a checkpoint folder seen as a local one: the tree is listed once, the small files (`latest`,
+  trainer_state.json, config.json, tokenizer files, RNG states) are downloaded whole into a scratch folder, and
+  every rank file (`*_model_states.pt`, `*_optim_states.pt`, universal `zero/**.pt`, `*.distcp`) becomes a sparse
+  placeholder of its true size that `open_source` answers with a `RemoteFile`. The layouts read a mounted
+  checkpoint as they read any folder (names, small files, `Path` arithmetic), and only the records a command
+  needs are fetched. The scratch folder goes when the process ends.
+
+Credentials come from each library's usual environment and configuration (AWS_*, ~/.aws, GOOGLE_APPLICATION_
+CREDENTIALS, AZURE_STORAGE_*, HF_TOKEN and the stored Hub token) and are never printed: error lines name the URL
+and the reason, with any credential value found in the reason blanked out. AWS_ENDPOINT_URL and HF_ENDPOINT
+point at S3-compatible stores and self-hosted Hubs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import errno
+import json
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any, TypeVar
+
+from ckpttools.errors import AuthError, CheckpointNotFoundError, CkptError, RemoteError, short
+from ckpttools.io.source import MOUNTS_VAR  # mount root -> its mount.json, for the processes a command starts
+
+# Schemes read through fsspec, and the optional extra that installs each one's library.
+REMOTE_SCHEMES = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "azure",
+    "abfs": "azure",
+    "abfss": "azure",
+    "hf": "hub",
+}
+MAX_GET = 16 << 20  # the most bytes one GET asks for: a caller's 1 GB buffer costs 16 MB of response at a time
+TRIES = 5  # attempts of one ranged read before it fails
+BACKOFF = 0.25  # seconds before the second attempt, doubling up to BACKOFF_MAX
+BACKOFF_MAX = 4.0
+SMALL_FILE_LIMIT = 1 << 30  # a non-rank file (read whole, so downloaded whole) larger than this is refused
+STATS_VAR = "CKPTTOOLS_REMOTE_STATS"  # a file to write `STATS` to as JSON when the process ends (tests, benchmark)
+
+# Rank files: read by record through open_source, so left remote (placeholders in the mount).
+_RANK_FILE = re.compile(r"[_-](model_states|optim_states)\.pt$|\.distcp$")
+_URL = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$")
+_CREDENTIAL_VARS = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SESSION_TOKEN",
+    "HF_TOKEN",
+    "HUGGING_FACE_HUB_TOKEN",
+    "AZURE_STORAGE_KEY",
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_SAS_TOKEN",
+)
+# Errors no retry can help: the object is missing, the credentials are refused, the request is wrong.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
+
+T = TypeVar("T")
+
+
+@dataclass
+class Stats:
+    """What this process fetched: ranged reads of rank files, and small files downloaded whole."""
+
+    ranged_bytes: int = 0
+    ranged_requests: int = 0
+    small_bytes: int = 0
+    small_files: int = 0
+    retries: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, **counts: int) -> None:
+        with self.lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: v for k, v in vars(self).items() if k != "lock"}
+
+    def reset(self) -> None:
+        with self.lock:
+            self.ranged_bytes = self.ranged_requests = self.small_bytes = self.small_files = self.retries = 0
+
+
+STATS = Stats()
+
+
+def is_remote(location: object) -> bool:
+    """Whether `location` is a URL of a scheme read through fsspec (s3://, gs://, az://, hf://, ...)."""
+    return (
+        isinstance(location, str) and (m := _URL.match(location)) is not None and m["scheme"].lower() in REMOTE_SCHEMES
+    )
+
+
+# --- Reaching a store ---------------------------------------------------------------------------------------------
+
+_FILESYSTEMS: dict[tuple[Any, ...], Any] = {}
+_FS_LOCK = threading.Lock()
+
+
+def filesystem(url: str) -> tuple[Any, str]:
+    """The fsspec filesystem of `url` and the path inside it. One filesystem per scheme and environment (a test
+    that moves AWS_ENDPOINT_URL gets a new one; fsspec's own instance cache would keep the old endpoint).
+
+    Raises:
+        CkptError: the scheme's library is not installed (naming the extra), or the URL is malformed.
+    """
+    m = _URL.match(url)
+    if m is None or m["scheme"].lower() not in REMOTE_SCHEMES:
+        raise CkptError(f"{short(url)} is not a remote location (s3://, gs://, az://, hf://)")
+    scheme = m["scheme"].lower()
+    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "HF_", "GOOGLE_", "AZURE_"))))
+    key = (scheme, env)
+    with _FS_LOCK:
+        fs = _FILESYSTEMS.get(key)
+        if fs is None:
+            fs = _FILESYSTEMS[key] = _make_filesystem(scheme)
+    return fs, fs._strip_protocol(url)
+
+
+def _make_filesystem(scheme: str) -> Any:
+    try:
+        import fsspec  # type: ignore[import-untyped]
+
+        options: dict[str, Any] = {"skip_instance_cache": True}
+        if scheme == "hf" and os.environ.get("HF_ENDPOINT"):
+            options["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
+        return fsspec.filesystem(scheme, **options)
+    except ImportError as e:
+        extra = REMOTE_SCHEMES[scheme]
+        raise CkptError(
+            f"reading {scheme}:// locations needs {_library(scheme)}, which is not installed: "
+            f"pip install 'ckpttools[{extra}]'"
+        ) from e
+
+
+def _library(scheme: str) -> str:
+    return {"s3": "s3fs", "gcs": "gcsfs", "azure": "adlfs", "hub": "huggingface_hub"}[REMOTE_SCHEMES[scheme]]
+
+
+def scrub(text: str) -> str:
+    """`text` with the value of every credential variable set in the environment blanked out."""
+    for var in _CREDENTIAL_VARS:
+        value = os.environ.get(var)
+        if value and len(value) >= 4:
+            text = text.replace(value, "***")
+    return text
+
+
+def _reason(e: BaseException) -> str:
+    return scrub(f"{type(e).__name__}: {short(str(e) or type(e).__name__, 160)}")
+
+
+def fail(url: str, what: str, e: BaseException) -> CkptError:
+    """The one line for a failed remote operation: credentials refused (exit 4), missing (1), or the network (3)."""
+    if isinstance(e, CkptError):
+        return e
+    if isinstance(e, PermissionError) or _status(e) in (401, 403):
+        return AuthError(
+            f"{url}: access refused while {what} ({_reason(e)}); check the credentials for this store "
+            "(AWS_* / ~/.aws, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*, HF_TOKEN)"
+        )
+    if isinstance(e, FileNotFoundError):
+        return CheckpointNotFoundError(
+            f"{url} does not exist (or these credentials cannot see it) ({_reason(e)}); check the URL"
+        )
+    return RemoteError(f"{url}: {what} failed ({_reason(e)}); check the network and the store, then run again")
+
+
+def _status(e: BaseException) -> int | None:
+    response = getattr(e, "response", None)
+    status = getattr(response, "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def retrying(url: str, what: str, call: Callable[[], T]) -> T:
+    """`call()`, tried up to TRIES times with exponential backoff on transient errors (dropped connections,
+    timeouts, 5xx); permanent ones (missing, refused, malformed) fail at once. Failures become `fail`'s line."""
+    delay = BACKOFF
+    for attempt in range(1, TRIES + 1):
+        try:
+            return call()
+        except CkptError:  # noqa: PERF203 - a retry loop
+            raise
+        except Exception as e:
+            status = _status(e)
+            permanent = isinstance(e, _PERMANENT) or (status is not None and 400 <= status < 500 and status != 429)
+            if permanent or attempt == TRIES:
+                raise fail(url, what, e) from e
+            STATS.add(retries=1)
+            time.sleep(delay)
+            delay = min(delay * 2, BACKOFF_MAX)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _fetch(fs: Any, path: str, start: int, end: int) -> bytes:
+    """Bytes [start, end) of one object: one ranged GET."""
+    if getattr(fs, "async_impl", False):
+        return bytes(fs.cat_file(path, start=start, end=end))
+    # HfFileSystem (and other blocking filesystems): an unbuffered file, whose read is one ranged GET
+    with fs.open(path, "rb", cache_type="none") as f:
+        f.seek(start)
+        return bytes(f.read(end - start))
+
+
+# --- One object as a ByteSource -------------------------------------------------------------------------------------
+
+
+class RemoteFile:
+    """One remote object read by byte range: `read_into` is a ranged GET, thread-safe, retried on transient
+    errors. Its size is taken when it is opened (from the listing when one is at hand)."""
+
+    def __init__(self, url: str, *, fs: Any = None, path: str | None = None, size: int | None = None) -> None:
+        self.name = url
+        if fs is None or path is None:
+            fs, path = filesystem(url)
+        self.fs, self.path = fs, path
+        self._size = size if size is not None else self._stat()
+        self.closed = False
+
+    def _stat(self) -> int:
+        info = retrying(self.name, "reading its size", lambda: self.fs.info(self.path))
+        if info.get("type") == "directory":
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.name)
+        return int(info["size"])
+
+    def size(self) -> int:
+        return self._size
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        if self.closed:
+            raise ValueError(f"{self.name}: read from a closed byte source")
+        end = min(offset + len(buffer), self._size, offset + MAX_GET)
+        if end <= offset:
+            return 0
+        data = retrying(self.name, f"reading bytes {offset}-{end}", lambda: _fetch(self.fs, self.path, offset, end))
+        n = min(len(data), end - offset)
+        buffer[:n] = data[:n]
+        STATS.add(ranged_bytes=len(data), ranged_requests=1)
+        return n
+
+    def advise(self, offset: int, nbytes: int) -> None:
+        """Nothing: every read is a GET of exactly the bytes asked for, so a prefetch could only fetch twice."""
+
+    def close(self) -> None:
+        self.closed = True
+
+    def __repr__(self) -> str:
+        return f"RemoteFile({self.name!r})"
+
+
+def open_remote(location: Path | str) -> RemoteFile:
+    """The `SCHEMES` opener of remote URLs (OSError as `open` raises it when the object is missing)."""
+    url = os.fspath(location)
+    fs, path = filesystem(url)
+    try:
+        return RemoteFile(url, fs=fs, path=path)
+    except CheckpointNotFoundError as e:
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), url) from e
+
+
+def list_remote(location: Path | str) -> list[str]:
+    """The names in a remote folder, sorted."""
+    url = os.fspath(location)
+    fs, path = filesystem(url)
+    entries = retrying(url, "listing it", lambda: fs.ls(path, detail=False))
+    return sorted(PurePosixPath(str(e)).name for e in entries)
+
+
+# --- A remote folder seen as a local one ----------------------------------------------------------------------------
+
+
+@dataclass
+class Mount:
+    url: str  # what the user gave, without a trailing slash
+    root: Path  # the local folder (or file) standing for it: <scratch>/tree/<its name>
+    remote: dict[str, tuple[str, int]]  # placeholder path relative to root.parent -> (path in the store, size)
+    fs: Any = None
+
+
+_MOUNTS: dict[str, Mount] = {}  # str(root.parent) -> its mount
+_MOUNT_LOCK = threading.Lock()
+_SCRATCH: list[Path] = []
+
+
+def is_rank_file(relative: str) -> bool:
+    """Files the readers take by record through open_source (so they stay remote): DeepSpeed's rank files,
+    the universal format's `zero/**.pt`, torch DCP shards."""
+    parts = PurePosixPath(relative).parts
+    return bool(_RANK_FILE.search(parts[-1])) or ("zero" in parts[:-1] and parts[-1].endswith(".pt"))
+
+
+def mount(url: str) -> Path:
+    """A local folder that stands for the remote checkpoint folder (or file) `url`, under the same name: small
+    files downloaded, rank files left remote behind placeholders (see the module's docstring).
+
+    Raises:
+        CheckpointNotFoundError: nothing at `url`. AuthError: credentials refused. RemoteError: the network.
+    """
+    url = url.rstrip("/")
+    with _MOUNT_LOCK:
+        for m in _MOUNTS.values():
+            if m.url == url:
+                return m.root
+    fs, base = filesystem(url)
+    entries = _listing(fs, base, url)
+    scratch = Path(tempfile.mkdtemp(prefix="ckpt-remote-"))
+    _SCRATCH.append(scratch)
+    top = scratch / "tree"
+    name = PurePosixPath(base).name or "checkpoint"
+    remote: dict[str, tuple[str, int]] = {}
+    for path, info in entries:
+        below = PurePosixPath(path).relative_to(base).as_posix() if path != base else ""
+        rel = f"{name}/{below}" if below else name
+        _place(fs, f"{url}/{below}" if below else url, top / rel, path, info, is_rank_file(rel))
+        if is_rank_file(rel):
+            remote[rel] = (path, int(info.get("size") or 0))
+    mounted = Mount(url, top / name, remote, fs)
+    _register(mounted, scratch)
+    return mounted.root
+
+
+def _listing(fs: Any, base: str, url: str) -> list[tuple[str, dict[str, Any]]]:
+    """Every file under `base` (or `base` itself, a file) with its info."""
+    info = retrying(url, "looking it up", lambda: fs.info(base))
+    if info.get("type") != "directory":
+        return [(base, info)]
+    found = retrying(url, "listing it", lambda: fs.find(base, detail=True))
+    files = [(str(p), i) for p, i in sorted(found.items()) if i.get("type") != "directory"]
+    if not files:
+        raise CheckpointNotFoundError(f"{url} is an empty folder; check the URL")
+    return files
+
+
+def _place(fs: Any, file_url: str, local: Path, path: str, info: dict[str, Any], rank_file: bool) -> None:
+    """One file of the mount: a sparse placeholder for a rank file, the bytes themselves for any other."""
+    local.parent.mkdir(parents=True, exist_ok=True)
+    size = int(info.get("size") or 0)
+    if rank_file:
+        with open(local, "wb") as fh:
+            fh.truncate(size)  # sparse: the size is right for every stat, no byte is stored
+        return
+    if size > SMALL_FILE_LIMIT:
+        raise CkptError(
+            f"{file_url} is {size} bytes and is read whole; ckpt downloads files beside the rank files up to "
+            f"{SMALL_FILE_LIMIT} bytes: point at the checkpoint folder itself, or copy it to a local folder"
+        )
+    data = retrying(file_url, "downloading it", lambda: bytes(fs.cat_file(path)))
+    local.write_bytes(data)
+    STATS.add(small_bytes=len(data), small_files=1)
+
+
+def _register(mounted: Mount, scratch: Path) -> None:
+    """Known to this process, and (through MOUNTS_VAR and mount.json) to the processes it starts."""
+    meta = scratch / "mount.json"
+    meta.write_text(json.dumps({"url": mounted.url, "root": str(mounted.root), "remote": mounted.remote}))
+    top = str(mounted.root.parent)
+    with _MOUNT_LOCK:
+        _MOUNTS[top] = mounted
+        known = json.loads(os.environ.get(MOUNTS_VAR) or "{}")
+        known[top] = str(meta)
+        os.environ[MOUNTS_VAR] = json.dumps(known)
+
+
+def _mount_of(path: str) -> Mount | None:
+    """The mount whose folder holds `path`, loaded from MOUNTS_VAR in a process that did not make it."""
+    known = json.loads(os.environ.get(MOUNTS_VAR) or "{}")
+    for top, meta in known.items():
+        if path.startswith(top + os.sep):
+            with _MOUNT_LOCK:
+                mounted = _MOUNTS.get(top)
+                if mounted is None:
+                    data = json.loads(Path(meta).read_text())
+                    remote = {k: (p, int(n)) for k, (p, n) in data["remote"].items()}
+                    mounted = _MOUNTS[top] = Mount(data["url"], Path(data["root"]), remote)
+            return mounted
+    return None
+
+
+def open_mounted(location: Path | str) -> RemoteFile | None:
+    """The RemoteFile behind a placeholder of a mounted checkpoint; None for any other path."""
+    path = os.path.abspath(os.fspath(location))
+    mounted = _mount_of(path)
+    if mounted is None:
+        return None
+    entry = mounted.remote.get(os.path.relpath(path, mounted.root.parent).replace(os.sep, "/"))
+    if entry is None:
+        return None
+    if mounted.fs is None:
+        mounted.fs = filesystem(mounted.url)[0]
+    store_path, size = entry
+    return RemoteFile(url_of(path) or mounted.url, fs=mounted.fs, path=store_path, size=size)
+
+
+def url_of(path: Path | str) -> str | None:
+    """The URL a path inside a mount stands for (None outside every mount)."""
+    text = os.path.abspath(os.fspath(path))
+    mounted = _mount_of(text)
+    if mounted is None:
+        return None
+    rel = os.path.relpath(text, mounted.root)
+    if rel.startswith(".."):
+        return None
+    return mounted.url if rel == "." else f"{mounted.url}/{rel.replace(os.sep, '/')}"
+
+
+def describe(text: str) -> str:
+    """`text` with every mounted folder's local path replaced by the URL it stands for (for messages)."""
+    for mounted in list(_MOUNTS.values()):
+        text = text.replace(str(mounted.root), mounted.url)
+    return text
+
+
+@atexit.register
+def _cleanup() -> None:
+    for scratch in _SCRATCH:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if os.environ.get(STATS_VAR):
+        Path(os.environ[STATS_VAR]).write_text(json.dumps(STATS.as_dict()))
