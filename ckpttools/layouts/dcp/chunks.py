@@ -118,7 +118,12 @@ def _load_embedded(source: ByteSource, stored: StoredChunk, where: Path, fqn: st
     except Exception as e:  # zipfile raises many kinds on damaged input
         raise CorruptCheckpointError(f"{where}: the chunk of {fqn!r} is damaged ({type(e).__name__}: "
                                      f"{short(e, 80)}); re-copy the file") from e  # fmt: skip
-    shifted = {k: dataclasses.replace(r, offset=r.offset + stored.offset) for k, r in records.items()}
+    # offsets counted from the .distcp file's start; names made unique in it (every chunk's zip has archive/data/0),
+    # since readers key a record's CRC check by (file, name)
+    shifted = {
+        k: dataclasses.replace(r, offset=r.offset + stored.offset, name=f"{r.name}@{stored.offset}")
+        for k, r in records.items()
+    }
     for rec in shifted.values():
         if rec.offset + rec.nbytes > stored.offset + stored.length:
             raise CorruptCheckpointError(f"{where}: the chunk of {fqn!r} runs past its byte range; re-copy the file")
