@@ -18,6 +18,7 @@ are then merged, tied params once (from the first stage that has them).
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -284,18 +285,13 @@ def _names_from_slices(optims: Sequence[RankFile]) -> list[list[tuple[str, tuple
 class _Layers:
     files: dict[int, RankFile]
     tied: dict[int, str]  # layer index -> tied module prefix (`tied_modules.embed.`)
-    stage_of: dict[int, int | None]  # layer index -> stage (None: cannot tell)
+    stage_of: dict[int, int | None]  # layer index -> stage (DualPipeV: pipe rank; None: cannot tell)
+    dualpipev: bool = False  # DualPipeVModule: each stage file (pipe rank) holds two stages, r and 2P-1-r
 
 
 def _load_layers(loc: CheckpointLocation, files: PipelineFiles, shapes: Sequence[_StageNames]) -> _Layers:
     indices = [s.layer_indices() for s in shapes]
-    for s in range(1, len(indices)):
-        if indices[s - 1] and indices[s] and indices[s - 1][-1] >= indices[s][0]:
-            raise CorruptCheckpointError(
-                f"{loc.tag_dir}: {files.stages[s]} holds layer {indices[s][0]} but stage {s - 1} layer "
-                f"{indices[s - 1][-1]}: pipeline stages hold consecutive layer ranges, so stage files were swapped "
-                "or come from different runs; restore the original files"
-            )
+    dualpipev = _is_dualpipev(loc, files, indices)
     for s, layer_ids in enumerate(indices):
         for i in layer_ids:
             if i not in files.layers:
@@ -324,8 +320,55 @@ def _load_layers(loc: CheckpointLocation, files: PipelineFiles, shapes: Sequence
             )
     stage_of: dict[int, int | None] = {i: owner.get(i) for i in loaded}
     for i, prefix in tied.items():
-        stage_of[i] = _tied_stage(i, prefix, indices, shapes)
-    return _Layers(loaded, tied, stage_of)
+        stage_of[i] = (_tied_rank if dualpipev else _tied_stage)(i, prefix, indices, shapes)
+    return _Layers(loaded, tied, stage_of, dualpipev)
+
+
+def _owner_runs(indices: Sequence[list[int]]) -> list[tuple[int, int, int]]:
+    """The layers in index order as runs of one owner: (stage or pipe rank, first layer, last layer)."""
+    owner = {i: s for s, ids in enumerate(indices) for i in ids}
+    runs: list[tuple[int, int, int]] = []
+    for i in sorted(owner):
+        if runs and runs[-1][0] == owner[i]:
+            runs[-1] = (owner[i], runs[-1][1], i)
+        else:
+            runs.append((owner[i], i, i))
+    return runs
+
+
+def _is_dualpipev(loc: CheckpointLocation, files: PipelineFiles, indices: Sequence[list[int]]) -> bool:
+    """Whether the stage files hold DualPipeV's layout (True) or PipelineModule's (False); neither is refused.
+
+    PipelineModule: stage s holds one layer range, after stage s-1's. DualPipeVModule (#8576) cuts the layers into
+    2P stages for P pipe ranks and rank r builds stages r and 2P-1-r, so in layer order the owners run up from
+    rank 0 to P-1 and back down (`0 1 1 0` for P = 2). Nothing else in the files says which module saved them; a
+    plain pipeline's swapped stage files never start at rank 0 and rise, so they are not taken for DualPipeV."""
+    runs = _owner_runs(indices)
+    ranks = [r for r, _, _ in runs]
+    if all(a < b for a, b in itertools.pairwise(ranks)):
+        return False
+    peak = ranks.index(max(ranks))
+    up, down = ranks[: peak + 1], ranks[peak:]
+    rising = all(a < b for a, b in itertools.pairwise(up))
+    if ranks[0] == 0 and rising and all(a > b for a, b in itertools.pairwise(down)):
+        return True
+    k = next(k for k in range(1, len(runs)) if ranks[k] < ranks[k - 1])
+    raise CorruptCheckpointError(
+        f"{loc.tag_dir}: {files.stages[ranks[k - 1]]} holds layer {runs[k - 1][2]} but stage {ranks[k]} layer "
+        f"{runs[k][1]}: pipeline stages hold consecutive layer ranges (DualPipeV: rank r stages r and 2P-1-r), so "
+        "stage files were swapped or come from different runs; restore the original files"
+    )
+
+
+def _tied_rank(i: int, prefix: str, indices: Sequence[list[int]], shapes: Sequence[_StageNames]) -> int | None:
+    """DualPipeV: the pipe rank a tied layer file belongs to, that of the layers beside it (rank 0 holds the
+    first and the last stage, where tied embeddings and heads sit), if that rank uses the tied module."""
+    runs = _owner_runs(indices)
+    below = [r for r, _, last in runs if last < i][-1:]
+    above = [r for r, first, _ in runs if first > i][:1]
+    near = set(below + above)
+    fits = [s for s in near if any(n.startswith(prefix) for n in shapes[s].shapes)]
+    return fits[0] if len(fits) == 1 else None
 
 
 def _tied_prefix(f: RankFile, shapes: Sequence[_StageNames]) -> str | None:
@@ -441,7 +484,7 @@ def _merge(
             bit16.setdefault(name, src)
         for name, src in part.buffers.items():
             buffers.setdefault(name, src)
-    keys = _whole_model_keys([p.keys for p in parts])
+    keys = _whole_model_keys([p.keys for p in parts], layers.dualpipev)
     p0 = parts[0]
     return Checkpoint(
         location=loc,
@@ -485,10 +528,14 @@ def _check_slice_names(optims: Sequence[RankFile], part: Checkpoint) -> None:
                 )
 
 
-def _whole_model_keys(stage_keys: Sequence[Sequence[str]]) -> list[str]:
-    """PipelineModule.state_dict() order: tied modules first (first seen), then every stage's layers in order."""
+def _whole_model_keys(stage_keys: Sequence[Sequence[str]], dualpipev: bool = False) -> list[str]:
+    """PipelineModule.state_dict() order: tied modules first (first seen), then every stage's layers in order
+    (DualPipeV: the layers in index order, as a whole model built from the same specs would list them)."""
     tied = {k: None for keys in stage_keys for k in keys if k.startswith(TIED)}
-    return [*tied, *(k for keys in stage_keys for k in keys if not k.startswith(TIED))]
+    layered = [k for keys in stage_keys for k in keys if not k.startswith(TIED)]
+    if dualpipev:
+        layered.sort(key=lambda k: int(k.split(".", 1)[0]))  # stable: a layer's own keys keep their order
+    return [*tied, *layered]
 
 
 def pipeline_layout(pp: int, dp: int, parts: Sequence[Checkpoint], layers: _Layers) -> ParallelLayout:
@@ -507,6 +554,9 @@ def pipeline_layout(pp: int, dp: int, parts: Sequence[Checkpoint], layers: _Laye
         "stage_params": {str(s): [p.name for p in part.params] for s, part in enumerate(parts)},
         "tied": tied,
     }
+    if layers.dualpipev:
+        details["schedule"] = "dualpipev"
+        details["stages"] = 2 * pp
     return ParallelLayout(kind="pipeline", dp=dp, pp=pp, details=details)
 
 
@@ -583,12 +633,19 @@ class PipelineLayout:
         by_stage: dict[int, list[str]] = {}
         for layer, stage in (parallel.get("layer_stage") or {}).items():
             by_stage.setdefault(int(stage), []).append(str(layer))
-        stages = "; ".join(f"stage {s}: layers {', '.join(ls)}" for s, ls in sorted(by_stage.items()))
+        dualpipev = parallel.get("schedule") == "dualpipev"
+        unit = "pipe rank" if dualpipev else "stage"
+        stages = "; ".join(f"{unit} {s}: layers {', '.join(ls)}" for s, ls in sorted(by_stage.items()))
         tied = ", ".join(
-            f"{name} (stages {', '.join(map(str, t.get('stages', [])))})"
+            f"{name} ({unit}s {', '.join(map(str, t.get('stages', [])))})"
             for name, t in (parallel.get("tied") or {}).items()
         )
-        return [f"stages         {stages or parallel.get('pp')}"] + ([f"tied modules   {tied}"] if tied else [])
+        lines = [f"stages         {stages or parallel.get('pp')}"] + ([f"tied modules   {tied}"] if tied else [])
+        if dualpipev:
+            pp = parallel.get("pp")
+            lines.insert(0, f"schedule       DualPipeV: {parallel.get('stages')} stages on {pp} pipe ranks, rank r "
+                         "holding stages r and 2P-1-r")  # fmt: skip
+        return lines
 
     def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         check_sliced_reshard(ckpt, target, self.title)
