@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError
 from ckpttools.io.torchfile import LazyTensor, RecordReader, lazy_tensors, load_pickle
 
 from .conftest import FIXTURES, fixture_names
@@ -166,10 +166,11 @@ def test_garbage_file_is_corrupt(tmp_path):
         load_pickle(tmp_path / "g.pt")
 
 
-def test_legacy_serialization_is_named(tmp_path):
+def test_legacy_serialization_is_read(tmp_path):
+    """Once refused by name; now read (tests/test_legacy_serialization.py), its records without a CRC-32."""
     torch.save({"w": torch.ones(3)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
-    with pytest.raises(UnsupportedCheckpointError, match="legacy"):
-        load_pickle(tmp_path / "old.pt")
+    lazy = load_pickle(tmp_path / "old.pt")["w"]
+    assert lazy.record.crc32 is None and lazy.shape == (3,)
 
 
 def test_lazy_tensors_walks_nested_structures(tmp_path):

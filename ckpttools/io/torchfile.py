@@ -6,6 +6,10 @@ code ever runs and DeepSpeed need not be installed. Tensors come back as `LazyTe
 of the zip archive plus a view into it. Bytes are read only on request, with `pread` into caller
 buffers (nothing stays mapped, so resident memory stays bounded), and every record that is read
 is checked against the CRC-32 the zip format stores for it.
+
+Files in torch's legacy (non-zip) format (see `legacyfile`) are read the same way: their records are the raw
+storages after the pickles, located by walking the 8-byte element counts. That format stores no checksum, so their
+records carry none (`Record.crc32` is None) and are checked for structure only when the file is opened.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import Self
 
 from ckpttools.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, short
-from ckpttools.io import dtypes
+from ckpttools.io import dtypes, legacyfile
 from ckpttools.io.crc import crc32, crc32_combine
 from ckpttools.io.dtypes import DType
 from ckpttools.io.source import ByteSource, open_source, open_stream, read_full
@@ -98,13 +102,14 @@ class TorchDevice(tuple[Any, ...]):
 
 @dataclass(frozen=True)
 class Record:
-    """One stored storage: where its bytes lie in the file and their CRC-32."""
+    """One stored storage: where its bytes lie in the file and their CRC-32 (None in a legacy file, which stores
+    none: its records are checked for structure when the file is opened, see `legacyfile.storage_spans`)."""
 
     path: Path
     name: str
     offset: int
     nbytes: int
-    crc32: int
+    crc32: int | None
 
 
 # Records whose bytes are not on this machine: holes in a node-local checkpoint's gathered copy (see nodelocal).
@@ -139,8 +144,11 @@ def check_present(record: Record) -> None:
 
 
 def storage_records(path: Path) -> list[Record]:
-    """The storage records of a torch.save zip (no unpickling)."""
+    """The storage records of a torch.save zip (no unpickling), or of a legacy file (its pickle read through the
+    allowlist for the storages' element sizes)."""
     with contextlib.closing(open_source(path)) as source, open_stream(source) as fh:
+        if _is_legacy(fh):
+            return list(_read_legacy(Path(path), source, fh)[1].values())
         return list(_read_zip(Path(path), fh)[1].values())
 
 
@@ -292,12 +300,15 @@ _TORCH_GLOBALS: dict[tuple[str, str], Any] = {
 
 
 class _AllowlistUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, records: dict[str, Record], path: Path) -> None:
+    def __init__(self, data: bytes | Any, records: dict[str, Record], path: Path, *, label: str = "data/") -> None:
+        """`data`: the pickle's bytes, or a stream positioned at it; `label`: what messages put before a storage key
+        (a zip's records are `data/<key>`)."""
         import io
 
-        super().__init__(io.BytesIO(data), encoding="utf-8")
+        super().__init__(io.BytesIO(data) if isinstance(data, bytes) else data, encoding="utf-8")
         self.records = records
         self.path = path
+        self.label = label
         self.used: set[str] = set()
 
     def find_class(self, module: str, name: str) -> Any:
@@ -323,12 +334,14 @@ class _AllowlistUnpickler(pickle.Unpickler):
             raise UnsafeCheckpointError(f"{self.path}: unexpected storage type {short(storage_type, 80)}")
         record = self.records.get(key)
         if record is None:
-            raise CorruptCheckpointError(f"{self.path}: storage record data/{key} is missing; the file is damaged")
+            raise CorruptCheckpointError(
+                f"{self.path}: storage record {self.label}{key} is missing; the file is damaged"
+            )
         dtype, numel = storage_type[1], pid[4]
         if not _is_count(numel) or numel * dtype.itemsize != record.nbytes:
             raise CorruptCheckpointError(
-                f"{self.path}: storage data/{key} is declared as {short(numel)} {dtype.name} elements but its record "
-                f"holds {record.nbytes} bytes; the file is damaged"
+                f"{self.path}: storage {self.label}{key} is declared as {short(numel)} {dtype.name} elements but its "
+                f"record holds {record.nbytes} bytes; the file is damaged"
             )
         self.used.add(key)
         return StorageRef(record, dtype)
@@ -351,15 +364,16 @@ GENERIC_ARCHIVE = "archive"  # torch.save to a file object (not a path) names it
 
 
 def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
-    """Unpickle a `torch.save` zip file through the allowlist; tensors come back as `LazyTensor`s.
+    """Unpickle a `torch.save` file (zip, or legacy non-zip) through the allowlist; tensors come back as
+    `LazyTensor`s.
 
     `torch.save(obj, ".../name.pt")` stores everything under a folder `name/` inside the zip, so a file that
     was renamed, swapped with another or copied over one betrays itself: with `check_identity` such a file
-    is refused.
+    is refused. (A legacy file records no name: nothing to check.)
 
     Raises:
         CorruptCheckpointError: the file is truncated, not a zip, renamed, or its pickle is damaged.
-        UnsupportedCheckpointError: legacy (pre-zip) serialization or big-endian files.
+        UnsupportedCheckpointError: big-endian files, legacy files of torch < 0.4.
         UnsafeCheckpointError: the pickle references anything outside the allowlist.
     """
     path = Path(path)
@@ -367,13 +381,14 @@ def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
     with contextlib.closing(open_source(path)) as source, open_stream(source) as fh:
         size = source.size()
         try:
-            data, records, archive = _read_zip(path, fh)
+            legacy = _is_legacy(fh)
+            data, records, archive = _read_legacy(path, source, fh) if legacy else _read_zip(path, fh)
         except CkptError:
             raise
         except Exception as e:  # zipfile raises many kinds (BadZipFile, RuntimeError, OSError on bad offsets, ...)
             reason = f"{type(e).__name__}: {short(e, 100)}"
             raise CorruptCheckpointError(f"{path} is damaged ({reason}); re-copy it from the source") from e
-    if check_identity and archive not in (path.stem, GENERIC_ARCHIVE):
+    if check_identity and archive is not None and archive not in (path.stem, GENERIC_ARCHIVE):
         raise CorruptCheckpointError(
             f"{path} holds the data of {archive}{path.suffix} (torch.save records the file's own name inside it): "
             "files were renamed, swapped or copied over each other; restore the original files"
@@ -381,7 +396,7 @@ def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
     for rec in records.values():
         if rec.offset + rec.nbytes > size:
             raise CorruptCheckpointError(f"{path} is truncated: record {rec.name} runs past the end of the file")
-    unpickler = _AllowlistUnpickler(data, records, path)
+    unpickler = _AllowlistUnpickler(data, records, path, label="" if legacy else "data/")
     try:
         obj = unpickler.load()
     except CkptError:
@@ -391,8 +406,8 @@ def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
     unused = sorted(set(records) - unpickler.used)
     if unused:
         raise CorruptCheckpointError(
-            f"{path}: storage record data/{unused[0]} belongs to no tensor (torch.save writes none such); the file "
-            "was altered"
+            f"{path}: storage record {unpickler.label}{unused[0]} belongs to no tensor (torch.save writes none such); "
+            "the file was altered"
         )
     _check_structure(obj, path)
     return obj
@@ -430,11 +445,10 @@ def _read_zip(path: Path, fh: Any) -> tuple[bytes, dict[str, Record], str]:
     if not zipfile.is_zipfile(fh):
         fh.seek(0)
         magic = fh.read(2)
-        if magic == b"\x80\x02" or magic[:1] == b"\x80":
+        if magic[:1] == b"\x80":  # a legacy torch.save file starts with its magic number (_is_legacy)
             raise UnsupportedCheckpointError(
-                f"{path} uses torch's legacy (non-zip) format, written with "
-                '"checkpoint": {"checkpoint_serialization": false}; re-save it with serialization on, '
-                "or convert it once with torch.save(torch.load(f, weights_only=True), f2)"
+                f"{path} is a pickle that does not start with torch.save's magic number: not a torch checkpoint "
+                "(or a damaged legacy one)"
             )
         raise CorruptCheckpointError(f"{path} is not a torch checkpoint (not a zip archive): truncated or damaged")
     with zipfile.ZipFile(fh) as zf:
@@ -462,6 +476,63 @@ def _read_zip(path: Path, fh: Any) -> tuple[bytes, dict[str, Record], str]:
     return data, records, prefix[:-1]
 
 
+def _is_legacy(fh: Any) -> bool:
+    fh.seek(0)
+    head = fh.read(32)
+    fh.seek(0)
+    return legacyfile.is_legacy(head)
+
+
+class _LegacyScan(_AllowlistUnpickler):
+    """The first pass over a legacy file's data pickle, from the stream: each storage's dtype, whose element size
+    the storage's 8-byte count multiplies (needed before any record can be located). The same allowlist applies;
+    tensors are built against placeholder records and dropped."""
+
+    def __init__(self, fh: Any, path: Path) -> None:
+        super().__init__(fh, {}, path, label="")
+        self.dtypes: dict[str, DType] = {}
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "storage"):
+            raise UnsafeCheckpointError(f"{self.path}: unexpected persistent id {short(pid, 80)}")
+        storage_type, key, numel, view = pid[1], str(pid[2]), pid[4], pid[5]
+        if not (isinstance(storage_type, tuple) and storage_type[0] == "storage_type"):
+            raise UnsafeCheckpointError(f"{self.path}: unexpected storage type {short(storage_type, 80)}")
+        if view is not None:  # torch has written None since storage views went (torch 0.4)
+            raise UnsupportedCheckpointError(
+                f"{self.path} holds a storage view, which only torch before 0.4 wrote: load and re-save it once with "
+                "torch"
+            )
+        dtype = storage_type[1]
+        if not _is_count(numel) or self.dtypes.setdefault(key, dtype) != dtype:
+            raise CorruptCheckpointError(
+                f"{self.path}: storage {key} is declared as {short(numel)} {dtype.name} elements, impossible or "
+                "contradicting another declaration of it; the file is damaged"
+            )
+        return StorageRef(Record(self.path, key, 0, numel * dtype.itemsize, None), dtype)
+
+
+def _read_legacy(path: Path, source: ByteSource, fh: Any) -> tuple[bytes, dict[str, Record], None]:
+    """The data pickle's bytes and the storage records of a legacy torch.save file (see `legacyfile`): the pickle is
+    read twice (once for the dtypes that locate the records, once against them), the storages never."""
+    legacyfile.read_preamble(path, fh)
+    start = fh.tell()
+    scan = _LegacyScan(fh, path)
+    try:
+        scan.load()
+    except CkptError:
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(f"{path}: cannot read its pickle ({type(e).__name__}: {short(e, 100)})") from e
+    end = fh.tell()
+    keys = legacyfile.read_keys(path, fh)
+    itemsizes = {key: dtype.itemsize for key, dtype in scan.dtypes.items()}
+    spans = legacyfile.storage_spans(path, source, fh.tell(), keys, itemsizes)
+    records = {key: Record(path, f"storage {key}", offset, nbytes, None) for key, (offset, nbytes) in spans.items()}
+    fh.seek(start)
+    return fh.read(end - start), records, None
+
+
 # --- Reading bytes with CRC checks --------------------------------------------------------------------
 
 
@@ -477,7 +548,7 @@ class _CrcCursor:
 
 class RecordReader:
     """Reads byte ranges of records with `pread` (through each file's `ByteSource`), verifying each touched
-    record's CRC-32.
+    record's CRC-32 (records of legacy files have none: they are only read, see `Record`).
 
     A record read front to back (the usual case: flat fp32 partitions in parameter order) is checked
     in the same pass that reads it; gaps are read once for the checksum. Call `finish()` to check the
@@ -526,6 +597,9 @@ class RecordReader:
         end = start + len(buf)
         if end > record.nbytes:
             raise CorruptCheckpointError(f"{record.path}: read past the end of record {record.name}")
+        if record.crc32 is None:  # nothing to check it against: read what is asked, no more
+            self._pread(record, start, buf)
+            return
         if self.pieces is not None:
             self._pread(record, start, buf)
             piece = ((record.path, record.name), start, len(buf), crc32(buf, 0, workers))
@@ -549,6 +623,8 @@ class RecordReader:
 
     def verify(self, record: Record) -> None:
         """Read whatever of the record has not been checked yet and compare its CRC-32."""
+        if record.crc32 is None:
+            return
         cur = self._cursor(record)
         with cur.lock:
             self._advance_gap(cur, record.nbytes)
@@ -561,6 +637,8 @@ class RecordReader:
     def verify_pieces(self, record: Record, pieces: Iterable[tuple[int, int, int]]) -> None:
         """Check a record's CRC-32 from the (start, length, CRC-32) of the pieces any rank read of it, combined in
         order (`crc.crc32_combine`); the bytes no piece covers are read here."""
+        if record.crc32 is None:
+            return
         crc, pos = 0, 0
         for start, length, piece_crc in sorted(pieces):
             end = start + length

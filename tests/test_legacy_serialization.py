@@ -1,0 +1,402 @@
+"""torch's legacy (non-zip) serialization: files written by real `torch.save(..., _use_new_zipfile_serialization=False)`
+(what DeepSpeed's `"checkpoint": {"checkpoint_serialization": false}` makes), read lazily through the allowlist, and
+the real DeepSpeed checkpoints saved that way (fixtures/legacy_*) consolidated, verified and resharded bit-identical
+to the live engine's own state."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError
+from ckpttools.io import legacyfile
+from ckpttools.io.torchfile import (
+    RecordReader,
+    check_present,
+    forget_absent,
+    lazy_tensors,
+    load_pickle,
+    mark_absent,
+    storage_records,
+)
+
+from .conftest import FIXTURES
+
+LEGACY_FIXTURES = [n for n in ("legacy_z1_dp2_bf16", "legacy_z2_dp2_bf16", "legacy_z3_dp2_bf16")
+                   if (FIXTURES / n / "checkpoint").is_dir()]  # fmt: skip
+
+
+def _save_legacy(obj: object, path: Path) -> Path:
+    torch.save(obj, path, _use_new_zipfile_serialization=False)
+    assert path.read_bytes()[:4] != b"PK\x03\x04"  # really the legacy format
+    return path
+
+
+def _state() -> dict:
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    return {
+        "w": base,
+        "view": base[1:3, ::2],  # a strided view into w's storage: one storage for both
+        "bf16": torch.linspace(-2, 2, 10, dtype=torch.bfloat16),
+        "ints": torch.tensor([7, 0, -3], dtype=torch.int64),
+        "flags": torch.tensor([True, False]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 5),
+        "nested": OrderedDict(step=2, groups=[{"lr": 0.01, "params": [0, 1]}], t=(torch.ones(2, dtype=torch.half),)),
+    }
+
+
+def _load_all(obj: object, reader: RecordReader) -> object:
+    if hasattr(obj, "load"):
+        return obj.load(reader)
+    if isinstance(obj, dict):
+        return {k: _load_all(v, reader) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_load_all(v, reader) for v in obj)
+    return obj
+
+
+def _assert_same(ours: object, theirs: object) -> None:
+    if isinstance(theirs, torch.Tensor):
+        assert isinstance(ours, torch.Tensor) and ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    elif isinstance(theirs, dict):
+        assert isinstance(ours, dict) and list(ours) == list(theirs)
+        for k in theirs:
+            _assert_same(ours[k], theirs[k])
+    elif isinstance(theirs, (list, tuple)):
+        assert len(ours) == len(theirs)  # type: ignore[arg-type]
+        for a, b in zip(ours, theirs, strict=True):  # type: ignore[call-overload]
+            _assert_same(a, b)
+    else:
+        assert ours == theirs
+
+
+def _one_line(excinfo: pytest.ExceptionInfo) -> str:
+    message = str(excinfo.value)
+    assert "\n" not in message and message
+    return message
+
+
+# --- Reading real torch.save legacy files -------------------------------------------------------------------------
+
+
+def test_legacy_file_reads_like_torch_load(tmp_path):
+    path = _save_legacy(_state(), tmp_path / "state.pt")
+    obj = load_pickle(path)
+    with RecordReader() as reader:
+        ours = _load_all(obj, reader)
+        reader.finish()
+    _assert_same(ours, torch.load(path, weights_only=True))
+    assert all(t.record.crc32 is None for t in lazy_tensors(obj))  # the format stores no checksum
+
+
+def test_a_view_reads_only_its_bytes(tmp_path):
+    big = torch.arange(1 << 16, dtype=torch.float32)
+    path = _save_legacy({"big": big, "tail": big[-3:]}, tmp_path / "big.pt")
+    obj = load_pickle(path)
+    with RecordReader() as reader:
+        tail = obj["tail"].load(reader)
+        reader.finish()  # no CRC to check: nothing more is read for it
+        assert reader.bytes_read == 3 * 4
+    assert torch.equal(tail, big[-3:])
+
+
+def test_records_are_the_raw_storages_after_their_counts(tmp_path):
+    """Each record starts right after its 8-byte element count and holds the storage's bytes as torch wrote them."""
+    t = torch.arange(10, dtype=torch.int16)
+    path = _save_legacy({"a": t, "b": torch.ones(3, dtype=torch.float64)}, tmp_path / "r.pt")
+    raw = path.read_bytes()
+    records = storage_records(path)
+    assert {r.nbytes for r in records} == {20, 24}
+    for r in records:
+        (count,) = struct.unpack("<q", raw[r.offset - 8 : r.offset])
+        assert count * (2 if r.nbytes == 20 else 8) == r.nbytes
+    last = max(records, key=lambda r: r.offset)
+    assert last.offset + last.nbytes == len(raw)
+    a = next(r for r in records if r.nbytes == 20)
+    assert raw[a.offset : a.offset + 20] == t.numpy().tobytes()
+    assert sorted(records, key=lambda r: r.name) == sorted(
+        {x.record for x in lazy_tensors(load_pickle(path))}, key=lambda r: r.name
+    )
+
+
+def test_pieces_and_holes_work_on_legacy_records(tmp_path):
+    path = _save_legacy({"w": torch.arange(8.0)}, tmp_path / "p.pt")
+    lazy = load_pickle(path)["w"]
+    with RecordReader(pieces=True) as reader:
+        lazy.load(reader)
+        assert reader.pieces == []  # nothing to combine into a CRC
+        reader.verify_pieces(lazy.record, [])
+        assert reader.bytes_read == 32
+    mark_absent(path, [lazy.record.name])
+    try:
+        with pytest.raises(RuntimeError, match="never fetched"):
+            check_present(lazy.record)
+    finally:
+        forget_absent(tmp_path)
+
+
+def test_all_pickle_protocols_are_recognized(tmp_path):
+    for protocol in (2, 3, 4, 5):
+        path = tmp_path / f"p{protocol}.pt"
+        torch.save({"x": torch.ones(2)}, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+        with RecordReader() as reader:
+            assert torch.equal(load_pickle(path)["x"].load(reader), torch.ones(2))
+
+
+# --- Damaged and hostile files: one line each, nothing executed ---------------------------------------------------
+
+
+def _small(tmp_path: Path) -> Path:
+    return _save_legacy({"a": torch.arange(6, dtype=torch.bfloat16), "b": torch.ones(4)}, tmp_path / "s.pt")
+
+
+def test_truncated_in_the_storages(tmp_path):
+    path = _small(tmp_path)
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(CorruptCheckpointError) as e:
+        load_pickle(path)
+    assert "truncated" in _one_line(e)
+
+
+@pytest.mark.parametrize("keep", [10, 120, 200, 400])  # magic number, sys_info, data pickle, key list
+def test_truncated_in_the_pickles(tmp_path, keep):
+    path = _small(tmp_path)
+    path.write_bytes(path.read_bytes()[:keep])
+    with pytest.raises(CkptErrors) as e:
+        load_pickle(path)
+    assert any(word in _one_line(e) for word in ("truncated", "cannot read", "magic number")), _one_line(e)
+
+
+def test_appended_bytes(tmp_path):
+    path = _small(tmp_path)
+    path.write_bytes(path.read_bytes() + b"\0" * 5)
+    with pytest.raises(CorruptCheckpointError) as e:
+        load_pickle(path)
+    assert "5 bytes after its last storage" in _one_line(e)
+
+
+def _last_count_offset(path: Path) -> int:
+    last = max(storage_records(path), key=lambda r: r.offset)
+    return last.offset - 8
+
+
+def test_wrong_count_running_past_the_end(tmp_path):
+    path = _small(tmp_path)
+    raw = bytearray(path.read_bytes())
+    at = _last_count_offset(path)
+    (count,) = struct.unpack_from("<q", raw, at)
+    struct.pack_into("<q", raw, at, count + 1)
+    path.write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError) as e:
+        load_pickle(path)
+    assert "runs past the end" in _one_line(e) or "run past the end" in _one_line(e)
+
+
+def test_count_disagreeing_with_the_pickle(tmp_path):
+    """A count one short with the file one element shorter tiles the file exactly: the pickle's numel catches it."""
+    path = _small(tmp_path)
+    raw = bytearray(path.read_bytes())
+    at = _last_count_offset(path)
+    (count,) = struct.unpack_from("<q", raw, at)
+    itemsize = max(storage_records(path), key=lambda r: r.offset).nbytes // count
+    struct.pack_into("<q", raw, at, count - 1)
+    path.write_bytes(raw[:-itemsize])
+    with pytest.raises(CorruptCheckpointError) as e:
+        load_pickle(path)
+    assert "is declared as" in _one_line(e)
+
+
+def test_negative_count(tmp_path):
+    path = _small(tmp_path)
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<q", raw, _last_count_offset(path), -1)
+    path.write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError) as e:
+        load_pickle(path)
+    _one_line(e)
+
+
+def test_wrong_magic_number(tmp_path):
+    path = _small(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[5] ^= 0xFF  # inside the magic number's bytes: no longer torch's, so not taken for a legacy file at all
+    path.write_bytes(raw)
+    with pytest.raises(CkptErrors) as e:
+        load_pickle(path)
+    assert "magic number" in _one_line(e)
+
+
+CkptErrors = (CorruptCheckpointError, UnsupportedCheckpointError)
+
+
+class _Payload:
+    """Pickles as a call of os.system: what a hostile checkpoint would carry."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_foreign_global_is_never_executed(tmp_path):
+    marker = tmp_path / "ran"
+    path = _save_legacy({"w": torch.ones(2), "x": _Payload(marker)}, tmp_path / "evil.pt")
+    with pytest.raises(UnsafeCheckpointError) as e:
+        load_pickle(path)
+    assert "refusing to unpickle" in _one_line(e)
+    with pytest.raises(UnsafeCheckpointError):
+        storage_records(path)  # the pass that finds the storages' dtypes goes through the same allowlist
+    assert not marker.exists()
+
+
+def test_foreign_global_in_the_framing_is_refused(tmp_path):
+    """The small pickles before the data pickle accept no global at all."""
+    import pickle
+
+    marker = tmp_path / "ran"
+    path = _small(tmp_path)
+    raw = path.read_bytes()
+    magic = pickle.dumps(legacyfile.MAGIC_NUMBER, protocol=2)
+    version = pickle.dumps(legacyfile.PROTOCOL_VERSION, protocol=2)
+    assert raw.startswith(magic + version)
+    path.write_bytes(magic + version + pickle.dumps(_Payload(marker), protocol=2) + raw[len(magic + version) :])
+    with pytest.raises(UnsafeCheckpointError) as e:
+        load_pickle(path)
+    _one_line(e)
+    assert not marker.exists()
+
+
+def test_storage_listed_but_used_by_no_tensor(tmp_path):
+    """torch.save lists exactly the storages its pickle uses; a file that lists another was altered."""
+    path = _small(tmp_path)
+    other = _save_legacy({"a": torch.arange(6, dtype=torch.bfloat16)}, tmp_path / "other.pt")
+    # a's pickle with b's storage key list and storages: the keys differ (they are storage addresses)
+    _splice_data_pickle(other, path, tmp_path / "mixed.pt")
+    with pytest.raises(CorruptCheckpointError) as e:
+        load_pickle(tmp_path / "mixed.pt")
+    assert "belongs to no tensor" in _one_line(e)
+
+
+def _splice_data_pickle(pickle_from: Path, rest_from: Path, out: Path) -> None:
+    """`pickle_from`'s framing and data pickle followed by `rest_from`'s key list and storages."""
+    import pickle
+
+    def after_data_pickle(path: Path) -> int:
+        import io
+
+        fh = io.BytesIO(path.read_bytes())
+        for _ in range(3):
+            pickle.load(fh)
+
+        class Skip(pickle.Unpickler):
+            def find_class(self, module: str, name: str) -> object:
+                return lambda *a, **k: None
+
+            def persistent_load(self, pid: object) -> None:
+                return None
+
+        Skip(fh).load()
+        return fh.tell()
+
+    a, b = pickle_from.read_bytes(), rest_from.read_bytes()
+    out.write_bytes(a[: after_data_pickle(pickle_from)] + b[after_data_pickle(rest_from) :])
+
+
+def test_plain_pickle_is_not_taken_for_a_torch_file(tmp_path):
+    import pickle
+
+    path = tmp_path / "plain.pt"
+    path.write_bytes(pickle.dumps({"w": [1, 2]}, protocol=2))
+    with pytest.raises(UnsupportedCheckpointError) as e:
+        load_pickle(path)
+    assert "magic number" in _one_line(e)
+
+
+# --- Real DeepSpeed checkpoints saved with "checkpoint_serialization": false ---------------------------------------
+
+
+def _engine_references(name: str) -> tuple[dict, dict]:
+    full = load_file(FIXTURES / name / "reference" / "full_state.safetensors")
+    bit16 = load_file(FIXTURES / name / "reference" / "bit16.safetensors")
+    return full, bit16
+
+
+def _folder(out: Path) -> dict:
+    return load_file(out / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", LEGACY_FIXTURES)
+def test_fixture_files_are_legacy(name):
+    files = sorted((FIXTURES / name / "checkpoint").rglob("*.pt"))
+    assert files and all(legacyfile.is_legacy(p.read_bytes()[:32]) for p in files)
+
+
+@pytest.mark.parametrize("name", LEGACY_FIXTURES)
+def test_consolidate_matches_the_live_engine(name, tmp_path):
+    from ckpttools import consolidate
+
+    consolidate(FIXTURES / name / "checkpoint", tmp_path / "fp32")
+    full, bit16 = _engine_references(name)
+    ours = _folder(tmp_path / "fp32")
+    fp32 = {k.removeprefix("fp32/"): v for k, v in full.items() if k.startswith("fp32/")}
+    assert fp32
+    for key, expected in fp32.items():
+        assert torch.equal(ours[key], expected), key
+    consolidate(FIXTURES / name / "checkpoint", tmp_path / "bf16", dtype="bf16")
+    ours16 = _folder(tmp_path / "bf16")
+    for key in fp32:
+        assert torch.equal(ours16[key], bit16[key]), key
+
+
+@pytest.mark.parametrize("name", LEGACY_FIXTURES)
+def test_verify_against_the_legacy_checkpoint(name, tmp_path):
+    from ckpttools import consolidate, verify_folder
+
+    consolidate(FIXTURES / name / "checkpoint", tmp_path / "out")
+    report = verify_folder(tmp_path / "out", against=FIXTURES / name / "checkpoint")
+    assert report.ok, report
+
+
+@pytest.mark.parametrize("name", LEGACY_FIXTURES)
+def test_cli_consolidates_and_names_a_damaged_rank_file(name, tmp_path):
+    from click.testing import CliRunner
+
+    from ckpttools.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / name / "checkpoint", ckpt)
+    res = CliRunner().invoke(main, ["consolidate", str(ckpt), "--out", str(tmp_path / "ok")])
+    assert res.exit_code == 0, res.output
+    optim = max(ckpt.rglob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[:-100])
+    res = CliRunner().invoke(main, ["consolidate", str(ckpt), "--out", str(tmp_path / "bad")])
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert res.exit_code != 0 and len(lines) == 1 and "truncated" in lines[0], res.stderr
+    assert optim.name in lines[0] and not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("name", LEGACY_FIXTURES)
+def test_reshard_keeps_every_value(name, tmp_path):
+    """Resharded (written as zip files) to DP 1 and DP 4: fp32 masters and Adam moments unchanged."""
+    from ckpttools import consolidate, read_checkpoint, reshard
+
+    full, _ = _engine_references(name)
+    for dp in (1, 4):
+        out = tmp_path / f"dp{dp}"
+        reshard(FIXTURES / name / "checkpoint", out, dp=dp)
+        consolidate(out, tmp_path / f"fp32_dp{dp}")
+        ours = _folder(tmp_path / f"fp32_dp{dp}")
+        for key, expected in full.items():
+            if key.startswith("fp32/"):
+                assert torch.equal(ours[key.removeprefix("fp32/")], expected), (dp, key)
+        ckpt = read_checkpoint(out)
+        assert ckpt.dp_world_size == dp
