@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     type=DTYPE,
     default="fp32",
     show_default=True,
-    help="Output dtype for floating tensors.",
+    help="Output dtype for floating tensors. bf16/fp16 output leaves in fp32 the buffers a 16-bit run kept in fp32 "
+    "(DeepSpeed's keep_in_fp32, such as e_score_correction_bias), as the engine's save_16bit_model does.",
 )
 @click.option(
     "--max-shard-size", "--max_shard_size", type=SIZE, default="5GB", show_default=True, help="Largest output file."

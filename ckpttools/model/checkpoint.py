@@ -135,13 +135,30 @@ class Checkpoint:
             seen.update(dict.fromkeys(p.states))
         return list(seen)
 
+    @property
+    def kept_fp32(self) -> list[str]:
+        """Floating buffers a 16-bit run stored in fp32, in `keys` order: the engine held them in fp32.
+
+        DeepSpeed 0.19.8's keep_in_fp32 (`data_types.keep_in_fp32_modules`, by default the model's
+        `_keep_in_fp32_modules_strict`) puts such buffers back to fp32 (DeepSeek-V3/GLM's
+        `e_score_correction_bias`: bf16 changes which experts tokens are routed to); without
+        `data_types.buffer_dtype` the engine casts no buffer at all. The checkpoint records no list: the
+        stored dtype is the record (`module` of mp_rank_00 at ZeRO-1/2, of every rank file at ZeRO-3). 16-bit
+        output keeps them fp32 (`io.safetensors_writer.written_dtype`), as the engine's save_16bit_model does.
+        Empty for fp32 training, where nothing is kept.
+        """
+        if self.train_dtype not in (dtypes.BFLOAT16, dtypes.FLOAT16):
+            return []
+        return [k for k in self.keys if k in self.buffers and self.buffers[k].dtype == dtypes.FLOAT32]
+
     def sources(self, dtype: DType) -> list[TensorSource]:
         """The source of every output tensor (aliases excluded) for output `dtype`, in `keys` order.
 
         fp32 output takes trainable params from the fp32 masters (what zero_to_fp32 writes). 16-bit output
         takes ZeRO-1/2 module weights when they already are that dtype (the bytes the engine saves; checked
         equal to the cast masters by `check_module_copies`), and otherwise casts the fp32 masters, as the
-        engine does after every step.
+        engine does after every step. Buffers come as stored; the writer keeps the fp32 ones (`kept_fp32`)
+        in fp32 for 16-bit output.
         """
         masters = self.masters
         out = []
