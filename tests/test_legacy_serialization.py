@@ -143,6 +143,52 @@ def test_pieces_and_holes_work_on_legacy_records(tmp_path):
         forget_absent(tmp_path)
 
 
+def test_opening_reads_the_pickles_and_counts_only(tmp_path, monkeypatch):
+    """Bounded memory: opening a 20 MB file reads its pickles and 8 bytes per storage, not the storages."""
+    from ckpttools.io import source
+
+    state = {"big": torch.randn(4 << 20), "many": [torch.randn(100) for _ in range(50)], "half": torch.ones(1 << 20)}
+    path = _save_legacy(state, tmp_path / "big.pt")
+    read = [0]
+    plain = source.LocalFile.read_into
+
+    def counting(self: source.LocalFile, offset: int, buffer: memoryview) -> int:
+        n = plain(self, offset, buffer)
+        read[0] += n
+        return n
+
+    monkeypatch.setattr(source.LocalFile, "read_into", counting)
+    obj = load_pickle(path)
+    assert read[0] < 64 << 10 < path.stat().st_size
+    with RecordReader() as reader:
+        assert torch.equal(obj["many"][7].load(reader), state["many"][7])
+        assert reader.bytes_read == 400
+
+
+def test_node_local_skeleton_of_a_legacy_file(tmp_path, monkeypatch):
+    """ranks.nodelocal gathers a file's bytes but its large records: with the records left as zero-filled holes the
+    file still opens, the same records at the same offsets."""
+    from ckpttools.ranks import nodelocal
+
+    monkeypatch.setattr(nodelocal, "SKELETON_RECORD_MAX", 16)
+    path = _save_legacy({"w": torch.randn(64), "tiny": torch.ones(2), "b": torch.randn(32).half()}, tmp_path / "n.pt")
+    spans, holes = nodelocal.skeleton_spans(path, "n.pt", 0)
+    records = {r.name: r for r in storage_records(path)}
+    assert len(holes) == 2 and set(holes) < set(records)
+    raw = path.read_bytes()
+    copy = bytearray(len(raw))
+    for span in spans:
+        copy[span.offset : span.offset + span.length] = raw[span.offset : span.offset + span.length]
+    gathered = tmp_path / "gathered" / "n.pt"
+    gathered.parent.mkdir()
+    gathered.write_bytes(copy)
+    assert {r.name: (r.offset, r.nbytes) for r in storage_records(gathered)} == {
+        n: (r.offset, r.nbytes) for n, r in records.items()
+    }
+    with RecordReader() as reader:
+        assert torch.equal(load_pickle(gathered)["tiny"].load(reader), torch.ones(2))
+
+
 def test_all_pickle_protocols_are_recognized(tmp_path):
     for protocol in (2, 3, 4, 5):
         path = tmp_path / f"p{protocol}.pt"
@@ -400,3 +446,40 @@ def test_reshard_keeps_every_value(name, tmp_path):
                 assert torch.equal(ours[key.removeprefix("fp32/")], expected), (dp, key)
         ckpt = read_checkpoint(out)
         assert ckpt.dp_world_size == dp
+
+
+@pytest.mark.parametrize("name", LEGACY_FIXTURES)
+def test_universal_form_carries_masters_and_moments(name, tmp_path):
+    """Per-parameter fp32 masters and Adam moments (reshard --universal) against safe_get_full_fp32_param /
+    safe_get_full_optimizer_state on the live engine; also after a detour through DP 4."""
+    from ckpttools import reshard
+
+    full, _ = _engine_references(name)
+    reshard(FIXTURES / name / "checkpoint", tmp_path / "dp4", dp=4)
+    for src, out in ((FIXTURES / name / "checkpoint", tmp_path / "u"), (tmp_path / "dp4", tmp_path / "u4")):
+        reshard(src, out, universal=True)
+        zero = out / "global_step2" / "zero"
+        checked = 0
+        for key, expected in full.items():
+            state, param = key.split("/", 1)
+            ours = torch.load(zero / param / f"{state}.pt", weights_only=True)["param"]
+            assert torch.equal(ours.reshape(expected.shape), expected), (src, key)
+            checked += 1
+        assert checked == len(full) and {k.split("/")[0] for k in full} == {"fp32", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("name", LEGACY_FIXTURES)
+def test_zero_to_fp32_drop_in_reads_what_deepspeeds_own_cannot(name):
+    """DeepSpeed's zero_to_fp32 loads with mmap=True, which torch refuses for legacy files (its error is in meta.json);
+    the drop-in reads them."""
+    import json
+
+    from ckpttools.compat.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    meta = json.loads((FIXTURES / name / "meta.json").read_text())
+    assert not meta["zero_to_fp32"]["ok"] and "mmap can only be used" in meta["zero_to_fp32"]["error"]
+    ours = get_fp32_state_dict_from_zero_checkpoint(str(FIXTURES / name / "checkpoint"))
+    full, _ = _engine_references(name)
+    for key, expected in full.items():
+        if key.startswith("fp32/"):
+            assert torch.equal(ours[key.removeprefix("fp32/")], expected), key
