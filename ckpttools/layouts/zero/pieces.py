@@ -2,6 +2,11 @@
 
 A state of a param group, flattened in the optimizer's order with DeepSpeed's alignment padding, is a `Flat` of
 `Slice`s of stored tensors; a rank's partition is `Flat.take` of it, padded with zero `Fill`s where DeepSpeed pads.
+
+One state is laid out differently: the Muon momentum of a ZeRO-1/2 Muon param group (`use_muon` in its
+hyper-parameters). DeepSpeed's `_muon_momentum_buffer` (stage_1_and_2.py) sizes it by the *whole* params of the
+rank's partition (`params_in_partition`, each in full, in order), because Newton-Schulz needs whole matrices; a param
+cut by a partition boundary is held whole by every rank it touches (`whole_params_in_partition`).
 """
 
 from __future__ import annotations
@@ -95,6 +100,25 @@ def group_keys(group: list[Param]) -> list[str]:
     return keys
 
 
+MUON_MOMENTUM = "momentum_buffer"
+
+
+def is_muon_group(param_group: Any) -> bool:
+    """A param group that DeepSpeed's MuonWithAuxAdam steps with Muon (the rest go to its auxiliary Adam)."""
+    return isinstance(param_group, dict) and param_group.get("use_muon") is True
+
+
+def whole_params_in_partition(numels: list[int], offsets: list[int], size: int, rank: int) -> list[int]:
+    """The params DeepSpeed's `get_partition_info` puts in ZeRO-1/2 partition `rank` of `size` elements: those
+    starting inside it and the one running into it from before (indices into the group's params)."""
+    lo, hi = size * rank, size * (rank + 1)
+    return [i for i, (n, off) in enumerate(zip(numels, offsets, strict=True)) if lo <= off < hi or off < lo < off + n]
+
+
+def group_offsets(group: list[Param]) -> list[int]:
+    return partition.zero12_param_offsets([p.numel for p in group], [p.align_pad for p in group])
+
+
 def new_tensor(dtype: dtypes.DType, pieces: Pieces, shape: tuple[int, ...] | None = None) -> NewTensor:
     return NewTensor(dtype, tuple(pieces), shape)
 
@@ -122,12 +146,19 @@ class GroupPartition:
 
 
 def cut_group(
-    group: list[Param], scalars: dict[str, Any], ranks: int, *, bf16_optimizer: bool = False, elastic: bool = False
+    group: list[Param],
+    scalars: dict[str, Any],
+    ranks: int,
+    *,
+    bf16_optimizer: bool = False,
+    elastic: bool = False,
+    muon: bool = False,
 ) -> list[GroupPartition]:
     """A param group cut over `ranks` ranks with ZeRO-1/2's arithmetic, rank by rank.
 
     Elastic checkpoints keep the optimizer states without their padding; BF16_Optimizer pads its fp32 partitions
-    and records the whole group's padding on the last rank only.
+    and records the whole group's padding on the last rank only. A Muon group (`muon`) holds its momentum as the
+    whole params of each partition, as DeepSpeed does.
     """
     keys = group_keys(group)
     total = sum(p.numel + p.align_pad for p in group)
@@ -142,9 +173,20 @@ def cut_group(
         fp32 = flats[MASTER].take(lo, n)
         state = dict(scalars)
         for key in keys:
+            if muon and key == MUON_MOMENTUM:
+                state[key] = _whole_params_state(group, key, size, r)
+                continue
             part = flats[key].take(lo, n)
             state[key] = new_tensor(group[0].states[key].dtype, part if elastic else padded(part, size - n))
         pad = (size * ranks - total if r == ranks - 1 else 0) if bf16_optimizer else size - n
         master = master_partition(padded(fp32, size - n) if bf16_optimizer else fp32)
         parts.append(GroupPartition(master, state, pad, slice_mappings(group, lo, lo + n)))
     return parts
+
+
+def _whole_params_state(group: list[Param], key: str, size: int, rank: int) -> NewTensor:
+    """A ZeRO-1/2 Muon momentum of partition `rank`: the whole momentum of every param in it, in order."""
+    numels = [p.numel for p in group]
+    members = whole_params_in_partition(numels, group_offsets(group), size, rank)
+    pieces = [x for i in members for x in pieces_of(state_of(group[i], key))]
+    return new_tensor(group[0].states[key].dtype, pieces)

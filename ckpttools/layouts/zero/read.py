@@ -43,7 +43,6 @@ from ckpttools.layouts.rankfile import (
     read_module,
     refuse_unsupported,
     require_keys,
-    same_keys_everywhere,
     saved_without_frozen,
     scalar_entries,
     shape_of,
@@ -53,6 +52,7 @@ from ckpttools.layouts.rankfile import (
     zero_stage_of,
 )
 from ckpttools.layouts.zero import partition
+from ckpttools.layouts.zero.pieces import MUON_MOMENTUM, is_muon_group, whole_params_in_partition
 from ckpttools.model.checkpoint import (
     Checkpoint,
     OptimizerState,
@@ -132,7 +132,8 @@ class Zero12Reader:
         params: list[Param] = []
         for g, shapes in enumerate(groups):
             params += self._group_params(g, shapes, states)
-        same_keys_everywhere(self.optims[0], [flat_state_keys(s) for s in states[0]], "param group")
+        muon = [is_muon_group(pg) for pg in self._param_groups(len(groups))]
+        same_keys_per_kind(self.optims[0], [flat_state_keys(s) for s in states[0]], muon, "param group")
         by_name = {p.name: p for p in params}
         bit16 = zero12_bit16(f0, mod, by_name)
         frozen = {n: s for n, s in bit16.items() if n not in by_name}
@@ -223,17 +224,58 @@ class Zero12Reader:
                 raise f.fail(f"group_paddings[{g}] is {short(pad, 20)}, the partition arithmetic gives {want_pad}")
             masters.append(t)
         keys = self._state_keys(g, states)
-        moments = {k: [self._moment(r, g, k, states[r][g][k], size, real[r]) for r in range(self.dp)] for k in keys}
+        muon = is_muon_group(self._param_groups(g + 1)[g])
+        whole = [k for k in keys if muon and k == MUON_MOMENTUM]
+        moments = {
+            k: [self._moment(r, g, k, states[r][g][k], size, real[r]) for r in range(self.dp)]
+            for k in keys
+            if k not in whole
+        }
+        held = {k: self._whole_param_moments(g, k, states, numels, offsets, size) for k in whole}
         params: list[Param] = []
-        for (name, shape), numel, off in zip(shapes, numels, offsets, strict=True):
+        for i, ((name, shape), numel, off) in enumerate(zip(shapes, numels, offsets, strict=True)):
             pieces = partition.split_range(off, numel, real)
             fp32 = TensorSource(strip_prefixes(name), shape, dtypes.FLOAT32, _segments(masters, pieces), "trainable")
             st = {
                 k: TensorSource(fp32.name, shape, ts[0].dtype, _segments(ts, pieces), "state")
                 for k, ts in moments.items()
             }
-            params.append(Param(fp32.name, name, shape, g, align[len(params)], fp32, st))
+            for k, (ts, where) in held.items():
+                st[k] = TensorSource(fp32.name, shape, ts[0].dtype, (Segment(ts[where[i][0]], where[i][1], numel),),
+                                     "state")  # fmt: skip
+            params.append(Param(fp32.name, name, shape, g, align[len(params)], fp32, {k: st[k] for k in keys}))
         return params
+
+    def _param_groups(self, n: int) -> list[Any]:
+        """The optimizer's hyper-parameters per param group (rank 0's; elastic checkpoints keep none)."""
+        base = self.osds[0].get("base_optimizer_state")
+        groups = base.get("param_groups") if isinstance(base, dict) else None
+        return list(groups) if isinstance(groups, list) and len(groups) >= n else [{}] * n
+
+    def _whole_param_moments(
+        self, g: int, key: str, states: list[list[dict[str, Any]]], numels: list[int], offsets: list[int], size: int
+    ) -> tuple[list[LazyTensor], list[tuple[int, int]]]:
+        """A ZeRO-1/2 Muon momentum: each rank holds the whole params of its partition (pieces.py says why).
+        Returns the rank tensors and, per param, (rank, offset) of the first rank holding it."""
+        tensors, where = [], {}
+        for r in range(self.dp):
+            f = self.optims[r]
+            t = f.tensor(states[r][g][key], f"optimizer state {short(key)} of param group {g}")
+            members = whole_params_in_partition(numels, offsets, size, r)
+            want = sum(numels[i] for i in members)
+            if t.dim() != 1 or t.numel() != want:
+                raise f.fail(
+                    f"Muon momentum {short(key)} of param group {g} holds {t.numel()} elements; DeepSpeed keeps the "
+                    f"{len(members)} whole params of the partition there, {want} elements"
+                )
+            pos = 0
+            for i in members:
+                where.setdefault(i, (r, pos))
+                pos += numels[i]
+            tensors.append(t)
+        if len(where) != len(numels):
+            raise self.optims[0].fail(f"no rank holds the Muon momentum of every param of param group {g}")
+        return tensors, [where[i] for i in range(len(numels))]
 
     def _alignment(self, g: int, n: int) -> list[int]:
         pads = self.osds[0].get("param_alignment_paddings")
@@ -361,7 +403,9 @@ class _Zero3Reader:
             params += self._subgroup_params(sg, shapes, group_of[sg])
         inner = self.osds[0]["optimizer_state_dict"]["state"]
         keys = [flat_state_keys(inner.get(sg, {})) for sg in range(len(subgroups))]
-        same_keys_everywhere(self.optims[0], keys, "sub-group")
+        param_groups = self.osds[0]["optimizer_state_dict"]["param_groups"]
+        muon = [is_muon_group(param_groups[group_of[sg]]) for sg in range(len(subgroups))]
+        same_keys_per_kind(self.optims[0], keys, muon, "sub-group")
         params.sort(key=lambda p: p.group)  # flat order within each param group, as DeepSpeed builds sub-groups
         by_name = {p.name: p for p in params}
         frozen = zero3_frozen(self.models, self.dp)
@@ -470,6 +514,23 @@ class _Zero3Reader:
                 f"optimizer state {short(key)} of sub-group {sg} holds {t.numel()} elements, the partition {flat_len}"
             )
         return t
+
+
+def same_keys_per_kind(f: RankFile, keys: Sequence[Sequence[str]], muon: Sequence[bool], what: str) -> None:
+    """Every group of one kind holds the same state keys. DeepSpeed's Muon (MuonWithAuxAdam) keeps different keys
+    per kind of group: `momentum_buffer` in its Muon groups, `exp_avg`, `exp_avg_sq` (and `step`) in its auxiliary
+    Adam groups; that is normal, not damage."""
+    for kind in (True, False):
+        members = [i for i, m in enumerate(muon) if m is kind]
+        if not members:
+            continue
+        sets = [sorted(keys[i]) for i in members]
+        for i, k in zip(members, sets, strict=True):
+            if k != sets[0]:
+                label = f"{what} {i}" if not any(muon) else f"{'Muon' if kind else 'Adam'} {what} {i}"
+                raise f.fail(
+                    f"{label} has optimizer states {k}, {what} {members[0]} {sets[0]}: a state was lost or added"
+                )
 
 
 def zero3_optimizer_parts(

