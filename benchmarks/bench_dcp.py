@@ -72,7 +72,7 @@ def build_worker(work: Path, layers: int) -> None:
         full_meta = torch.empty(shape, device="meta")
         local_shape = distribute_tensor(full_meta, mesh, [Shard(0)]).to_local().shape
         tensors = [torch.randn(local_shape, generator=gen) * 0.02 for _ in range(3)]
-        model[name], avg, avg_sq = (DTensor.from_local(t, mesh, [Shard(0)], shape=shape, stride=full_meta.stride())
+        model[name], avg, avg_sq = (DTensor.from_local(t, mesh, [Shard(0)], shape=full_meta.shape, stride=full_meta.stride())
                                     for t in tensors)  # fmt: skip
         state[name] = {"step": torch.tensor(100.0), "exp_avg": avg, "exp_avg_sq": avg_sq.abs()}
     groups = [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "params": list(model)}]
