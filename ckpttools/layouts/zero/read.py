@@ -257,7 +257,8 @@ class Zero12Reader:
     ) -> tuple[list[LazyTensor], list[tuple[int, int]]]:
         """A ZeRO-1/2 Muon momentum: each rank holds the whole params of its partition (pieces.py says why).
         Returns the rank tensors and, per param, (rank, offset) of the first rank holding it."""
-        tensors, where = [], {}
+        tensors: list[LazyTensor] = []
+        where: dict[int, tuple[int, int]] = {}
         for r in range(self.dp):
             f = self.optims[r]
             t = f.tensor(states[r][g][key], f"optimizer state {short(key)} of param group {g}")
