@@ -57,8 +57,20 @@ TEST_DELAY_VAR = "CKPT_TEST_SLOW_WRITE_MS"  # tests only: see slow_down_for_test
 
 
 def echo_error(message: str) -> None:
-    """One `Error: ` line on stderr."""
-    click.echo(f"Error: {message}", err=True)
+    """One `Error: ` line on stderr (a mounted remote checkpoint's local folder named by its URL)."""
+    click.echo(f"Error: {_remote_names(message)}", err=True)
+
+
+def _remote_names(text: str) -> str:
+    remote = sys.modules.get("ckpttools.io.remote")
+    return remote.describe(text) if remote is not None else text
+
+
+def _remote_cleanup() -> None:
+    """Remove the scratch folders of mounted remote checkpoints (os._exit skips atexit)."""
+    remote = sys.modules.get("ckpttools.io.remote")
+    if remote is not None:
+        remote.cleanup()
 
 
 def _debug() -> bool:
@@ -113,6 +125,7 @@ class CkptGroup(click.Group):
         signum = signals.received()
         if signum is not None and not signals.reported():  # came before the command's body or after it ended
             code = _interrupted(signum, published_before, silent=False) if code == 0 else code
+        _remote_cleanup()
         signals.exit_now(code)
 
 
@@ -338,7 +351,57 @@ def slow_down_for_tests() -> None:
 # Options shared by several commands
 # --------------------------------------------------------------------------------------------------
 
-checkpoint_path = click.argument("path", type=click.Path(path_type=Path))
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+class CheckpointPathType(click.Path):
+    """A local path, or the URL of a remote checkpoint (s3://, gs://, az://, hf://: io/remote.py), which is
+    mounted as a local folder of its small files whose rank files are read by byte range."""
+
+    def __init__(self) -> None:
+        super().__init__(path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and _URL.match(value) and not value.lower().startswith("file://"):
+            from ckpttools.io.remote import is_remote, mount
+
+            if not is_remote(value):
+                self.fail(f"{value!r}: only local paths and s3://, gs://, az://, hf:// URLs can be read", param, ctx)
+            return mount(value)
+        return super().convert(value, param, ctx)
+
+
+class OutputPathType(click.Path):
+    """A local output folder. A remote URL is refused: an object store cannot publish a folder at once (objects
+    land one by one), so the staging guarantee (nothing visible until complete) could not be kept."""
+
+    def __init__(self) -> None:
+        super().__init__(path_type=Path)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and _URL.match(value) and not value.lower().startswith("file://"):
+            self.fail(
+                f"{value!r}: the output must be a local folder: an object store publishes files one by one, so a "
+                "half-written model could be seen; write it locally, then upload it (aws s3 sync, gcloud storage "
+                "cp, azcopy), or `ckpt push` it to the Hub",
+                param,
+                ctx,
+            )
+        return super().convert(value, param, ctx)
+
+
+def needs_out(path: Path, out: Path | None) -> None:
+    """A remote checkpoint has no folder beside it to write into: --out is required."""
+    if out is None and "ckpttools.io.remote" in sys.modules:
+        from ckpttools.io.remote import url_of
+
+        if (url := url_of(path)) is not None:
+            raise click.UsageError(f"{url} is remote: give --out, the local folder to write into")
+
+
+CHECKPOINT_PATH = CheckpointPathType()
+OUTPUT_PATH = OutputPathType()
+checkpoint_path = click.argument("path", type=CHECKPOINT_PATH)
 tag_option = click.option("--tag", help="Tag folder to read (default: the content of `latest`).")
 step_option = click.option("--step", type=int, help="With a Trainer output_dir: use checkpoint-STEP (default: newest).")
 best_option = click.option("--best", is_flag=True, help="With a Trainer output_dir: use best_model_checkpoint.")
@@ -452,7 +515,7 @@ def human_size(n: int) -> str:
 
 def echo_json(data: dict[str, Any]) -> None:
     """The result as one JSON object on stdout (--json)."""
-    click.echo(json.dumps(data, indent=None, default=str))
+    click.echo(_remote_names(json.dumps(data, indent=None, default=str)))
 
 
 def emit(data: dict[str, Any], as_json: bool, human: Callable[[dict[str, Any]], str]) -> None:
@@ -460,12 +523,12 @@ def emit(data: dict[str, Any], as_json: bool, human: Callable[[dict[str, Any]], 
     if as_json:
         echo_json(data)
     else:
-        click.echo(human(data))
+        click.echo(_remote_names(human(data)))
 
 
 def echo_notes(notes: Iterable[str], prefix: str = "Note: ") -> None:
     for note in notes:
-        click.echo(f"{prefix}{note}", err=True)
+        click.echo(_remote_names(f"{prefix}{note}"), err=True)
 
 
 def report(data: dict[str, Any], as_json: bool, quiet: bool, human: Callable[[dict[str, Any]], str]) -> None:

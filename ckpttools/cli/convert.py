@@ -13,6 +13,7 @@ import click
 from ckpttools.cli._common import (
     DTYPE,
     EPILOG,
+    OUTPUT_PATH,
     SIZE,
     checkpoint_path,
     checkpoint_selection,
@@ -22,6 +23,7 @@ from ckpttools.cli._common import (
     human_size,
     json_option,
     launch_for,
+    needs_out,
     progress_callbacks,
     quiet_option,
     report,
@@ -44,7 +46,7 @@ if TYPE_CHECKING:
     help="Output format.",
 )
 @click.option(
-    "--out", "out", type=click.Path(path_type=Path), help="Output folder (default: hf-<checkpoint> beside it)."
+    "--out", "out", type=OUTPUT_PATH, help="Output folder (default: hf-<checkpoint> beside it; a local folder)."
 )
 @click.option(
     "--dtype",
@@ -106,6 +108,7 @@ def consolidate_cmd(
     """
     from ckpttools.ops.consolidate import ConsolidateOptions, consolidate
 
+    needs_out(path, out)
     options = ConsolidateOptions(to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step, best=best,
                                  overwrite=overwrite, check_keys=check_keys, config=config, merge=merge,
                                  base=base)  # fmt: skip
@@ -143,7 +146,7 @@ def _human_consolidate(d: dict[str, Any]) -> str:
     help="Write the files DeepSpeed saves at this ZeRO stage (1, 2 or 3), to resume at that stage.",
 )
 @click.option(
-    "--out", "out", type=click.Path(path_type=Path), help="Output folder (default: dp<M>-<checkpoint> beside it)."
+    "--out", "out", type=OUTPUT_PATH, help="Output folder (default: dp<M>-<checkpoint> beside it; a local folder)."
 )
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 @config_option
@@ -179,6 +182,8 @@ def reshard_cmd(
     universal parameter folders), balanced by bytes, into one folder they all see; only rank 0 prints.
     """
     from ckpttools.ops.reshard import reshard
+
+    needs_out(path, out)
 
     def run(group: ProcessGroup | None = None) -> None:
         rank0 = group is None or group.rank == 0

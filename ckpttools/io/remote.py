@@ -137,7 +137,7 @@ def filesystem(url: str) -> tuple[Any, str]:
 
 def _make_filesystem(scheme: str) -> Any:
     try:
-        import fsspec  # type: ignore[import-untyped]
+        import fsspec
 
         options: dict[str, Any] = {"skip_instance_cache": True}
         if scheme == "hf" and os.environ.get("HF_ENDPOINT"):
@@ -429,8 +429,19 @@ def describe(text: str) -> str:
 
 
 @atexit.register
-def _cleanup() -> None:
-    for scratch in _SCRATCH:
+def cleanup() -> None:
+    """Remove this process's mounts (their scratch folders) and write `STATS` where STATS_VAR asks."""
+    with _MOUNT_LOCK:
+        scratches, _SCRATCH[:] = list(_SCRATCH), []
+        for scratch in scratches:
+            _MOUNTS.pop(str(scratch / "tree"), None)
+        known = json.loads(os.environ.get(MOUNTS_VAR) or "{}")
+        left = {top: meta for top, meta in known.items() if Path(top).parent not in scratches}
+        if left:
+            os.environ[MOUNTS_VAR] = json.dumps(left)
+        else:
+            os.environ.pop(MOUNTS_VAR, None)
+    for scratch in scratches:
         shutil.rmtree(scratch, ignore_errors=True)
     if os.environ.get(STATS_VAR):
         Path(os.environ[STATS_VAR]).write_text(json.dumps(STATS.as_dict()))

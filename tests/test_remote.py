@@ -1,0 +1,175 @@
+"""`ckpt` on remote checkpoints, end to end: s3:// against moto's S3 server (tests/support/s3_server.py) and hf://
+against the project's Hub test server, both on 127.0.0.1 and started here.
+
+Each run is compared with the same command on the local copy: byte-identical output, and the bytes fetched
+counted against the bytes the local run reads (`needed`): at most 1.05 times. Faults: a connection dropped
+mid-body, a 5xx then success, a truncated object, wrong credentials: one clear line, nothing published.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner, Result
+
+from ckpttools.cli import main
+from ckpttools.io import remote
+from ckpttools.io.source import LocalFile
+from tests.support.s3_server import LocalS3
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+CHECKPOINTS = ["z3_dp2_bf16", "z2_dp1_bf16", "z1_dp2_bf16"]
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto")
+
+
+def ckpt(*args: object) -> Result:
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[LocalS3]:
+    with LocalS3() as server:
+        for name in CHECKPOINTS:
+            server.put_folder(FIXTURES / name / "checkpoint", "bucket", f"{name}/checkpoint-2")
+        yield server
+
+
+@pytest.fixture
+def aws(s3: LocalS3, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalS3]:
+    """The client's environment for `s3`; mounts, counts and faults reset around each test."""
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv(remote.MOUNTS_VAR, raising=False)
+    monkeypatch.setattr(remote, "BACKOFF", 0.01)
+    remote.STATS.reset()
+    s3.faults.clear()
+    s3.log.clear()
+    s3.served_body_bytes = 0
+    yield s3
+    remote.cleanup()
+
+
+def local_bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count what every LocalFile read returns (the bytes a local run needs)."""
+    counted = [0]
+    original = LocalFile.read_into
+
+    def counting(self: LocalFile, offset: int, buffer: memoryview) -> int:
+        n = original(self, offset, buffer)
+        counted[0] += n
+        return n
+
+    monkeypatch.setattr(LocalFile, "read_into", counting)
+    return counted
+
+
+def same_files(a: Path, b: Path) -> None:
+    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert names == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("name", CHECKPOINTS)
+def test_consolidate_from_s3_is_identical_and_fetches_only_what_it_needs(
+    name: str, aws: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted = local_bytes_read(monkeypatch)
+    local = ckpt("consolidate", FIXTURES / name / "checkpoint", "--out", tmp_path / "local", "-q")
+    assert local.exit_code == 0, local.output
+    needed = counted[0]
+    counted[0] = 0
+    aws.served_body_bytes = 0
+    res = ckpt("consolidate", f"s3://bucket/{name}/checkpoint-2", "--out", tmp_path / "remote", "-q")
+    assert res.exit_code == 0, res.output
+    same_files(tmp_path / "local", tmp_path / "remote")
+    fetched = remote.STATS.ranged_bytes
+    assert counted[0] == 0  # every rank-file byte came over the network
+    assert needed > 0 and fetched <= 1.05 * needed, (fetched, needed)
+    assert aws.served_body_bytes <= 1.05 * needed + remote.STATS.small_bytes + (64 << 10)  # listings are small
+    print(f"{name}: fetched {fetched} of {needed} needed ({fetched / needed:.3f}x), "
+          f"{remote.STATS.ranged_requests} ranged GETs, small files {remote.STATS.small_bytes} B")  # fmt: skip
+
+
+def test_inspect_names_the_url(aws: LocalS3) -> None:
+    res = ckpt("inspect", "s3://bucket/z3_dp2_bf16/checkpoint-2", "--json")
+    assert res.exit_code == 0, res.output
+    assert "s3://bucket/z3_dp2_bf16/checkpoint-2" in res.output and "ckpt-remote-" not in res.output
+
+
+def test_a_connection_dropped_mid_read_is_retried(aws: LocalS3, tmp_path: Path) -> None:
+    aws.fail("GET", r"optim_states\.pt$", 0, times=2)
+    res = ckpt("consolidate", "s3://bucket/z1_dp2_bf16/checkpoint-2", "--out", tmp_path / "out", "-q")
+    assert res.exit_code == 0, res.output
+    assert [r for r in aws.log if r["status"] == "dropped"]
+    local = ckpt("consolidate", FIXTURES / "z1_dp2_bf16" / "checkpoint", "--out", tmp_path / "local", "-q")
+    assert local.exit_code == 0, local.output
+    same_files(tmp_path / "local", tmp_path / "out")
+
+
+def test_a_5xx_then_success(aws: LocalS3, tmp_path: Path) -> None:
+    aws.fail("GET", r"model_states\.pt$", 500, times=2)
+    res = ckpt("consolidate", "s3://bucket/z1_dp2_bf16/checkpoint-2", "--out", tmp_path / "out", "-q")
+    assert res.exit_code == 0, res.output
+    assert [r for r in aws.log if r["status"] == 500]
+
+
+def test_a_store_that_keeps_failing_is_one_line_and_nothing_published(aws: LocalS3, tmp_path: Path) -> None:
+    aws.fail("GET", r"optim_states\.pt$", 500, times=1000)
+    res = ckpt("consolidate", "s3://bucket/z1_dp2_bf16/checkpoint-2", "--out", tmp_path / "out", "-q")
+    assert res.exit_code == 3, res.output
+    assert res.output.count("\n") == 1 and "s3://bucket/z1_dp2_bf16/checkpoint-2/global_step" in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_object_is_refused_and_nothing_published(aws: LocalS3, tmp_path: Path) -> None:
+    folder = tmp_path / "copy"
+    shutil.copytree(FIXTURES / "z1_dp2_bf16" / "checkpoint", folder)
+    optim = next(folder.rglob("*optim_states.pt"))
+    optim.write_bytes(optim.read_bytes()[: optim.stat().st_size // 2])
+    aws.put_folder(folder, "bucket", "truncated/checkpoint-2")
+    res = ckpt("consolidate", "s3://bucket/truncated/checkpoint-2", "--out", tmp_path / "out", "-q")
+    assert res.exit_code == 1, res.output
+    assert res.output.startswith("Error: s3://bucket/truncated/checkpoint-2/") and res.output.count("\n") == 1
+    assert "ckpt-remote-" not in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_wrong_credentials_are_one_line_that_never_shows_them(
+    aws: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGKEY000")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong-secret-value")
+    res = ckpt("consolidate", "s3://bucket/z1_dp2_bf16/checkpoint-2", "--out", tmp_path / "out", "-q")
+    assert res.exit_code == 4, res.output
+    assert res.output.count("\n") == 1 and "access refused" in res.output
+    assert "wrong-secret-value" not in res.output and "AKIAWRONGKEY000" not in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_checkpoint(aws: LocalS3, tmp_path: Path) -> None:
+    res = ckpt("inspect", "s3://bucket/nothing-here")
+    assert res.exit_code == 1 and "s3://bucket/nothing-here does not exist" in res.output, res.output
+
+
+def test_out_to_an_object_store_is_refused_with_the_reason(aws: LocalS3) -> None:
+    res = ckpt("consolidate", FIXTURES / "z1_dp2_bf16" / "checkpoint", "--out", "s3://bucket/out")
+    assert res.exit_code == 2 and "publishes files one by one" in res.output, res.output
+
+
+def test_a_remote_checkpoint_needs_out(aws: LocalS3) -> None:
+    res = ckpt("consolidate", "s3://bucket/z1_dp2_bf16/checkpoint-2")
+    assert res.exit_code == 2 and "give --out" in res.output, res.output
+
+
+def test_the_scratch_folder_goes_when_done(aws: LocalS3, tmp_path: Path) -> None:
+    root = remote.mount("s3://bucket/z1_dp2_bf16/checkpoint-2")
+    assert root.is_dir()
+    remote.cleanup()
+    assert not root.exists() and remote.MOUNTS_VAR not in os.environ
