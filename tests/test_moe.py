@@ -207,10 +207,10 @@ def test_an_expert_master_from_another_run_is_caught_by_the_module_check(tmp_pat
     _refused(ckpt, tmp_path, CorruptCheckpointError, "experts.2.fc1.weight does not match the module")
 
 
-def test_autoep_checkpoints_are_refused_by_name(tmp_path):
+def test_autoep_layers_hand_the_folder_to_the_autoep_reader(tmp_path):
     ckpt, tag = _copy(tmp_path)
     _edit(tag / "mp_rank_00_model_states.pt", lambda sd: sd.__setitem__("ds_autoep_layers", [{"moe_layer_id": 0}]))
-    _refused(ckpt, tmp_path, CkptError, "AutoEP MoE layers")
+    _refused(ckpt, tmp_path, CkptError, r"ds_autoep_layers\[0\] says module_path")
 
 
 # --- DeepSpeed itself loads the fixture --------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ckpttools.layouts.autoep import is_autoep, read_autoep
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.universal import universal_files
 from ckpttools.layouts.zero.read import read_data_parallel
@@ -22,6 +23,8 @@ class DataParallelLayout:
         return True  # last in the registry: every ZeRO tag folder no other layout claims
 
     def read(self, loc: CheckpointLocation) -> Checkpoint:
+        if is_autoep(loc):  # AutoEP ZeRO-3 files carry ZeRO-3's names: its model states tell it apart
+            return read_autoep(loc)
         return read_data_parallel(loc)
 
     def describe(self, parallel: dict[str, Any]) -> list[str]:

@@ -33,6 +33,7 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import RecordReader, load_pickle
+from ckpttools.layouts.autoep import autoep_entries, read_autoep
 from ckpttools.layouts.base import ReshardTarget, no_universal_form
 from ckpttools.layouts.locate import EXPERT_OPTIM_RE, EXPERT_RE, MODEL_RE
 from ckpttools.layouts.rankfile import (
@@ -132,11 +133,16 @@ def read_moe(loc: CheckpointLocation) -> Checkpoint:
     Raises:
         CheckpointNotFoundError: a missing expert file (named by layer and global expert id) or rank file.
         CorruptCheckpointError: files that disagree (expert ids, shapes, partition arithmetic, ranks).
-        UnsupportedCheckpointError: AutoEP layers, ZeRO-3 or ZeRO-0 MoE, legacy `expert_E_*` files, tensor parallel.
+        UnsupportedCheckpointError: ZeRO-3 or ZeRO-0 MoE, legacy `expert_E_*` files, tensor parallel.
+
+    AutoEP folders hold expert files of the same names: their model states (`ds_autoep_layers`) hand them to
+    `layouts.autoep`, which reads them (ParallelLayout kind "autoep").
     """
     names = list(loc.files.names) or sorted(p.name for p in loc.tag_dir.iterdir())
     model_name, expert_names = _classify(loc, names)
     model0 = RankFile(loc.tag_dir / model_name, load_pickle(loc.tag_dir / model_name), "model-states")
+    if autoep_entries(model0.obj):
+        return read_autoep(loc)
     num_experts = _check_model_file(model0)
     require_keys(model0, model0.obj, MODEL_KEYS, "DeepSpeed model-states file")
     dp = dp_size_of(model0)
@@ -181,10 +187,8 @@ def _classify(loc: CheckpointLocation, names: Sequence[str]) -> tuple[str, dict[
 
 
 def _check_model_file(f: RankFile) -> list[int]:
-    """The MoE facts of mp_rank_00_model_states.pt: experts per layer; AutoEP and model parallelism refused."""
+    """The MoE facts of mp_rank_00_model_states.pt: experts per layer; model parallelism refused."""
     obj = f.obj
-    if obj.get("ds_autoep_layers"):
-        raise UnsupportedCheckpointError(f"{f.path}: AutoEP MoE layers (ds_autoep_layers) are not supported yet")
     if obj.get("module") is None:
         raise UnsupportedCheckpointError(f"{f.path} has no module weights: a pipeline-parallel MoE checkpoint")
     mp = obj.get("mp_world_size")

@@ -24,6 +24,7 @@ from ckpttools.model.origin import CheckpointLocation
 LAYOUTS = (
     "ckpttools.layouts.dcp",  # torch DCP: claims no tag folder (found as a folder format), read-only
     "ckpttools.layouts.pipeline",  # PipelineModule: layer_NN-model_states.pt
+    "ckpttools.layouts.autoep",  # AutoEP: claims no names (its files look like MoE's or ZeRO-3's); moe reads it
     "ckpttools.layouts.moe",  # DeepSpeed-MoE: expert files
     "ckpttools.layouts.autotp",  # AutoTP: several mp_rank_NN
     "ckpttools.layouts.zero0",  # no ZeRO: the optimizer inside mp_rank_00_model_states.pt
