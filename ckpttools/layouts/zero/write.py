@@ -23,6 +23,7 @@ from ckpttools.layouts.zero.pieces import (
     group_count,
     group_keys,
     group_params,
+    is_muon_group,
     master_partition,
     new_tensor,
     padded,
@@ -55,7 +56,9 @@ def _zero12_files(ckpt: Checkpoint, dp: int, stage: int) -> tuple[list[dict[str,
             for _ in range(dp)]  # fmt: skip
     for g in range(num_groups):
         scalars = opt.group_scalars[g] if g < len(opt.group_scalars) else {}
-        parts = cut_group(group_params(ckpt, g), scalars, dp, bf16_optimizer=bf16_optimizer, elastic=opt.elastic)
+        muon = param_groups is not None and g < len(param_groups) and is_muon_group(param_groups[g])
+        parts = cut_group(group_params(ckpt, g), scalars, dp, bf16_optimizer=bf16_optimizer, elastic=opt.elastic,
+                          muon=muon)  # fmt: skip
         for osd, part in zip(osds, parts, strict=True):
             osd["single_partition_of_fp32_groups"].append(part.master)
             if opt.elastic:
