@@ -109,7 +109,7 @@ def pipeline_files(names: Sequence[str], where: str) -> PipelineFiles:
     return PipelineFiles(stages, optims, layers)
 
 
-def read_pipeline(loc: CheckpointLocation) -> Checkpoint:
+def read_pipeline(loc: CheckpointLocation, files: PipelineFiles | None = None, tp: int = 1) -> Checkpoint:
     """Open a pipeline-parallel checkpoint: every stage checked, merged into whole-model keys.
 
     A tied param (`tied_modules.*`) has an fp32 master and optimizer state on every stage that uses it; the
@@ -120,11 +120,15 @@ def read_pipeline(loc: CheckpointLocation) -> Checkpoint:
         CheckpointNotFoundError: a stage, optimizer or layer file is missing (named).
         CorruptCheckpointError: files that disagree, are swapped, or do not match the stage's param_shapes.
         UnsupportedCheckpointError: pipeline combined with tensor parallelism; tied weights no layer file holds.
+
+    `files` and `tp` (pipeline_tp.py): the files of one TP rank of a pipeline x tensor-parallel save, whose stage
+    files record `tp_degree` tp and `mp_world_size` stages x tp.
     """
-    names = getattr(loc.files, "names", None) or sorted(p.name for p in loc.tag_dir.iterdir())
-    files = pipeline_files(list(names), str(loc.tag_dir))
+    if files is None:
+        names = getattr(loc.files, "names", None) or sorted(p.name for p in loc.tag_dir.iterdir())
+        files = pipeline_files(list(names), str(loc.tag_dir))
     with RecordReader() as reader:
-        stages = _load_stages(loc, files, reader)
+        stages = _load_stages(loc, files, reader, tp)
         dp = dp_size_of(stages[0])
         optims = [_load_stage_optims(loc, files, s, stages[s], dp, reader) for s in range(len(stages))]
         shapes = [_stage_names(f, o) for f, o in zip(stages, optims, strict=True)]
@@ -151,10 +155,10 @@ def read_pipeline_stages(loc: CheckpointLocation) -> list[Checkpoint]:
 # --- Stage files ---------------------------------------------------------------------------------------------
 
 
-def _load_stages(loc: CheckpointLocation, files: PipelineFiles, reader: RecordReader) -> list[RankFile]:
+def _load_stages(loc: CheckpointLocation, files: PipelineFiles, reader: RecordReader, tp: int = 1) -> list[RankFile]:
     first = min(files.stages)
     f0 = _stage_file(loc, files.stages[first])
-    pp = _pp_degree(f0)
+    pp = _pp_degree(f0, tp)
     missing = [s for s in range(pp) if s not in files.stages]
     if missing:
         s = missing[0]
@@ -182,17 +186,19 @@ def _stage_file(loc: CheckpointLocation, name: str) -> RankFile:
     return f
 
 
-def _pp_degree(f: RankFile) -> int:
+def _pp_degree(f: RankFile, tp_expected: int = 1) -> int:
     dims = f.get(f.obj, "checkpoint_parallel_dimensions", dict)
     pp, tp = dims.get("pp_degree"), dims.get("tp_degree", 1)
     if not isinstance(pp, int) or isinstance(pp, bool) or not 1 <= pp <= 1 << 16:
         raise f.fail(f"checkpoint_parallel_dimensions.pp_degree {short(pp, 20)} is not a stage count")
-    if tp != 1:
+    if tp_expected not in (1, tp):
+        raise f.fail(f"records tp_degree {short(tp, 20)}, but the layer files name {tp_expected} TP ranks")
+    if tp != tp_expected:  # plain layer file names but a TP degree: not a layout DeepSpeed writes
         raise UnsupportedCheckpointError(
             f"{f.path}: pipeline combined with tensor parallel degree {short(tp, 20)} is not supported"
         )
-    if f.obj.get("mp_world_size") != pp:
-        raise f.fail(f"mp_world_size {short(f.obj.get('mp_world_size'), 20)} is not the {pp} pipeline stages")
+    if f.obj.get("mp_world_size") != pp * tp:
+        raise f.fail(f"mp_world_size {short(f.obj.get('mp_world_size'), 20)} is not the {pp} pipeline stages x TP {tp}")
     return pp
 
 

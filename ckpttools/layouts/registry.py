@@ -23,6 +23,7 @@ from ckpttools.model.origin import CheckpointLocation
 # Detection order: the first whose LAYOUT claims a tag folder's file names reads it (one line per layout).
 LAYOUTS = (
     "ckpttools.layouts.dcp",  # torch DCP: claims no tag folder (found as a folder format), read-only
+    "ckpttools.layouts.pipeline_tp",  # pipeline x TP: layer_NN-model_TT-model_states.pt (before pipeline)
     "ckpttools.layouts.pipeline",  # PipelineModule: layer_NN-model_states.pt
     "ckpttools.layouts.autoep",  # AutoEP: claims no names (its files look like MoE's or ZeRO-3's); moe reads it
     "ckpttools.layouts.moe",  # DeepSpeed-MoE: expert files
