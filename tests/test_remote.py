@@ -19,6 +19,7 @@ from click.testing import CliRunner, Result
 from ckpttools.cli import main
 from ckpttools.io import remote
 from ckpttools.io.source import LocalFile
+from tests.support.hub_server import LocalHub
 from tests.support.s3_server import LocalS3
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
@@ -173,3 +174,59 @@ def test_the_scratch_folder_goes_when_done(aws: LocalS3, tmp_path: Path) -> None
     assert root.is_dir()
     remote.cleanup()
     assert not root.exists() and remote.MOUNTS_VAR not in os.environ
+
+
+HUB_TOKEN = "hf_local_test_token"
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalHub]:
+    """The Hub test server holding org/run with z3_dp2_bf16 as checkpoint-2 (LFS files, as a run pushes them)."""
+    from huggingface_hub import HfApi, constants
+
+    with LocalHub(token=HUB_TOKEN) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", HUB_TOKEN)
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the tests' default; this Hub is on 127.0.0.1
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.delenv(remote.MOUNTS_VAR, raising=False)
+        api = HfApi(endpoint=server.url, token=HUB_TOKEN)
+        api.create_repo("org/run")
+        api.upload_folder(folder_path=FIXTURES / "z3_dp2_bf16" / "checkpoint", path_in_repo="checkpoint-2",
+                          repo_id="org/run")  # fmt: skip
+        remote.STATS.reset()
+        yield server
+        remote.cleanup()
+
+
+def test_consolidate_from_a_hub_repo_is_identical_and_ranged(
+    hub: LocalHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    counted = local_bytes_read(monkeypatch)
+    local = ckpt("consolidate", FIXTURES / "z3_dp2_bf16" / "checkpoint", "--out", tmp_path / "local", "-q")
+    assert local.exit_code == 0, local.output
+    needed, counted[0] = counted[0], 0
+    res = ckpt("consolidate", "hf://org/run/checkpoint-2", "--out", tmp_path / "remote", "-q")
+    assert res.exit_code == 0, res.output
+    same_files(tmp_path / "local", tmp_path / "remote")
+    assert counted[0] == 0 and remote.STATS.ranged_bytes <= 1.05 * needed, (remote.STATS, needed)
+    ranged = [r for r in hub.requests("GET", r"/resolve/main/checkpoint-2/global_step2/") if r["status"] == 206]
+    assert len(ranged) == remote.STATS.ranged_requests  # every rank-file read was a ranged GET
+
+
+def test_a_hub_token_refused_is_one_line(hub: LocalHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_TOKEN", "hf_wrong_token_value")
+    res = ckpt("consolidate", "hf://org/run/checkpoint-2", "--out", tmp_path / "out", "-q")
+    assert res.exit_code == 4 and "HF_TOKEN" in res.output, res.output
+    assert res.output.count("\n") == 1 and "hf_wrong_token_value" not in res.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_hub_read_dropped_then_served(hub: LocalHub, tmp_path: Path) -> None:
+    hub.fail("GET", r"/resolve/main/checkpoint-2/global_step2/.*optim_states\.pt$", 0, times=1)
+    hub.fail("GET", r"/resolve/main/checkpoint-2/global_step2/.*model_states\.pt$", 503, times=1)
+    res = ckpt("consolidate", "hf://org/run/checkpoint-2", "--out", tmp_path / "out", "-q")
+    assert res.exit_code == 0, res.output
+    assert hub.requests("GET", "optim_states") and [r for r in hub.log if r["status"] in ("dropped", 503)]

@@ -135,6 +135,13 @@ def test_refused_credentials_fail_at_once_and_are_never_printed(fake: FakeFS, mo
     assert remote.STATS.retries == 0
 
 
+def test_a_store_that_ignores_the_range_is_refused(fake: FakeFS, monkeypatch: pytest.MonkeyPatch) -> None:
+    source = open_source("s3://bucket/obj")
+    monkeypatch.setattr(fake, "cat_file", lambda path, start=None, end=None: fake.files[path])
+    with pytest.raises(RemoteError, match="it ignores byte ranges"):
+        source.read_into(5, memoryview(bytearray(10)))
+
+
 def test_a_missing_object_is_file_not_found(fake: FakeFS) -> None:
     with pytest.raises(FileNotFoundError):
         open_source("s3://bucket/nothing")

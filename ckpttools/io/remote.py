@@ -173,15 +173,25 @@ def fail(url: str, what: str, e: BaseException) -> CkptError:
     if isinstance(e, CkptError):
         return e
     if isinstance(e, PermissionError) or _status(e) in (401, 403):
-        return AuthError(
-            f"{url}: access refused while {what} ({_reason(e)}); check the credentials for this store "
-            "(AWS_* / ~/.aws, GOOGLE_APPLICATION_CREDENTIALS, AZURE_STORAGE_*, HF_TOKEN)"
-        )
+        return AuthError(f"{url}: access refused while {what} ({_reason(e)}); check {_credentials_hint(url)}")
     if isinstance(e, FileNotFoundError):
         return CheckpointNotFoundError(
             f"{url} does not exist (or these credentials cannot see it) ({_reason(e)}); check the URL"
         )
     return RemoteError(f"{url}: {what} failed ({_reason(e)}); check the network and the store, then run again")
+
+
+_CREDENTIALS = {
+    "s3": "the AWS credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, ~/.aws)",
+    "gcs": "the Google credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth application-default login)",
+    "azure": "the Azure credentials (AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY or a SAS token)",
+    "hub": "the Hub token (HF_TOKEN, or `hf auth login`)",
+}
+
+
+def _credentials_hint(url: str) -> str:
+    m = _URL.match(url)
+    return _CREDENTIALS[REMOTE_SCHEMES.get(m["scheme"].lower() if m else "", "s3")]
 
 
 def _status(e: BaseException) -> int | None:
@@ -251,10 +261,14 @@ class RemoteFile:
         if end <= offset:
             return 0
         data = retrying(self.name, f"reading bytes {offset}-{end}", lambda: _fetch(self.fs, self.path, offset, end))
-        n = min(len(data), end - offset)
-        buffer[:n] = data[:n]
         STATS.add(ranged_bytes=len(data), ranged_requests=1)
-        return n
+        if len(data) > end - offset:  # a whole object for a range: its bytes would land at the wrong offset
+            raise RemoteError(
+                f"{self.name}: the store answered {len(data)} bytes for a range of {end - offset}: it ignores "
+                "byte ranges (a proxy in between?); ckpt cannot read this store by range"
+            )
+        buffer[: len(data)] = data
+        return len(data)
 
     def advise(self, offset: int, nbytes: int) -> None:
         """Nothing: every read is a GET of exactly the bytes asked for, so a prefetch could only fetch twice."""

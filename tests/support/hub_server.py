@@ -397,4 +397,8 @@ class _Handler(BaseHTTPRequestHandler):
         headers = {"X-Repo-Commit": sha, "ETag": f'"{etag}"', "Content-Type": "application/octet-stream"}
         if blob.lfs:
             headers |= {"X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(blob.data))}
+        if m := re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or ""):  # ranged reads (HfFileSystem)
+            start, end = int(m[1]), min(int(m[2] or len(blob.data) - 1), len(blob.data) - 1)
+            headers["Content-Range"] = f"bytes {start}-{end}/{len(blob.data)}"
+            return 206, blob.data[start : end + 1], headers
         return 200, blob.data, headers
