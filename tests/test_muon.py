@@ -25,10 +25,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ckpttools import consolidate
+from ckpttools import consolidate, reshard
+from ckpttools.compat import ds_to_universal
+from ckpttools.errors import CkptError
 from ckpttools.io.safetensors_writer import read_tensor
 from ckpttools.io.torchfile import RecordReader
+from ckpttools.layouts import universal
 from ckpttools.layouts.registry import read_checkpoint
+from ckpttools.layouts.universal import MUON_ZERO3_ERROR, MUON_ZERO12_ERROR
+from fixtures.build import ds_launch
 
 from .conftest import FIXTURES
 
@@ -123,3 +128,72 @@ def test_consolidate_fp32_and_bf16_equal_deepspeed(name, tmp_path):
     assert set(bf16) == set(ref16)
     problems += _differences(bf16, ref16, "engine 16-bit state dict")
     assert problems == []
+
+
+# --- reshard, loaded by real DeepSpeed engines ------------------------------------------------------------------
+
+
+def _resume(name: str, ckpt: Path, dp: int, tmp_path: Path, universal: bool = False) -> tuple[int, list[dict], str]:
+    """Load `ckpt` into a Muon engine of the fixture's stage at `dp` ranks (fixture_muon.py `resume`), compare every
+    fp32 master and optimizer state with the fixture's reference, one more step; (rc, per-rank facts, output)."""
+    stage = _meta(name)["zero_stage"]
+    info = tmp_path / "info"
+    ref = FIXTURES / name / "reference" / "full_state.safetensors"
+    args = ["resume", "--stage", stage, "--ckpt", ckpt, "--ref", ref, "--out", info,
+            *(["--universal"] if universal else [])]  # fmt: skip
+    run = ds_launch.torchrun(dp, WORKER, args, timeout=600)
+    facts = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("info.*.json"))]
+    return run.rc, facts, run.tail()
+
+
+@slow
+@pytest.mark.parametrize("dp", [1, 3])
+@pytest.mark.parametrize("name", NAMES)
+def test_reshard_dp_loads_in_deepspeed_bit_identically_and_trains_on(name, dp, tmp_path):
+    out = tmp_path / f"dp{dp}"
+    reshard(_ckpt(name), out, dp=dp)
+    assert _read_states(out).keys() == _ref(name, "full_state").keys()
+    rc, facts, tail = _resume(name, out, dp, tmp_path)
+    assert rc == 0, tail
+    assert len(facts) == dp
+    for f in facts:
+        assert f["loaded"] and f["global_steps_after_load"] == _meta(name)["global_steps"]
+        assert [k for k, same in f["equal"].items() if not same] == [], f"rank {f['rank']}"
+        assert f["global_steps_after_step"] == f["global_steps_after_load"] + 1
+        assert f["fp32_finite_after_step"]
+
+
+# --- the universal form ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reshard_universal_and_ds_to_universal_refuse_with_deepspeeds_errors(name, tmp_path):
+    with pytest.raises(CkptError) as e:
+        reshard(_ckpt(name), tmp_path / "u", universal=True)
+    assert MUON_ZERO12_ERROR in str(e.value) and MUON_ZERO3_ERROR in str(e.value)
+    assert not (tmp_path / "u").exists()
+    tag = _meta(name)["tag"]
+    args = ["--input_folder", str(_ckpt(name) / tag), "--output_folder", str(tmp_path / "dsu" / tag)]
+    assert ds_to_universal.cli(args) != 0
+    assert not (tmp_path / "dsu" / tag).exists()
+
+
+@slow
+@pytest.mark.parametrize("name", ["muon_z2_dp2_bf16", "muon_z3_dp2_bf16"])
+def test_deepspeed_cannot_resume_muon_from_the_universal_form(name, tmp_path, monkeypatch):
+    """The errors the refusal quotes, from DeepSpeed itself: the universal form written anyway (every state under
+    its own key, as for any optimizer) and loaded with load_universal at DP 3."""
+    monkeypatch.setattr(universal, "refuse_muon", lambda ckpt, groups: None)
+    out = tmp_path / "u"
+    reshard(_ckpt(name), out, universal=True)
+    assert sorted(p.name for p in (out / _meta(name)["tag"] / "zero" / "fc1.weight").iterdir()) == [
+        "fp32.pt",
+        "momentum_buffer.pt",
+    ]
+    rc, facts, tail = _resume(name, out, 3, tmp_path, universal=True)
+    assert rc != 0
+    if _meta(name)["zero_stage"] == 3:
+        assert {f.get("load_error") for f in facts} == {MUON_ZERO3_ERROR}, tail
+    else:  # the load passes (the momentum put back per partition), the first Muon step fails
+        assert facts and all(f["loaded"] for f in facts), tail
+        assert MUON_ZERO12_ERROR in {f.get("step_error") for f in facts}, tail

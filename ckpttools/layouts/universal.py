@@ -32,6 +32,7 @@ from ckpttools.layouts.rankfile import (
     zero_stage_of,
 )
 from ckpttools.layouts.tp_map import full_shapes
+from ckpttools.layouts.zero.pieces import is_muon_group
 from ckpttools.layouts.zero.read import zero3_frozen, zero3_optimizer_parts, zero12_bit16
 from ckpttools.model.checkpoint import (
     MASTER,
@@ -322,6 +323,7 @@ def universal_files(ckpt: Checkpoint) -> dict[str, Any]:
         raise CorruptCheckpointError(
             "elastic ZeRO-1/2 checkpoints carry no param_groups for the universal format; reshard natively instead"
         )
+    refuse_muon(ckpt, groups)
     files = param_files(ckpt.params, opt.group_scalars)
     common = dict(opt.common)
     if ckpt.zero_stage == 3:  # DeepSpeed reads the step from state[first sub-group]; keyed like its sub-groups
@@ -331,3 +333,27 @@ def universal_files(ckpt: Checkpoint) -> dict[str, Any]:
         common["optimizer_state_dict"] = {"state": state, "param_groups": groups}
     files["zero/optimizer_state.pt"] = common
     return files
+
+
+# What DeepSpeed 0.19.8 answers when it resumes a Muon run from the universal form (tests/test_muon.py runs both).
+MUON_ZERO12_ERROR = "RuntimeError: start (0) + length (192) exceeds dimension size (124)."
+MUON_ZERO3_ERROR = "KeyError: 0"
+
+
+def refuse_muon(ckpt: Checkpoint, groups: Sequence[Any]) -> None:
+    """DeepSpeed cannot resume its Muon optimizer from a universal checkpoint, so none is written.
+
+    ZeRO-1/2's loader reads every `<key>.pt` of a param folder but puts each state back as the rank's slice of the
+    partition, while its Muon step keeps the momentum as the whole params of the partition: the load passes and the
+    first step fails (MUON_ZERO12_ERROR, in get_flat_partition's narrow). ZeRO-3's loader
+    (load_hp_checkpoint_state_from_checkpoint_dir_stage3) reads `fp32`, `exp_avg` and `exp_avg_sq` of every param
+    and `optimizer_state.pt`'s state[0]['step'], none of which a Muon group has (MUON_ZERO3_ERROR); DeepSpeed's own
+    ds_to_universal stops before, with `KeyError: 'exp_avg'` (#8608). Native resharding keeps Muon's state.
+    """
+    if any(is_muon_group(g) for g in groups):
+        raise UnsupportedCheckpointError(
+            f"{ckpt.location.tag_dir} was trained with DeepSpeed's Muon optimizer (param groups with use_muon), which "
+            f"DeepSpeed 0.19.8 cannot resume from the universal format (ZeRO-1/2: the load passes, then its first step "
+            f'fails with "{MUON_ZERO12_ERROR}"; ZeRO-3: "{MUON_ZERO3_ERROR}", its loader reads Adam\'s exp_avg and '
+            "exp_avg_sq only); reshard natively instead (--dp, --stage), which keeps the Muon momentum"
+        )
