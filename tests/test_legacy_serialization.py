@@ -270,6 +270,26 @@ def test_negative_count(tmp_path):
     _one_line(e)
 
 
+def test_damaged_memo_index_is_refused_before_unpickling(tmp_path):
+    """Without a CRC a flipped bit reaches the pickle; a memo index far beyond the entries so far would make the
+    unpickler allocate a table by its value (in a fuzz run a LONG_BINPUT of 1393191011 got the process OOM-killed)."""
+    import io
+    import pickletools
+
+    path = _small(tmp_path)
+    raw = bytearray(path.read_bytes())
+    fh = io.BytesIO(bytes(raw))
+    for _ in range(3):  # magic number, protocol version, sys_info
+        for _op in pickletools.genops(fh):
+            pass
+    puts = [pos for op, _, pos in pickletools.genops(fh) if op.name == "BINPUT"]
+    raw[puts[2] + 1] = 250  # BINPUT's one-byte index: the third entry claims index 250
+    path.write_bytes(raw)
+    with pytest.raises(CorruptCheckpointError) as e:
+        load_pickle(path)
+    assert "memo index 250 after 2 entries" in _one_line(e)
+
+
 def test_wrong_magic_number(tmp_path):
     path = _small(tmp_path)
     raw = bytearray(path.read_bytes())

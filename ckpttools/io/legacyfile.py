@@ -8,15 +8,20 @@ for each key in that order an 8-byte little-endian element count and the storage
 no checksum, so the checks that stand in for a zip's CRC-32 are structural (`storage_spans`).
 
 The small pickles here hold only numbers, strings, lists and dicts, and are read by an unpickler that accepts no
-global and no persistent id. The data pickle is torchfile's business (its allowlist).
+global and no persistent id. The data pickle is torchfile's business (its allowlist). Every pickle is first walked op
+by op (`read_pickle`) to find where it ends, so that unpickling works on its bytes alone, and to refuse what would
+make the unpickler allocate by a damaged value: with no CRC, a flipped bit reaches the unpickler, and a memo index
+of 2**31 makes CPython's grow its memo table to 16 GiB.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
+import pickletools
 import struct
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.source import ByteSource, read_full
@@ -49,43 +54,86 @@ class _PlainUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"{self.path}: unexpected persistent id {short(pid, 80)} in a legacy torch file")
 
 
-def _load_plain(path: Path, fh: Any, what: str) -> Any:
-    """One framing pickle from `fh`'s position; `fh` is left just after it (the unpickler gives back what it
-    peeked)."""
-    unpickler = _PlainUnpickler(fh, encoding="utf-8")
+class _Capped:
+    """`fh` as pickletools reads it, each read cut at the end of the file: a damaged length asks for no more."""
+
+    def __init__(self, fh: Any, size: int) -> None:
+        self.fh, self.size = fh, size
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self.size - self.fh.tell())
+        return bytes(self.fh.read(left if n < 0 else min(n, left)))
+
+    def readline(self) -> bytes:
+        return bytes(self.fh.readline())
+
+    def tell(self) -> int:
+        return int(self.fh.tell())
+
+
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def read_pickle(path: Path, fh: Any, size: int, what: str) -> bytes:
+    """The bytes of the pickle at `fh`'s position (of a file of `size` bytes), `fh` left just after it.
+
+    Walked op by op, nothing built: a pickler numbers its memo entries 0, 1, 2, ..., so an index beyond the entries
+    so far is damage (and would make the unpickler allocate a table by its value)."""
+    start, puts = fh.tell(), 0
+    try:
+        for op, arg, _ in pickletools.genops(cast(IO[bytes], _Capped(fh, size))):
+            if op.name in _MEMO_PUTS:
+                if not isinstance(arg, int) or not 0 <= arg <= puts:
+                    raise ValueError(f"memo index {short(arg)} after {puts} entries")
+                puts += 1
+            elif op.name == "MEMOIZE":
+                puts += 1
+    except ValueError as e:  # pickletools' word for truncated, unknown opcodes and bad arguments
+        raise CorruptCheckpointError(
+            f"{path}: cannot read the {what} of this legacy torch file ({short(e, 100)}); the file is truncated or "
+            "damaged"
+        ) from e
+    end = fh.tell()
+    fh.seek(start)
+    return bytes(fh.read(end - start))
+
+
+def _load_plain(path: Path, fh: Any, size: int, what: str) -> Any:
+    """One framing pickle from `fh`'s position; `fh` is left just after it."""
+    unpickler = _PlainUnpickler(io.BytesIO(read_pickle(path, fh, size, what)), encoding="utf-8")
     unpickler.path = path
     try:
         return unpickler.load()
     except UnsafeCheckpointError:
         raise
-    except Exception as e:  # EOFError, UnpicklingError, ... on a truncated or damaged file
+    except Exception as e:  # UnpicklingError, ... on a damaged file
         raise CorruptCheckpointError(
             f"{path}: cannot read the {what} of this legacy torch file ({type(e).__name__}: {short(e, 100)}); "
             "the file is truncated or damaged"
         ) from e
 
 
-def read_preamble(path: Path, fh: Any) -> None:
+def read_preamble(path: Path, fh: Any, size: int) -> None:
     """Check the magic number, protocol version and byte order, leaving `fh` at the data pickle."""
     fh.seek(0)
-    if _load_plain(path, fh, "magic number") != MAGIC_NUMBER:
+    if _load_plain(path, fh, size, "magic number") != MAGIC_NUMBER:
         raise CorruptCheckpointError(f"{path} is not a torch checkpoint (wrong magic number): truncated or damaged")
-    version = _load_plain(path, fh, "protocol version")
+    version = _load_plain(path, fh, size, "protocol version")
     if version != PROTOCOL_VERSION:
         raise UnsupportedCheckpointError(
             f"{path} is a legacy torch file of protocol version {short(version)}; ckpttools reads version "
             f"{PROTOCOL_VERSION} (torch 0.4 and later): load and re-save it once with torch"
         )
-    sys_info = _load_plain(path, fh, "system information")
+    sys_info = _load_plain(path, fh, size, "system information")
     if not isinstance(sys_info, dict):
         raise CorruptCheckpointError(f"{path}: the system information of this legacy torch file is damaged")
     if sys_info.get("little_endian") is not True:
         raise UnsupportedCheckpointError(f"{path} was written on a big-endian machine")
 
 
-def read_keys(path: Path, fh: Any) -> list[str]:
+def read_keys(path: Path, fh: Any, size: int) -> list[str]:
     """The storage keys, in the order their bytes follow (from `fh`'s position, just after the data pickle)."""
-    keys = _load_plain(path, fh, "storage key list")
+    keys = _load_plain(path, fh, size, "storage key list")
     if (
         not isinstance(keys, list)
         or len(keys) > MAX_KEYS

@@ -300,12 +300,11 @@ _TORCH_GLOBALS: dict[tuple[str, str], Any] = {
 
 
 class _AllowlistUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes | Any, records: dict[str, Record], path: Path, *, label: str = "data/") -> None:
-        """`data`: the pickle's bytes, or a stream positioned at it; `label`: what messages put before a storage key
-        (a zip's records are `data/<key>`)."""
+    def __init__(self, data: bytes, records: dict[str, Record], path: Path, *, label: str = "data/") -> None:
+        """`label`: what messages put before a storage key (a zip's records are `data/<key>`)."""
         import io
 
-        super().__init__(io.BytesIO(data) if isinstance(data, bytes) else data, encoding="utf-8")
+        super().__init__(io.BytesIO(data), encoding="utf-8")
         self.records = records
         self.path = path
         self.label = label
@@ -484,12 +483,12 @@ def _is_legacy(fh: Any) -> bool:
 
 
 class _LegacyScan(_AllowlistUnpickler):
-    """The first pass over a legacy file's data pickle, from the stream: each storage's dtype, whose element size
-    the storage's 8-byte count multiplies (needed before any record can be located). The same allowlist applies;
-    tensors are built against placeholder records and dropped."""
+    """The first pass over a legacy file's data pickle: each storage's dtype, whose element size the storage's
+    8-byte count multiplies (needed before any record can be located). The same allowlist applies; tensors are built
+    against placeholder records and dropped."""
 
-    def __init__(self, fh: Any, path: Path) -> None:
-        super().__init__(fh, {}, path, label="")
+    def __init__(self, data: bytes, path: Path) -> None:
+        super().__init__(data, {}, path, label="")
         self.dtypes: dict[str, DType] = {}
 
     def persistent_load(self, pid: Any) -> StorageRef:
@@ -515,22 +514,21 @@ class _LegacyScan(_AllowlistUnpickler):
 def _read_legacy(path: Path, source: ByteSource, fh: Any) -> tuple[bytes, dict[str, Record], None]:
     """The data pickle's bytes and the storage records of a legacy torch.save file (see `legacyfile`): the pickle is
     read twice (once for the dtypes that locate the records, once against them), the storages never."""
-    legacyfile.read_preamble(path, fh)
-    start = fh.tell()
-    scan = _LegacyScan(fh, path)
+    size = source.size()
+    legacyfile.read_preamble(path, fh, size)
+    data = legacyfile.read_pickle(path, fh, size, "data pickle")
+    scan = _LegacyScan(data, path)
     try:
         scan.load()
     except CkptError:
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"{path}: cannot read its pickle ({type(e).__name__}: {short(e, 100)})") from e
-    end = fh.tell()
-    keys = legacyfile.read_keys(path, fh)
+    keys = legacyfile.read_keys(path, fh, size)
     itemsizes = {key: dtype.itemsize for key, dtype in scan.dtypes.items()}
     spans = legacyfile.storage_spans(path, source, fh.tell(), keys, itemsizes)
     records = {key: Record(path, f"storage {key}", offset, nbytes, None) for key, (offset, nbytes) in spans.items()}
-    fh.seek(start)
-    return fh.read(end - start), records, None
+    return data, records, None
 
 
 # --- Reading bytes with CRC checks --------------------------------------------------------------------
