@@ -169,3 +169,28 @@ def test_deepspeed_loads_a_resharded_dualpipev_checkpoint(name: str, dp: int, tm
     assert all(s == [meta["global_steps"]] for s in facts["optimizer_steps_after_load"])
     assert facts["global_steps_after_training"] == meta["global_steps"] + 1
     assert all(math.isfinite(loss) for loss in facts["losses_after_load"])
+
+
+@pytest.mark.slow
+def test_deepspeed_resumes_a_universal_dualpipev_checkpoint_at_another_dp(tmp_path: Path) -> None:
+    """`ckpt reshard --universal`: a DualPipeV engine at DP 2 loads it with load_universal (params found by name,
+    whatever stage holds them) and holds the DP-1 engines' masters, moments and 16-bit weights bit for bit."""
+    pytest.importorskip("deepspeed")
+    from ckpttools.ops.reshard import reshard
+    from fixtures.build import ds_launch
+
+    name = NAMES[0]
+    out = tmp_path / "universal"
+    reshard(FIXTURES / name / "checkpoint", out, universal=True)
+    dump = tmp_path / "dump.safetensors"
+    args = ["load", "--universal", "--load", str(out), "--out", str(dump)]
+    run = ds_launch.torchrun(4, "fixtures.build.fixture_dualpipev", args, cwd=tmp_path, timeout=900)
+    assert run.rc == 0, run.tail()
+    got = load_file(dump)
+    want = {**reference(name, "full_state.safetensors"),
+            **{f"module/{k}": v for k, v in reference(name, "bit16.safetensors").items()}}  # fmt: skip
+    assert sorted(got) == sorted(want)
+    for key, t in want.items():
+        assert same(got[key], t), key
+    facts = json.loads(dump.with_suffix(".json").read_text())
+    assert (facts["dp"], facts["global_steps_after_training"]) == (2, fixture_meta(name)["global_steps"] + 1)

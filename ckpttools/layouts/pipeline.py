@@ -14,6 +14,12 @@ Without ZeRO (stage 0, bf16: BF16_Optimizer) the stage file has no param_shapes 
 the stage's params are then named by the optimizer files' param_slice_mappings, shaped by the layer files.
 Each stage is read with reader.py's ZeRO-1/2 machinery over a module assembled from the layer files; the stages
 are then merged, tied params once (from the first stage that has them).
+
+DualPipeV (`deepspeed.pipe.DualPipeVModule`, #8576) saves the same files, but cuts the layers into 2P stages for P
+pipe ranks and pipe rank r holds stages r and 2P-1-r: `mp_rank_{r:02d}` then names two non-adjacent layer ranges
+(saved once per phase) and `mp_world_size` is P. Nothing else marks it; the owners' V-shaped order in layer index
+order (`0 1 1 0`) tells it from swapped stage files. Each pipe rank is read as one "stage" here.
+pipeline_tp.py reads each TP rank of a pipeline x tensor-parallel save with `read_pipeline(loc, files, tp)`.
 """
 
 from __future__ import annotations
