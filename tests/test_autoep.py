@@ -140,15 +140,59 @@ def test_inspect_names_the_layout(name):
     assert "model.layers.0.mlp 4" in line and "EP 2" in line and "gate_up_proj" in line
 
 
-@pytest.mark.parametrize("name", BOTH)
-def test_reshard_is_refused_with_the_reason(name, tmp_path):
+def test_universal_and_zero3_reshards_are_refused_with_the_reason():
     from ckpttools.layouts.base import ReshardTarget
     from ckpttools.layouts.registry import layout_of
 
-    ckpt = read_checkpoint(FIXTURES / name / "checkpoint")
-    for target in (ReshardTarget(2, ckpt.zero_stage), ReshardTarget(None, ckpt.zero_stage)):
-        with pytest.raises(UnsupportedCheckpointError, match="reshard is not supported for AutoEP"):
-            layout_of(ckpt).check_reshard(ckpt, target)
+    for name in BOTH:
+        ckpt = read_checkpoint(FIXTURES / name / "checkpoint")
+        with pytest.raises(UnsupportedCheckpointError, match="--universal is refused"):
+            layout_of(ckpt).check_reshard(ckpt, ReshardTarget(None, ckpt.zero_stage))
+    ckpt = read_checkpoint(FIXTURES / Z3 / "checkpoint")
+    with pytest.raises(UnsupportedCheckpointError, match="same parameter placement topology"):
+        layout_of(ckpt).check_reshard(ckpt, ReshardTarget(2, 3))
+    ckpt = read_checkpoint(FIXTURES / Z2 / "checkpoint")
+    with pytest.raises(UnsupportedCheckpointError, match="not a multiple of the AutoEP ep_size 2"):
+        layout_of(ckpt).check_reshard(ckpt, ReshardTarget(3, 2))
+
+
+def _resharded(tmp_path: Path, dp: int) -> Path:
+    from ckpttools import reshard
+
+    reshard(FIXTURES / Z2 / "checkpoint", tmp_path / f"dp{dp}", dp=dp)
+    return tmp_path / f"dp{dp}"
+
+
+@pytest.mark.parametrize("dp", [2, 4, 8])
+def test_a_dp_reshard_reads_back_bit_identical(dp, tmp_path):
+    out = _resharded(tmp_path, dp)
+    tag = out / _meta(Z2)["tag"]
+    assert len(list(tag.glob("*_optim_states.pt"))) == dp
+    assert len(list(tag.glob("layer_*_expert_*_model_states.pt"))) == 8
+    ckpt = read_checkpoint(out)
+    assert (ckpt.layout.dp, ckpt.layout.ep) == (dp, 2)
+    ref = _ref(Z2, "full_state.safetensors")
+    with RecordReader() as reader:
+        for p in ckpt.params:
+            for key, src in (("fp32", p.fp32), *p.states.items()):
+                assert torch.equal(read_tensor(src, reader).reshape(p.shape), ref[f"{key}/{p.name}"]), (key, p.name)
+
+
+def test_a_reshard_at_the_same_dp_writes_the_same_optimizer_tensors(tmp_path):
+    out = _resharded(tmp_path, 4)
+    tag = _meta(Z2)["tag"]
+    for r in range(4):
+        name = f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        ours = torch.load(out / tag / name, weights_only=False)["optimizer_state_dict"]
+        theirs = torch.load(FIXTURES / Z2 / "checkpoint" / tag / name, weights_only=False)["optimizer_state_dict"]
+        for a, b in zip(
+            ours["single_partition_of_fp32_groups"], theirs["single_partition_of_fp32_groups"], strict=True
+        ):
+            assert torch.equal(a, b)
+        for g, st in theirs["base_optimizer_state"]["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours["base_optimizer_state"]["state"][g][k], st[k]), (r, g, k)
+        assert ours["partition_count"] == theirs["partition_count"]
 
 
 # --- broken folders -----------------------------------------------------------------------------------------------
@@ -208,17 +252,31 @@ def test_a_non_uniform_expert_placement_is_refused_by_name(name, tmp_path):
 # --- DeepSpeed itself ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not (TF515 / "transformers").is_dir(), reason=NO_TF515)
-def test_deepspeed_loads_the_fixture_and_trains_one_more_step(tmp_path):
+def _deepspeed_resumes(ckpt: Path, ranks: int, info: Path) -> dict:
+    """DeepSpeed (with transformers 5.15) loads `ckpt` at `ranks` ranks, its fp32 masters and Adam moments equal to
+    the reference, and trains one more step."""
     from fixtures.build import ds_launch, fixture_autoep
 
     spec = next(s for s in fixture_autoep.specs() if s["name"] == Z2)
-    info = tmp_path / "resume.json"
-    args = ["resume", "--spec", json.dumps(spec), "--ckpt", FIXTURES / Z2 / "checkpoint",
+    args = ["resume", "--spec", json.dumps(spec), "--ckpt", ckpt,
             "--ref", FIXTURES / Z2 / "reference" / "full_state.safetensors", "--out", info]  # fmt: skip
-    run = ds_launch.torchrun(4, "fixtures.build.fixture_autoep", args, env=fixture_autoep.worker_env(), timeout=900)
+    run = ds_launch.torchrun(ranks, "fixtures.build.fixture_autoep", args, env=fixture_autoep.worker_env(), timeout=900)
     assert run.rc == 0, run.tail()
     result = json.loads(info.read_text())
     assert result["ok"], result
-    assert result["global_steps_after"] == result["global_steps_loaded"] + 1
+    assert result["world_size"] == ranks
+    assert result["global_steps_after"] == result["global_steps_loaded"] + 1 == _meta(Z2)["global_steps"] + 1
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TF515 / "transformers").is_dir(), reason=NO_TF515)
+def test_deepspeed_loads_the_fixture_and_trains_one_more_step(tmp_path):
+    _deepspeed_resumes(FIXTURES / Z2 / "checkpoint", 4, tmp_path / "resume.json")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TF515 / "transformers").is_dir(), reason=NO_TF515)
+def test_deepspeed_loads_a_dp2_reshard_and_trains_one_more_step(tmp_path):
+    """EP 2 x expert-DP 2 (4 ranks) resharded to EP 2 x expert-DP 1 (2 ranks)."""
+    _deepspeed_resumes(_resharded(tmp_path, 2), 2, tmp_path / "resume.json")

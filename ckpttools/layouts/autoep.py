@@ -686,11 +686,85 @@ class _AutoEPZero3Reader(_Zero3Reader):
 
 
 def check_autoep_reshard(ckpt: Checkpoint, target: ReshardTarget) -> None:
+    """What reshard cannot write for an AutoEP checkpoint, refused before anything is written."""
     what = f"{ckpt.location.tag_dir} is a DeepSpeed AutoEP checkpoint ({ckpt.layout.describe()})"
-    raise UnsupportedCheckpointError(
-        f"{what}; reshard is not supported for AutoEP yet: consolidate it (every expert under its Hugging Face "
-        "name) and start the new run from those weights"
-    )
+    if target.universal:
+        raise UnsupportedCheckpointError(
+            f"{what}; --universal is refused: a universal AutoEP folder loaded by DeepSpeed is not proven yet; "
+            "reshard with --dp M (ZeRO-1/2) or consolidate"
+        )
+    if ckpt.zero_stage == 3:
+        raise UnsupportedCheckpointError(
+            f"{what}; resharding AutoEP at ZeRO-3 is refused: DeepSpeed 0.19.8 loads such a checkpoint only at the "
+            'topology that saved it (stage3.py: "AutoEP ZeRO-3 checkpoints can only be loaded with the same '
+            'parameter placement topology in this release."); consolidate it, every expert under its Hugging '
+            "Face name"
+        )
+    if target.stage != ckpt.zero_stage:
+        raise UnsupportedCheckpointError(f"{what}; --stage is refused: reshard AutoEP with --dp M at its own stage")
+    ep = int(ckpt.layout.details.get("ep_size") or 1)
+    if target.dp is not None and target.dp % ep:
+        raise UnsupportedCheckpointError(
+            f"{what}; DP {target.dp} is not a multiple of the AutoEP ep_size {ep}: DeepSpeed needs dp = ep x expert-DP"
+        )
+
+
+def autoep_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
+    """Relative path -> object: a ZeRO-1/2 AutoEP checkpoint at `dp` ranks, same ep size. Only the optimizer files
+    change: dense groups re-cut over every rank, the expert group of each EP rank (its grouped w1/w2/w3, cut back
+    out of gate_up_proj/down_proj) over its new expert-DP group; the module file gets the new dp_world_size, the
+    expert files come along (their records CRC-checked on the way)."""
+    from ckpttools.layouts.moe import _append_partitions
+
+    check_autoep_reshard(ckpt, ReshardTarget(dp, stage))
+    details = ckpt.layout.details
+    ep = int(details["ep_size"])
+    dbe = details.get("topology") == "data_before_expert"
+    paths, counts = details["autoep_layers"], details["num_experts"]
+    layers = [EPLayer(i, path, n, ep) for i, (path, n) in enumerate(zip(paths, counts, strict=True))]
+    opt = ckpt.optimizer
+    common = {k: v for k, v in opt.common.items() if k != "param_groups"}
+    osds = [{**common, "single_partition_of_fp32_groups": [], "group_paddings": [], "param_slice_mappings": [],
+             "partition_count": [], "base_optimizer_state": {"state": {}, "param_groups": opt.param_groups}}
+            for _ in range(dp)]  # fmt: skip
+    by_name = {p.name: p for p in ckpt.params}
+    expert_names = {name for la in layers for name in (la.gate_up, la.down)}
+    for g in sorted({p.group for p in ckpt.params}):
+        members = [p for p in ckpt.params if p.group == g]
+        if not any(p.name in expert_names for p in members):
+            _append_partitions(g, members, osds, opt.group_scalars)
+            continue
+        for e in range(ep):
+            local = [native_expert_param(la, by_name, e, w) for la in layers for w in GROUPED]
+            _append_partitions(g, local, [osds[r] for r in expert_dp_ranks(e, ep, dp, dbe)], opt.group_scalars)
+    prefix = ckpt.location.files.optim_prefix
+    files: dict[str, Any] = {
+        f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": {"optimizer_state_dict": osd, **opt.file_meta}
+        for r, osd in enumerate(osds)
+    }
+    files["mp_rank_00_model_states.pt"] = {**ckpt.model_files[0], "dp_world_size": dp}
+    for name in ckpt.layout_files:
+        files[name] = load_pickle(ckpt.location.tag_dir / name)
+    return files
+
+
+def native_expert_param(layer: EPLayer, by_name: Mapping[str, Param], e: int, w: str) -> Param:
+    """EP rank e's grouped `w` (w1/w3: [local, F, H], w2: [local, H, F]) cut back out of the layer's HF params."""
+    hf = by_name[layer.down if w == "w2" else layer.gate_up]
+    n = layer.num_experts
+    per = hf.numel // n  # one expert's block: 2FH of gate_up_proj, HF of down_proj
+    part = per if w == "w2" else per // 2
+    skip = part if w == "w3" else 0
+    shape = (layer.num_local, *hf.shape[1:]) if w == "w2" else (layer.num_local, hf.shape[1] // 2, hf.shape[2])
+
+    def cut(src: TensorSource, kind: str) -> TensorSource:
+        experts = range(e * layer.num_local, (e + 1) * layer.num_local)
+        segs = tuple(seg for x in experts for seg in slice_segments(src, x * per + skip, part))
+        return TensorSource(layer.grouped(w), shape, src.dtype, segs, kind)
+
+    fp32 = cut(hf.fp32, "trainable")
+    states = {k: cut(v, "state") for k, v in hf.states.items()}
+    return Param(layer.grouped(w), layer.grouped(w), shape, hf.group, 0, fp32, states)
 
 
 class AutoEPLayout:
@@ -722,8 +796,9 @@ class AutoEPLayout:
         return {}
 
     def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
-        check_autoep_reshard(ckpt, target)
-        return {}
+        if target.dp is None:
+            return self.universal_files(ckpt)
+        return autoep_rank_files(ckpt, target.dp, target.stage)
 
 
 LAYOUT = AutoEPLayout()
