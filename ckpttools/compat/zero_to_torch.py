@@ -128,11 +128,15 @@ def convert_zero_checkpoint_to_state_dict(
     _convert(checkpoint_dir, output_dir, dtype, max_shard_size, safe_serialization, tag, exclude_frozen_parameters)
 
 
+def _count(names: list[str], noun: str) -> str:
+    return f"{len(names)} {noun}{'' if len(names) == 1 else 's'}"
+
+
 def _notes(ckpt: Checkpoint, entries: OrderedDict[str, _Entry], kept: list[str], exclude: bool, st: bool) -> list[str]:
     notes = []
     if kept:
         notes.append(
-            f"{len(kept)} buffers the run kept in fp32 ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) "
+            f"{_count(kept, 'buffer')} the run kept in fp32 ({', '.join(kept[:3])}{', ...' if len(kept) > 3 else ''}) "
             "stay fp32, as the engine's save_16bit_model writes them (DeepSpeed's zero_to_torch casts them)"
         )
     dropped = _dropped_frozen(ckpt, exclude) if ckpt.layout.kind == "dp" else []  # other layouts: the whole model
