@@ -71,6 +71,28 @@ class ChunkFiles:
             )
         return self._open[name]
 
+    def check_sizes(self, ends: dict[str, int]) -> None:
+        """Every file at least as long as `.metadata` says (the optimizer's chunks too, though never read here):
+        a file cut short is a save or copy that did not finish, whichever bytes it lost."""
+        for name, end in sorted(ends.items()):
+            if name not in self.names:
+                raise CorruptCheckpointError(
+                    f"{self.folder / name} is missing (.metadata places saved data there): a rank's file was not "
+                    "saved or not copied; copy the whole checkpoint folder"
+                )
+            size = self._size(name)
+            if size < end:
+                raise CorruptCheckpointError(
+                    f"{self.folder / name} is truncated: .metadata places saved data up to byte {end} but the file "
+                    f"holds {size}; re-copy it from the source"
+                )
+
+    def _size(self, name: str) -> int:
+        if name not in self._sizes:
+            with contextlib.closing(open_source(self.folder / name)) as source:
+                self._sizes[name] = source.size()
+        return self._sizes[name]
+
     def close(self) -> None:
         for source in self._open.values():
             source.close()

@@ -84,6 +84,7 @@ class DcpMetadata:
     byte_entries: list[str]  # pickled non-tensor leaves (param_groups, step counters, ...), never read here
     key_paths: dict[str, tuple[str | int, ...]]  # FQN -> path in the nested state dict (planner_data)
     version: str | None
+    file_ends: dict[str, int]  # file -> the end of its last stored item (model, optimizer and bytes alike)
 
 
 class _Pickled:
@@ -213,8 +214,11 @@ class _Checker:
             else:
                 raise self.fail(f"entry {fqn!r} is a {type(entry).__name__}, not tensor or bytes metadata")
         version = raw.field("version", 4)
+        ends: dict[str, int] = {}
+        for item in stored.values():
+            ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
         return DcpMetadata(tensors, byte_entries, self.key_paths(raw.field("planner_data", 1)),
-                           version if isinstance(version, str) else None)  # fmt: skip
+                           version if isinstance(version, str) else None, ends)  # fmt: skip
 
     def storage(self, storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...]], StoredChunk]:
         out = {}

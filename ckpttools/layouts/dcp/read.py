@@ -116,6 +116,7 @@ def read_dcp(found: DcpFolder) -> Checkpoint:
     model = model_tensors(meta, found.folder)
     files = ChunkFiles(found.folder, set(names))
     try:
+        files.check_sizes(meta.file_ends)
         sources = {name: _source(files, name, entry) for name, entry in model.items()}
     finally:
         files.close()

@@ -1,0 +1,288 @@
+"""FSDP2 / torch Distributed Checkpoint input against torch's `dcp_to_torch_save`, accelerate's `merge-weights` and
+the live models, on the real fixtures of fixtures/build/fixture_fsdp2.py; damaged and planted inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpttools import consolidate
+from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from ckpttools.layouts.registry import open_checkpoint
+
+from .conftest import FIXTURES
+
+DCP_FIXTURES = sorted(
+    p.name
+    for p in FIXTURES.glob("*fsdp2*")
+    if (p / "meta.json").is_file() and (p / "reference" / "model.safetensors").is_file()
+)
+PLAIN = [n for n in DCP_FIXTURES if n.startswith("fsdp2_") and "peft" not in n and "hf_" not in n]
+ACCELERATE = [
+    n
+    for n in DCP_FIXTURES
+    if n.startswith("accelerate_") and (FIXTURES / n / "checkpoint" / "pytorch_model_fsdp_0").is_dir()
+]
+
+
+def _checkpoint(name: str) -> Path:
+    return FIXTURES / name / "checkpoint"
+
+
+def _config(name: str) -> Path | None:
+    extra = FIXTURES / name / "model_config"
+    return extra if extra.is_dir() else None
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    """The model entries of the reference by the names in the model: dcp_to_torch_save nests them under `model`
+    (flattened here to model.<name>); accelerate's merge-weights drops that root itself."""
+    ref = load_file(FIXTURES / name / "reference" / "model.safetensors")
+    if name.startswith("accelerate_"):
+        return ref
+    return {k.removeprefix("model."): v for k, v in ref.items()}
+
+
+def _load_folder(folder: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _consolidate(name: str, out: Path, **kwargs: object) -> dict[str, torch.Tensor]:
+    consolidate(_checkpoint(name), out, config=_config(name), **kwargs)  # type: ignore[arg-type]
+    return _load_folder(out)
+
+
+@pytest.mark.parametrize("name", PLAIN + ACCELERATE)
+def test_stored_dtype_output_is_bit_identical_to_the_reference(name, tmp_path):
+    ref = _reference(name)
+    stored = next(iter(ref.values())).dtype
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[stored]
+    ours = _consolidate(name, tmp_path / "out", dtype=dtype)
+    assert set(ours) == set(ref)
+    for key, expected in ref.items():
+        assert ours[key].dtype == expected.dtype, key
+        assert torch.equal(ours[key], expected), key
+
+
+@pytest.mark.parametrize("name", PLAIN + ACCELERATE)
+def test_fp32_and_16bit_outputs_are_the_stored_weights_cast(name, tmp_path):
+    ref = _reference(name)
+    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        ours = _consolidate(name, tmp_path / dtype, dtype=dtype)
+        for key, expected in ref.items():
+            kept = expected.dtype == torch.float32 and torch_dtype != torch.float32 and _mixed(ref)
+            want = expected if kept else expected.to(torch_dtype)
+            assert torch.equal(ours[key], want), (dtype, key)
+
+
+def _mixed(ref: dict[str, torch.Tensor]) -> bool:
+    """A 16-bit model with some tensors kept fp32 (those stay fp32 in 16-bit output)."""
+    return any(t.dtype != torch.float32 for t in ref.values())
+
+
+@pytest.mark.parametrize("name", PLAIN)
+def test_the_reference_is_the_live_model(name):
+    """The fixture's own invariant: dcp_to_torch_save's model entries are the live model's gathered state."""
+    live = load_file(FIXTURES / name / "reference" / "live_full_state.safetensors")
+    ref = _reference(name)
+    assert set(ref) <= {k.removeprefix("model.") for k in live} | set(live)
+
+
+def test_from_pretrained_loads_the_output(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    name = PLAIN[0]
+    _consolidate(name, tmp_path / "out")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    state = model.state_dict()
+    for key, expected in _reference(name).items():
+        assert torch.equal(state[key], expected.float()), key
+
+
+@pytest.mark.parametrize("name", PLAIN[:1] + ACCELERATE[:1])
+def test_optimizer_chunks_are_never_read(name, tmp_path, monkeypatch):
+    from ckpttools.io.torchfile import RecordReader
+
+    read: list[int] = []
+    original = RecordReader._pread
+
+    def counting(self, record, start, buf):  # type: ignore[no-untyped-def]
+        read.append(len(buf))
+        return original(self, record, start, buf)
+
+    monkeypatch.setattr(RecordReader, "_pread", counting)
+    out = _consolidate(name, tmp_path / "out")
+    model_bytes = sum(t.numel() * t.element_size() for t in _reference(name).values())
+    assert sum(t.numel() for t in out.values()) * 0 == 0
+    assert sum(read) <= model_bytes * 1.05 + 4096, (sum(read), model_bytes)
+
+
+def test_inspect_reports_world_size_tensors_and_optimizer_keys():
+    name = PLAIN[0]
+    from ckpttools.ops.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(_checkpoint(name))
+    meta = json.loads((FIXTURES / name / "meta.json").read_text())
+    assert info["parallel"]["kind"] == "dcp"
+    assert info["parallel"]["world_size"] == meta.get("world_size", info["parallel"]["world_size"])
+    keys = json.loads((FIXTURES / name / "reference" / "optim_keys.json").read_text())
+    flat = json.dumps(keys)
+    for state in info["optimizer_states"]:
+        assert state in flat
+    assert "exp_avg" in info["optimizer_states"]
+    assert info["num_parameters"] == sum(t.numel() for t in _reference(name).values())
+
+
+def test_cli_inspect_and_verify(tmp_path):
+    name = PLAIN[0]
+    ckpt = [sys.executable, "-m", "ckpttools.cli"]
+    r = subprocess.run([*ckpt, "inspect", str(_checkpoint(name))], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "torch Distributed Checkpoint" in r.stdout and "exp_avg" in r.stdout
+    r = subprocess.run(
+        [*ckpt, "consolidate", str(_checkpoint(name)), "--out", str(tmp_path / "o")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(
+        [*ckpt, "verify", str(tmp_path / "o"), "--against", str(_checkpoint(name))], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    assert "bit-identical" in r.stdout
+
+
+def test_run_folder_step_and_model_folder_are_found():
+    name = PLAIN[0]
+    step_dir = next(p for p in _checkpoint(name).iterdir() if p.is_dir())
+    by_run = open_checkpoint(_checkpoint(name))
+    by_folder = open_checkpoint(step_dir)
+    assert by_run.location.tag_dir == by_folder.location.tag_dir == step_dir
+    assert by_run.location.root == _checkpoint(name)  # config.json lies there
+    with pytest.raises(CheckpointNotFoundError, match="no step 99"):
+        open_checkpoint(_checkpoint(name), step=99)
+    if ACCELERATE:
+        acc = open_checkpoint(_checkpoint(ACCELERATE[0]))
+        assert acc.location.tag == "pytorch_model_fsdp_0"
+
+
+@pytest.mark.parametrize("name", PLAIN[:1])
+def test_torchrun_ranks_write_what_one_process_writes(name, tmp_path):
+    one, many = tmp_path / "one", tmp_path / "many"
+    ckpt = [sys.executable, "-m", "ckpttools.cli", "consolidate", str(_checkpoint(name)), "--max-shard-size", "2KB"]
+    assert subprocess.run([*ckpt, "--out", str(one)], capture_output=True).returncode == 0
+    from fixtures.build.ds_launch import free_port
+
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           "-m", "ckpttools.cli", "consolidate", str(_checkpoint(name)), "--max-shard-size", "2KB",
+           "--out", str(many), "--distributed"]  # fmt: skip
+    r = subprocess.run(run, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in many.iterdir()) and len(names) > 3
+    for n in names:
+        assert (one / n).read_bytes() == (many / n).read_bytes(), n
+
+
+# --- damaged and planted inputs ---------------------------------------------------------------------------------
+
+
+def _copy(name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / "ckpt"
+    shutil.copytree(_checkpoint(name), dst)
+    return dst
+
+
+def _dcp_folder(root: Path) -> Path:
+    return next(p.parent for p in root.rglob(".metadata") if "optimizer" not in p.parent.name)
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    root = _copy(PLAIN[0], tmp_path)
+    folder = _dcp_folder(root)
+    (folder / "__1_0.distcp").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"__1_0\.distcp is missing"):
+        open_checkpoint(root)
+
+
+def test_a_truncated_rank_file_is_named(tmp_path):
+    root = _copy(PLAIN[0], tmp_path)
+    path = _dcp_folder(root) / "__1_0.distcp"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(CorruptCheckpointError, match=r"__1_0\.distcp is truncated"):
+        open_checkpoint(root)
+
+
+def test_a_flipped_byte_fails_the_crc_check(tmp_path):
+    root = _copy(PLAIN[0], tmp_path)
+    ckpt = open_checkpoint(root)
+    seg = ckpt.sources(ckpt.train_dtype)[0].segments[0]
+    record = seg.tensor.record
+    data = bytearray(record.path.read_bytes())
+    data[record.offset] ^= 0xFF
+    record.path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match="CRC-32"):
+        consolidate(root, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_foreign_metadata_is_refused(tmp_path):
+    root = _copy(PLAIN[0], tmp_path)
+    (_dcp_folder(root) / ".metadata").write_bytes(pickle.dumps({"not": "dcp"}))
+    with pytest.raises(CorruptCheckpointError, match="does not hold torch Distributed Checkpoint metadata"):
+        open_checkpoint(root)
+
+
+class _Planted:
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, ("touch PLANTED",))
+
+
+def test_a_planted_pickle_never_runs(tmp_path, monkeypatch):
+    root = _copy(PLAIN[0], tmp_path)
+    monkeypatch.chdir(tmp_path)
+    (_dcp_folder(root) / ".metadata").write_bytes(pickle.dumps(_Planted()))
+    with pytest.raises(UnsafeCheckpointError, match=r"refusing to unpickle 'posix\.system'"):
+        open_checkpoint(root)
+    r = subprocess.run([sys.executable, "-m", "ckpttools.cli", "inspect", str(root)], capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "PLANTED").exists()
+
+
+def test_a_storage_path_outside_the_folder_is_refused(tmp_path):
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    root = _copy(PLAIN[0], tmp_path)
+    folder = _dcp_folder(root)
+    meta = FileSystemReader(str(folder)).read_metadata()  # our own fixture: trusted, read with torch to alter it
+    first = next(iter(meta.storage_data))
+    meta.storage_data[first].relative_path = "../../outside.distcp"
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(UnsafeCheckpointError, match="not a file of the checkpoint folder"):
+        open_checkpoint(root)
+
+
+def test_chunks_that_leave_a_hole_are_refused(tmp_path):
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    root = _copy(PLAIN[0], tmp_path)
+    folder = _dcp_folder(root)
+    meta = FileSystemReader(str(folder)).read_metadata()
+    _, entry = next(
+        (k, v) for k, v in meta.state_dict_metadata.items() if getattr(v, "chunks", None) and len(v.chunks) > 1
+    )
+    entry.chunks.pop()
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    with pytest.raises(CorruptCheckpointError, match=r"uncovered|hold"):
+        open_checkpoint(root)
