@@ -105,6 +105,9 @@ def consolidate_cmd(
     A PEFT (LoRA) run gives the adapter folder PEFT's save_pretrained writes; with --merge, the full
     model with the adapters merged into the base weights. With --distributed under torchrun the ranks
     share the shards, balanced by bytes, into one folder on a filesystem they all see; only rank 0 prints.
+
+    PATH may be remote (s3://, gs://, az:// with the matching extra, hf:// repos and buckets): only the
+    records the conversion needs are fetched, by byte range, with the same CRC-32 checks; give --out.
     """
     from ckpttools.ops.consolidate import ConsolidateOptions, consolidate
 
@@ -180,6 +183,8 @@ def reshard_cmd(
     "checkpoint": {"load_universal": true}); a universal checkpoint given as PATH with --dp M
     becomes native shards again. With --distributed under torchrun the ranks share the rank files (or
     universal parameter folders), balanced by bytes, into one folder they all see; only rank 0 prints.
+
+    PATH may be remote (s3://, gs://, az://, hf://), read by byte range; give --out.
     """
     from ckpttools.ops.reshard import reshard
 
@@ -224,7 +229,11 @@ def _dp_name(dp: int | None) -> str:
 @checkpoint_selection
 @json_option
 def inspect_cmd(path: Path, tag: str | None, step: int | None, best: bool, as_json: bool) -> None:
-    """Describe a ZeRO checkpoint: stage, DP size, dtype, sizes, ties, Trainer state."""
+    """Describe a ZeRO checkpoint: stage, DP size, dtype, sizes, ties, Trainer state.
+
+    PATH may be remote (s3://, gs://, az://, hf://): its listing and small files are read, the rank files'
+    pickles by byte range.
+    """
     from ckpttools.ops.inspect import inspect_checkpoint
 
     data = inspect_checkpoint(path, tag=tag, step=step, best=best)

@@ -14,6 +14,7 @@ import click
 
 from ckpttools import signals
 from ckpttools.cli._common import (
+    CHECKPOINT_PATH,
     DTYPE,
     SIZE,
     echo_error,
@@ -83,9 +84,10 @@ Set CKPT_DEBUG=1 to see tracebacks."""
 @click.argument("folder", type=click.Path(path_type=Path))
 @click.option(
     "--against",
-    type=click.Path(path_type=Path),
+    type=CHECKPOINT_PATH,
     metavar="CKPT",
-    help="ZeRO checkpoint: every tensor must be bit-identical to the one rebuilt from its shards.",
+    help="ZeRO checkpoint (a folder, or s3://, gs://, az://, hf:// read by range): every tensor must be "
+    "bit-identical to the one rebuilt from its shards.",
 )
 @click.option("--tag", help="With --against: tag folder to read (default: the content of `latest`).")
 @click.option("--step", type=int, help="With --against and a Trainer output_dir: use checkpoint-STEP.")
@@ -138,7 +140,7 @@ def _human_verify(r: VerifyReport) -> str:
 
 
 @click.command("push", epilog=PUSH_EPILOG)
-@click.argument("path", default=".", type=click.Path(path_type=Path))
+@click.argument("path", default=".", type=CHECKPOINT_PATH)
 @click.option(
     "--repo", "repo_id", required=True, metavar="ORG/NAME", help="Repository to push to (created if missing)."
 )
@@ -183,7 +185,12 @@ def push_cmd(
     best: bool,
     as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
-    """Verify a model or adapter folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub."""
+    """Verify a model or adapter folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub.
+
+    PATH may be remote (s3://, gs://, az://, hf://): a checkpoint there is read by byte range, never copied
+    whole; the consolidated model is staged in a local temporary folder (the model's size, not the
+    checkpoint's) before it is sent.
+    """
     from ckpttools.ops.push import COMMIT_STATE, push
 
     _quiet_hub(quiet, bars=progress_enabled(quiet))

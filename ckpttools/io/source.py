@@ -196,6 +196,19 @@ def _open_local(location: Path | str) -> ByteSource:
 
 # --- Remote files (io.remote, imported when one is opened: fsspec and its stores are optional) -------------------
 
+
+def location_name(path: Path | str) -> str:
+    """What to call a location in messages and records: the URL of a path inside a mounted remote checkpoint,
+    else the path itself."""
+    if os.environ.get(MOUNTS_VAR):
+        from ckpttools.io.remote import url_of
+
+        url = url_of(path)
+        if url is not None:
+            return url
+    return os.fspath(path)
+
+
 MOUNTS_VAR = "CKPTTOOLS_REMOTE_MOUNTS"  # set while a remote checkpoint is mounted (io.remote.MOUNTS_VAR)
 
 

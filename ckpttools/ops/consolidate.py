@@ -19,6 +19,7 @@ from ckpttools.errors import CkptError, UsageError, short
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
 from ckpttools.io.safetensors_writer import OutputTensor, ProgressFn, output_dtype, read_tensor
+from ckpttools.io.source import location_name
 from ckpttools.io.staging import check_output_dir
 from ckpttools.io.torchfile import Record, RecordReader
 from ckpttools.layouts.crosscheck import check_module_copies
@@ -363,7 +364,7 @@ def _param_count(tensors: list[OutputTensor], ckpt: Checkpoint) -> int:
 
 def source_summary(ckpt: Checkpoint) -> dict[str, Any]:
     return {
-        "path": str(ckpt.location.root),
+        "path": location_name(ckpt.location.root),  # a remote checkpoint's URL, not its local mount
         "tag": ckpt.location.tag,
         "zero_stage": ckpt.zero_stage,
         "dp_world_size": ckpt.dp_world_size,
