@@ -118,7 +118,7 @@ def test_optimizer_chunks_are_never_read(name, tmp_path, monkeypatch):
     read: list[int] = []
     original = RecordReader._pread
 
-    def counting(self, record, start, buf):  # type: ignore[no-untyped-def]
+    def counting(self, record, start, buf):
         read.append(len(buf))
         return original(self, record, start, buf)
 
@@ -244,7 +244,7 @@ def test_foreign_metadata_is_refused(tmp_path):
 
 
 class _Planted:
-    def __reduce__(self):  # type: ignore[no-untyped-def]
+    def __reduce__(self):
         return (os.system, ("touch PLANTED",))
 
 

@@ -32,7 +32,8 @@ def _tensor(shape: tuple[int, ...], i: int) -> LazyTensor:
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
-    out, acc = [], 1
+    out: list[int] = []
+    acc = 1
     for s in reversed(shape):
         out.insert(0, acc)
         acc *= s
