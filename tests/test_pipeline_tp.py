@@ -5,8 +5,9 @@ head, column-parallel up, row-parallel down, replicated LayerNorms and row-paral
 Each TP rank reads as a pipeline checkpoint (`mp_rank_{s*2+t}`, `layer_XX-model_{t}`); the TP merge follows the
 `universal_checkpoint_info` Megatron-DeepSpeed saves in every mp_rank file. `consolidate` writes exactly what the live
 engines held (their shards gathered and merged by the layers' own split) and what DeepSpeed's ds_to_universal merged;
-a folder without the rules is refused, as DeepSpeed's ds_to_universal refuses it. The slow test proves
-`ckpt reshard --dp 2` by a real engine at DP 2 x TP 2 x PP 2 (8 processes) loading it and training one more step.
+a folder without the rules is refused, as DeepSpeed's ds_to_universal refuses it. The slow tests prove
+`ckpt reshard --dp 2` and `--universal` by a real engine at DP 2 x TP 2 x PP 2 (8 processes) loading the result and
+training one more step.
 """
 
 from __future__ import annotations
@@ -146,36 +147,68 @@ def test_missing_and_swapped_files_are_named(tmp_path: Path) -> None:
     assert "layer_01-model_0" in one_line(e2)
 
 
-def test_reshard_to_universal_is_refused(tmp_path: Path) -> None:
+def test_universal_folder_holds_what_ds_to_universal_merged(tmp_path: Path) -> None:
+    """reshard --universal: per param the full tensors DeepSpeed's ds_to_universal wrote (vocabulary padding cut),
+    with its markers (cat_dim 0/1, none for replicated params, vocab_tensor), and all four mp_rank files."""
     from ckpttools.ops.reshard import reshard
 
-    with pytest.raises(UnsupportedCheckpointError) as e:
-        reshard(FIXTURES / MEGATRON / "checkpoint", tmp_path / "u", universal=True)
-    assert "universal" in one_line(e)
+    out = tmp_path / "u"
+    reshard(FIXTURES / MEGATRON / "checkpoint", out, universal=True)
+    tag = out / fixture_meta(MEGATRON)["tag"]
+    assert sorted(p.name for p in tag.glob("mp_rank_*")) == [f"mp_rank_0{m}_model_states.pt" for m in range(4)]
+    universal = reference(MEGATRON, "universal_full.safetensors")
+    for key, want in universal.items():
+        state, name = key.split("/", 1)
+        got = torch.load(tag / "zero" / name / f"{state}.pt", weights_only=False)
+        assert same(got["param"], want), key
+    down = torch.load(tag / "zero" / "1.down.weight" / "fp32.pt", weights_only=False)
+    embed = torch.load(tag / "zero" / "0.word_embeddings.weight" / "fp32.pt", weights_only=False)
+    ln = torch.load(tag / "zero" / "1.ln.weight" / "fp32.pt", weights_only=False)
+    assert (down["cat_dim"], embed["cat_dim"], embed["vocab_tensor"], "cat_dim" in ln) == (1, 0, True, False)
+
+
+def _load(checkpoint: Path, tmp_path: Path, universal: bool = False) -> tuple[dict[str, torch.Tensor], dict]:
+    from fixtures.build import ds_launch
+
+    dump = tmp_path / "dump.safetensors"
+    args = ["load", *(["--universal"] if universal else []), "--load", str(checkpoint), "--out", str(dump)]
+    run = ds_launch.torchrun(8, "fixtures.build.fixture_pipe_tp", args, cwd=tmp_path, timeout=900)
+    assert run.rc == 0, run.tail()
+    return load_file(dump), json.loads(dump.with_suffix(".json").read_text())
+
+
+def _assert_holds_the_reference(got: dict[str, torch.Tensor], facts: dict) -> None:
+    meta = fixture_meta(MEGATRON)
+    want = {**reference(MEGATRON, "full_state.safetensors"),
+            **{f"module/{k}": v for k, v in reference(MEGATRON, "bit16.safetensors").items()}}  # fmt: skip
+    assert sorted(got) == sorted(want)
+    for key, t in want.items():
+        assert same(got[key], t), key
+    assert facts["dp"] == 2
+    assert facts["global_steps_after_load"] == meta["global_steps"]
+    assert all(s == [meta["global_steps"]] for s in facts["optimizer_steps_after_load"])
+    assert facts["global_steps_after_training"] == meta["global_steps"] + 1
+    assert all(math.isfinite(loss) for loss in facts["losses_after_load"])
+
+
+@pytest.mark.slow
+def test_deepspeed_resumes_a_universal_reshard_at_dp2(tmp_path: Path) -> None:
+    """The universal folder loads with load_universal at DP 2 x TP 2 x PP 2 (8 processes): every rank cuts its TP
+    shard by the markers; the state equals the saving engines' (vocabulary rows past 15 are padding, which the
+    universal format drops as ds_to_universal does: DeepSpeed pads them back with zeros)."""
+    pytest.importorskip("deepspeed")
+    from ckpttools.ops.reshard import reshard
+
+    out = tmp_path / "universal"
+    reshard(FIXTURES / MEGATRON / "checkpoint", out, universal=True)
+    _assert_holds_the_reference(*_load(out, tmp_path, universal=True))
 
 
 @pytest.mark.slow
 def test_deepspeed_loads_a_dp2_reshard_and_trains_on(tmp_path: Path) -> None:
     pytest.importorskip("deepspeed")
     from ckpttools.ops.reshard import reshard
-    from fixtures.build import ds_launch
 
-    meta = fixture_meta(MEGATRON)
     out = tmp_path / "resharded"
     reshard(FIXTURES / MEGATRON / "checkpoint", out, dp=2)
-    dump = tmp_path / "dump.safetensors"
-    run = ds_launch.torchrun(8, "fixtures.build.fixture_pipe_tp", ["load", "--load", str(out), "--out", str(dump)],
-                             cwd=tmp_path, timeout=900)  # fmt: skip
-    assert run.rc == 0, run.tail()
-    got = load_file(dump)
-    want = {**reference(MEGATRON, "full_state.safetensors"),
-            **{f"module/{k}": v for k, v in reference(MEGATRON, "bit16.safetensors").items()}}  # fmt: skip
-    assert sorted(got) == sorted(want)
-    for key, t in want.items():
-        assert same(got[key], t), key
-    facts = json.loads(dump.with_suffix(".json").read_text())
-    assert facts["dp"] == 2
-    assert facts["global_steps_after_load"] == meta["global_steps"]
-    assert all(s == [meta["global_steps"]] for s in facts["optimizer_steps_after_load"])
-    assert facts["global_steps_after_training"] == meta["global_steps"] + 1
-    assert all(math.isfinite(loss) for loss in facts["losses_after_load"])
+    _assert_holds_the_reference(*_load(out, tmp_path))

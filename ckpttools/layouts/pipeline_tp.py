@@ -23,8 +23,8 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
 from ckpttools.io.torchfile import RecordReader, load_pickle
-from ckpttools.layouts.autotp import _full, _index, _replicas
-from ckpttools.layouts.base import ReshardTarget, no_universal_form
+from ckpttools.layouts.autotp import _full, _index, _replicas, tensor_universal_files
+from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE
 from ckpttools.layouts.pipeline import PipelineFiles, read_pipeline
 from ckpttools.layouts.rankfile import RankFile, check_agree
@@ -162,15 +162,17 @@ def _merged(
         frozen_excluded=False,
         ds_config=first.ds_config,
         model_files=[f.obj for f in models],
-        layout=_layout(first, pp, tp, plans, models[0]),
+        layout=_layout(first, pp, tp, plans, models),
         slices=slices,
         replicas=replicas,
         layout_files=sorted(n for c in ranks for n in c.layout_files),
     )
 
 
-def _layout(first: Checkpoint, pp: int, tp: int, plans: dict[str, TensorPlan], f0: RankFile) -> ParallelLayout:
-    info = f0.obj[INFO]
+def _layout(
+    first: Checkpoint, pp: int, tp: int, plans: dict[str, TensorPlan], models: list[RankFile]
+) -> ParallelLayout:
+    info = models[0].obj[INFO]
     split: dict[str, list[str]] = {}
     for name, plan in plans.items():
         split.setdefault(_split_of(plan), []).append(name)
@@ -180,6 +182,7 @@ def _layout(first: Checkpoint, pp: int, tp: int, plans: dict[str, TensorPlan], f
         "tp_split": split,
         "original_vocab_size": info.get("original_vocab_size"),
         "padded_vocab_size": info.get("padded_vocab_size"),
+        "model_files": [f.path.name for f in models],
     }
     return ParallelLayout(kind="pipeline_tp", dp=first.dp_world_size, tp=tp, pp=pp, details=details)
 
@@ -219,13 +222,15 @@ class PipelineTpLayout:
 
     def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         check_sliced_reshard(ckpt, target, self.title)
-        if target.dp is None:
-            raise no_universal_form(ckpt, self.title)
 
     def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
-        raise no_universal_form(ckpt, self.title)
+        """As ds_to_universal writes a Megatron-DeepSpeed 3D save: every param's full tensors with its merge
+        markers (cat_dim, vocab_tensor), the shared optimizer state, every mp_rank file unchanged."""
+        return tensor_universal_files(ckpt)
 
     def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
+        if target.dp is None:
+            return tensor_universal_files(ckpt)
         return sliced_tag_files(ckpt, target)
 
 
