@@ -130,6 +130,29 @@ def test_without_the_rules_it_is_refused_in_one_line() -> None:
     assert "no universal_checkpoint_info" in msg
 
 
+def test_rules_given_for_a_folder_without_them_merge_it_as_the_layers_split() -> None:
+    """The plain save (no client state) merged with the rules the builder's layers follow, told by the caller: the
+    same full tensors as the live engines' shards merged by the layers' own split; the rules go into the model
+    files' dicts, so a reshard carries them."""
+    from ckpttools.io.safetensors_writer import read_tensor
+    from ckpttools.io.torchfile import RecordReader
+    from fixtures.build.fixture_pipe_tp import UC_INFO
+
+    ckpt = read_pipeline_tp(locate(FIXTURES / PLAIN / "checkpoint"), rules=UC_INFO)
+    full, bit16 = reference(PLAIN, "full_state.safetensors"), reference(PLAIN, "bit16.safetensors")
+    with RecordReader() as reader:
+        for p in ckpt.params:
+            for key, src in [("fp32", p.fp32), *p.states.items()]:
+                assert same(read_tensor(src, reader), full[f"{key}/{p.name}"]), (key, p.name)
+        for name, src in ckpt.bit16.items():
+            assert same(read_tensor(src, reader), bit16[name]), name
+        reader.finish()
+    assert all(m["universal_checkpoint_info"] == UC_INFO for m in ckpt.model_files)
+    with pytest.raises(UnsupportedCheckpointError) as e:
+        read_pipeline_tp(locate(FIXTURES / MEGATRON / "checkpoint"), rules={**UC_INFO, "original_vocab_size": 16})
+    assert "differ from the universal_checkpoint_info saved" in one_line(e)
+
+
 def test_missing_and_swapped_files_are_named(tmp_path: Path) -> None:
     root, tag = copy_checkpoint(MEGATRON, tmp_path)
     (tag / "layer_01-model_01-model_states.pt").unlink()

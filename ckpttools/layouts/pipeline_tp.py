@@ -18,7 +18,7 @@ a folder without them: guessing a split would write wrong weights without a sign
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError
@@ -76,13 +76,20 @@ def tp_rank_files(names: Sequence[str], where: str) -> list[PipelineFiles]:
     ]
 
 
-def read_pipeline_tp(loc: CheckpointLocation) -> Checkpoint:
+def read_pipeline_tp(loc: CheckpointLocation, rules: Mapping[str, Any] | None = None) -> Checkpoint:
     """Every TP rank read as a pipeline checkpoint, then merged into full tensors by the save's TP rules.
+
+    `rules`: the merge rules of a save that carries none (DeepSpeed's PipelineModule with a TP mpu), in the form of
+    Megatron-DeepSpeed's `universal_checkpoint_info` (the pattern lists, `original_vocab_size`; a param no list
+    names is concatenated on dim 0, as ds_to_universal does). They are put into the model files' dicts as if saved
+    there, so a reshard writes them into its mp_rank files and the result carries them. A save with its own rules
+    refuses different ones.
 
     Raises:
         CheckpointNotFoundError: a TP rank's layer, stage or optimizer file is missing (named).
         CorruptCheckpointError: files that disagree across TP ranks, shards the rules do not tile.
-        UnsupportedCheckpointError: no universal_checkpoint_info: the files do not say how params are split.
+        UnsupportedCheckpointError: no universal_checkpoint_info and no `rules`: nothing says how params are
+            split; `rules` that contradict the saved ones.
     """
     names = list(getattr(loc.files, "names", None) or sorted(p.name for p in loc.tag_dir.iterdir()))
     per_tp = tp_rank_files(names, str(loc.tag_dir))
@@ -93,6 +100,7 @@ def read_pipeline_tp(loc: CheckpointLocation) -> Checkpoint:
         for key in RANKS_AGREE:
             check_agree(models, [f.obj.get(key) for f in models], key, reader)
         reader.finish()
+    models = _with_rules(loc, models, rules)
     _require_rules(loc, models[0], tp)
     ranks = [read_pipeline(loc, files, tp) for files in per_tp]
     for t, c in enumerate(ranks[1:], 1):
@@ -103,6 +111,18 @@ def read_pipeline_tp(loc: CheckpointLocation) -> Checkpoint:
             )
     plans = tensor_plans(models[:1], ranks)
     return _merged(loc, ranks, plans, models, tp)
+
+
+def _with_rules(loc: CheckpointLocation, models: list[RankFile], rules: Mapping[str, Any] | None) -> list[RankFile]:
+    if rules is None:
+        return models
+    saved = models[0].obj.get(INFO)
+    if saved is not None and saved != dict(rules):
+        raise UnsupportedCheckpointError(
+            f"{loc.tag_dir}: the TP merge rules given differ from the {INFO} saved in {models[0].path.name}; the "
+            "saved ones are what the training code wrote: drop the rules given"
+        )
+    return [RankFile(f.path, {**f.obj, INFO: dict(rules)}, f.what) for f in models]
 
 
 def _require_rules(loc: CheckpointLocation, f0: RankFile, tp: int) -> None:
