@@ -153,6 +153,21 @@ def test_rules_given_for_a_folder_without_them_merge_it_as_the_layers_split() ->
     assert "differ from the universal_checkpoint_info saved" in one_line(e)
 
 
+def test_a_replicated_param_that_differs_between_tp_ranks_is_refused(tmp_path: Path) -> None:
+    """TP rank 1's copy of a replicated LayerNorm weight changed (saved back by torch under its own name):
+    consolidate's cross-check compares every TP rank's copy of a replicated param, as ds_to_universal asserts."""
+    from ckpttools.ops.consolidate import consolidate
+
+    root, tag = copy_checkpoint(MEGATRON, tmp_path)
+    path = tag / "layer_01-model_01-model_states.pt"
+    sd = torch.load(path, weights_only=True)
+    sd["ln.weight"] = sd["ln.weight"] + 1
+    torch.save(sd, path)
+    with pytest.raises(CorruptCheckpointError) as e:
+        consolidate(root, tmp_path / "out", dtype="bf16")
+    assert "1.ln.weight" in one_line(e)
+
+
 def test_missing_and_swapped_files_are_named(tmp_path: Path) -> None:
     root, tag = copy_checkpoint(MEGATRON, tmp_path)
     (tag / "layer_01-model_01-model_states.pt").unlink()
