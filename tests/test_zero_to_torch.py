@@ -31,7 +31,7 @@ from .conftest import FIXTURES, fixture_meta, fixture_names
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ds = pytest.importorskip("deepspeed.utils.zero_to_fp32")
 
-KEEP_FP32 = ["keep_fp32_z2_bf16", "keep_fp32_z3_bf16"]
+KEEP_FP32 = ["keep_fp32_z1_bf16", "keep_fp32_z2_bf16", "keep_fp32_z3_bf16"]
 ALL = [*fixture_names(), *(n for n in KEEP_FP32 if n not in fixture_names())]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # DeepSpeed's script fails on these (the errors it gives are checked below)
