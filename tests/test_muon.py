@@ -133,10 +133,13 @@ def test_consolidate_fp32_and_bf16_equal_deepspeed(name, tmp_path):
 # --- reshard, loaded by real DeepSpeed engines ------------------------------------------------------------------
 
 
-def _resume(name: str, ckpt: Path, dp: int, tmp_path: Path, universal: bool = False) -> tuple[int, list[dict], str]:
-    """Load `ckpt` into a Muon engine of the fixture's stage at `dp` ranks (fixture_muon.py `resume`), compare every
-    fp32 master and optimizer state with the fixture's reference, one more step; (rc, per-rank facts, output)."""
-    stage = _meta(name)["zero_stage"]
+def _resume(
+    name: str, ckpt: Path, dp: int, tmp_path: Path, universal: bool = False, stage: int | None = None
+) -> tuple[int, list[dict], str]:
+    """Load `ckpt` into a Muon engine of the fixture's stage (or `stage`) at `dp` ranks (fixture_muon.py `resume`),
+    compare every fp32 master and optimizer state with the fixture's reference, one more step; (rc, per-rank facts,
+    output)."""
+    stage = stage or _meta(name)["zero_stage"]
     info = tmp_path / "info"
     ref = FIXTURES / name / "reference" / "full_state.safetensors"
     args = ["resume", "--stage", stage, "--ckpt", ckpt, "--ref", ref, "--out", info,
@@ -146,14 +149,18 @@ def _resume(name: str, ckpt: Path, dp: int, tmp_path: Path, universal: bool = Fa
     return run.rc, facts, run.tail()
 
 
+STAGE_CHANGES = [(NAMES[1], 3, 3), (NAMES[2], 1, 1)]  # ZeRO-2 -> ZeRO-3 at DP 3, ZeRO-3 -> ZeRO-1 at DP 1
+
+
 @slow
-@pytest.mark.parametrize("dp", [1, 3])
-@pytest.mark.parametrize("name", NAMES)
-def test_reshard_dp_loads_in_deepspeed_bit_identically_and_trains_on(name, dp, tmp_path):
+@pytest.mark.parametrize(("name", "dp", "stage"), [(n, dp, None) for n in NAMES for dp in (1, 3)] + STAGE_CHANGES)
+def test_reshard_dp_loads_in_deepspeed_bit_identically_and_trains_on(name, dp, stage, tmp_path):
+    """At a new DP (and at another ZeRO stage: the Muon momentum changes between ZeRO-1/2's whole-param layout
+    and ZeRO-3's per-partition one)."""
     out = tmp_path / f"dp{dp}"
-    reshard(_ckpt(name), out, dp=dp)
+    reshard(_ckpt(name), out, dp=dp, stage=stage)
     assert _read_states(out).keys() == _ref(name, "full_state").keys()
-    rc, facts, tail = _resume(name, out, dp, tmp_path)
+    rc, facts, tail = _resume(name, out, dp, tmp_path, stage=stage)
     assert rc == 0, tail
     assert len(facts) == dp
     for f in facts:
