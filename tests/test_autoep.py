@@ -140,20 +140,46 @@ def test_inspect_names_the_layout(name):
     assert "model.layers.0.mlp 4" in line and "EP 2" in line and "gate_up_proj" in line
 
 
-def test_universal_and_zero3_reshards_are_refused_with_the_reason():
+def test_zero3_reshards_are_refused_with_the_reason():
     from ckpttools.layouts.base import ReshardTarget
     from ckpttools.layouts.registry import layout_of
 
-    for name in BOTH:
-        ckpt = read_checkpoint(FIXTURES / name / "checkpoint")
-        with pytest.raises(UnsupportedCheckpointError, match="--universal is refused"):
-            layout_of(ckpt).check_reshard(ckpt, ReshardTarget(None, ckpt.zero_stage))
     ckpt = read_checkpoint(FIXTURES / Z3 / "checkpoint")
     with pytest.raises(UnsupportedCheckpointError, match="same parameter placement topology"):
         layout_of(ckpt).check_reshard(ckpt, ReshardTarget(2, 3))
+    with pytest.raises(UnsupportedCheckpointError, match="universal form of an AutoEP ZeRO-3"):
+        layout_of(ckpt).check_reshard(ckpt, ReshardTarget(None, 3))
     ckpt = read_checkpoint(FIXTURES / Z2 / "checkpoint")
     with pytest.raises(UnsupportedCheckpointError, match="not a multiple of the AutoEP ep_size 2"):
         layout_of(ckpt).check_reshard(ckpt, ReshardTarget(3, 2))
+
+
+def _universal(tmp_path: Path) -> Path:
+    from ckpttools import reshard
+
+    reshard(FIXTURES / Z2 / "checkpoint", tmp_path / "universal", universal=True)
+    return tmp_path / "universal"
+
+
+def test_the_universal_form_holds_the_engines_tensors_as_ds_to_universal_names_them(tmp_path):
+    """Every engine parameter's folder (each layer's grouped w1/w2/w3 with all experts, as ds_to_universal writes
+    them), equal to the live engine's fp32 masters; the module file carries ds_to_universal's AutoEP facts."""
+    tag = _universal(tmp_path) / _meta(Z2)["tag"]
+    native = _ref(Z2, "native_fp32.safetensors")
+    tools = json.loads((FIXTURES / Z2 / "reference" / "tools.json").read_text())
+    names = {k.split("@")[0] for k in native}
+    assert sorted(p.name for p in (tag / "zero").iterdir() if p.is_dir()) == sorted(names)
+    for name in names:
+        got = torch.load(tag / "zero" / name / "fp32.pt", weights_only=False)
+        want = torch.cat([native[f"{name}@ep{e}"] for e in range(2)]) if ".experts.w" in name else native[name]
+        assert torch.equal(got["param"], want), name
+        assert got.get("is_expert_param", False) == (".experts.w" in name)
+        assert list(got["param"].shape) == tools["ds_to_universal"].get("shapes", {}).get(
+            f"zero/{name}", list(got["param"].shape)
+        )
+    model = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
+    layers = model["universal_checkpoint_info"]["ds_autoep_layers"]
+    assert [la["expert_key_prefix"] for la in layers] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
 
 def _resharded(tmp_path: Path, dp: int) -> Path:
@@ -252,12 +278,12 @@ def test_a_non_uniform_expert_placement_is_refused_by_name(name, tmp_path):
 # --- DeepSpeed itself ---------------------------------------------------------------------------------------------
 
 
-def _deepspeed_resumes(ckpt: Path, ranks: int, info: Path) -> dict:
+def _deepspeed_resumes(ckpt: Path, ranks: int, info: Path, load_universal: bool = False) -> dict:
     """DeepSpeed (with transformers 5.15) loads `ckpt` at `ranks` ranks, its fp32 masters and Adam moments equal to
     the reference, and trains one more step."""
     from fixtures.build import ds_launch, fixture_autoep
 
-    spec = next(s for s in fixture_autoep.specs() if s["name"] == Z2)
+    spec = {**next(s for s in fixture_autoep.specs() if s["name"] == Z2), "load_universal": load_universal}
     args = ["resume", "--spec", json.dumps(spec), "--ckpt", ckpt,
             "--ref", FIXTURES / Z2 / "reference" / "full_state.safetensors", "--out", info]  # fmt: skip
     run = ds_launch.torchrun(ranks, "fixtures.build.fixture_autoep", args, env=fixture_autoep.worker_env(), timeout=900)
@@ -273,6 +299,12 @@ def _deepspeed_resumes(ckpt: Path, ranks: int, info: Path) -> dict:
 @pytest.mark.skipif(not (TF515 / "transformers").is_dir(), reason=NO_TF515)
 def test_deepspeed_loads_the_fixture_and_trains_one_more_step(tmp_path):
     _deepspeed_resumes(FIXTURES / Z2 / "checkpoint", 4, tmp_path / "resume.json")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (TF515 / "transformers").is_dir(), reason=NO_TF515)
+def test_deepspeed_loads_the_universal_form_at_dp2_and_trains_one_more_step(tmp_path):
+    _deepspeed_resumes(_universal(tmp_path), 2, tmp_path / "resume.json", load_universal=True)
 
 
 @pytest.mark.slow

@@ -33,6 +33,7 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io.torchfile import RecordReader, load_pickle
+from ckpttools.io.torchwriter import whole_tensor
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.locate import EXPERT_RE, MODEL_RE
 from ckpttools.layouts.rankfile import (
@@ -56,6 +57,7 @@ from ckpttools.layouts.rankfile import (
     train_dtype_of,
     zero_stage_of,
 )
+from ckpttools.layouts.universal import NAME_KEY, param_files
 from ckpttools.layouts.zero.read import Zero12Reader, _Zero3Reader, zero3_optimizer_parts, zero12_bit16
 from ckpttools.model.checkpoint import (
     Checkpoint,
@@ -688,10 +690,10 @@ class _AutoEPZero3Reader(_Zero3Reader):
 def check_autoep_reshard(ckpt: Checkpoint, target: ReshardTarget) -> None:
     """What reshard cannot write for an AutoEP checkpoint, refused before anything is written."""
     what = f"{ckpt.location.tag_dir} is a DeepSpeed AutoEP checkpoint ({ckpt.layout.describe()})"
-    if target.universal:
+    if ckpt.zero_stage == 3 and target.universal:
         raise UnsupportedCheckpointError(
-            f"{what}; --universal is refused: a universal AutoEP folder loaded by DeepSpeed is not proven yet; "
-            "reshard with --dp M (ZeRO-1/2) or consolidate"
+            f"{what}; the universal form of an AutoEP ZeRO-3 checkpoint is not written yet (not proven to load in "
+            "DeepSpeed); consolidate it, every expert under its Hugging Face name"
         )
     if ckpt.zero_stage == 3:
         raise UnsupportedCheckpointError(
@@ -700,6 +702,8 @@ def check_autoep_reshard(ckpt: Checkpoint, target: ReshardTarget) -> None:
             'parameter placement topology in this release."); consolidate it, every expert under its Hugging '
             "Face name"
         )
+    if target.universal:
+        return
     if target.stage != ckpt.zero_stage:
         raise UnsupportedCheckpointError(f"{what}; --stage is refused: reshard AutoEP with --dp M at its own stage")
     ep = int(ckpt.layout.details.get("ep_size") or 1)
@@ -720,8 +724,7 @@ def autoep_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
     details = ckpt.layout.details
     ep = int(details["ep_size"])
     dbe = details.get("topology") == "data_before_expert"
-    paths, counts = details["autoep_layers"], details["num_experts"]
-    layers = [EPLayer(i, path, n, ep) for i, (path, n) in enumerate(zip(paths, counts, strict=True))]
+    layers = _layers_of(ckpt)
     opt = ckpt.optimizer
     common = {k: v for k, v in opt.common.items() if k != "param_groups"}
     osds = [{**common, "single_partition_of_fp32_groups": [], "group_paddings": [], "param_slice_mappings": [],
@@ -748,17 +751,60 @@ def autoep_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
     return files
 
 
-def native_expert_param(layer: EPLayer, by_name: Mapping[str, Param], e: int, w: str) -> Param:
-    """EP rank e's grouped `w` (w1/w3: [local, F, H], w2: [local, H, F]) cut back out of the layer's HF params."""
+def autoep_universal_files(ckpt: Checkpoint) -> dict[str, Any]:
+    """Relative path -> object: the universal tag folder of a ZeRO-1/2 AutoEP checkpoint, as DeepSpeed's
+    ds_to_universal writes it: one folder per engine parameter, each layer's grouped w1/w2/w3 whole ([N, ...],
+    every expert, marked `is_expert_param`), the module file with the AutoEP facts its universal loader reads."""
+    check_autoep_reshard(ckpt, ReshardTarget(None, ckpt.zero_stage))
+    if ckpt.optimizer.param_groups is None:
+        raise UnsupportedCheckpointError(f"{ckpt.location.tag_dir}: elastic AutoEP checkpoints have no universal form")
+    layers = _layers_of(ckpt)
+    by_name = {p.name: p for p in ckpt.params}
+    hf_experts = {name for la in layers for name in (la.gate_up, la.down)}
+    params = [p for p in ckpt.params if p.name not in hf_experts]
+    params += [native_expert_param(la, by_name, None, w) for la in layers for w in GROUPED]
+    experts = {la.grouped(w): la.num_experts for la in layers for w in GROUPED}
+
+    def state_file(p: Param, src: TensorSource) -> dict[str, Any]:
+        out = {"param": whole_tensor(src, p.shape), "cat_dim": 0, NAME_KEY: p.file_name}
+        if p.file_name in experts:
+            out.update({"is_expert_param": True, "ep_num_experts": experts[p.file_name]})
+        return out
+
+    files = param_files(params, ckpt.optimizer.group_scalars, state_file)
+    files["zero/optimizer_state.pt"] = dict(ckpt.optimizer.common)
+    model = ckpt.model_files[0]
+    info = dict(model.get("universal_checkpoint_info") or {})
+    info["expert_parameter_patterns"] = [r"\.experts\.w[123]$"]  # what ds_to_universal writes
+    info["ds_autoep_layers"] = [
+        {"moe_layer_id": la.index, "module_path": la.path, "expert_key_prefix": f"{la.path}.experts",
+         "num_experts": la.num_experts, "num_local_experts": la.num_local, "ep_size": la.ep}
+        for la in layers
+    ]  # fmt: skip
+    files["mp_rank_00_model_states.pt"] = {**model, "universal_checkpoint_info": info}
+    return files
+
+
+def _layers_of(ckpt: Checkpoint) -> list[EPLayer]:
+    details = ckpt.layout.details
+    ep = int(details["ep_size"])
+    paths, counts = details["autoep_layers"], details["num_experts"]
+    return [EPLayer(i, path, n, ep) for i, (path, n) in enumerate(zip(paths, counts, strict=True))]
+
+
+def native_expert_param(layer: EPLayer, by_name: Mapping[str, Param], e: int | None, w: str) -> Param:
+    """EP rank e's grouped `w` (w1/w3: [local, F, H], w2: [local, H, F]) cut back out of the layer's HF params;
+    e None: every expert's ([N, ...], as DeepSpeed's universal form holds it)."""
     hf = by_name[layer.down if w == "w2" else layer.gate_up]
     n = layer.num_experts
     per = hf.numel // n  # one expert's block: 2FH of gate_up_proj, HF of down_proj
     part = per if w == "w2" else per // 2
     skip = part if w == "w3" else 0
-    shape = (layer.num_local, *hf.shape[1:]) if w == "w2" else (layer.num_local, hf.shape[1] // 2, hf.shape[2])
+    count = n if e is None else layer.num_local
+    experts = range(n) if e is None else range(e * layer.num_local, (e + 1) * layer.num_local)
+    shape = (count, *hf.shape[1:]) if w == "w2" else (count, hf.shape[1] // 2, hf.shape[2])
 
     def cut(src: TensorSource, kind: str) -> TensorSource:
-        experts = range(e * layer.num_local, (e + 1) * layer.num_local)
         segs = tuple(seg for x in experts for seg in slice_segments(src, x * per + skip, part))
         return TensorSource(layer.grouped(w), shape, src.dtype, segs, kind)
 
@@ -792,8 +838,7 @@ class AutoEPLayout:
         check_autoep_reshard(ckpt, target)
 
     def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
-        check_autoep_reshard(ckpt, ReshardTarget(None, ckpt.zero_stage))
-        return {}
+        return autoep_universal_files(ckpt)
 
     def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         if target.dp is None:
