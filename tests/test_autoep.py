@@ -174,9 +174,7 @@ def test_the_universal_form_holds_the_engines_tensors_as_ds_to_universal_names_t
         want = torch.cat([native[f"{name}@ep{e}"] for e in range(2)]) if ".experts.w" in name else native[name]
         assert torch.equal(got["param"], want), name
         assert got.get("is_expert_param", False) == (".experts.w" in name)
-        assert list(got["param"].shape) == tools["ds_to_universal"].get("shapes", {}).get(
-            f"zero/{name}", list(got["param"].shape)
-        )
+        assert list(got["param"].shape) == tools["ds_to_universal"]["shapes"][f"zero/{name}"]
     model = torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False)
     layers = model["universal_checkpoint_info"]["ds_autoep_layers"]
     assert [la["expert_key_prefix"] for la in layers] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
