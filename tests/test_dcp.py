@@ -21,17 +21,17 @@ from ckpttools.layouts.registry import open_checkpoint
 
 from .conftest import FIXTURES
 
-DCP_FIXTURES = sorted(
-    p.name
-    for p in FIXTURES.glob("*fsdp2*")
-    if (p / "meta.json").is_file() and (p / "reference" / "model.safetensors").is_file()
-)
-PLAIN = [n for n in DCP_FIXTURES if n.startswith("fsdp2_") and "peft" not in n and "hf_" not in n]
-ACCELERATE = [
-    n
-    for n in DCP_FIXTURES
-    if n.startswith("accelerate_") and (FIXTURES / n / "checkpoint" / "pytorch_model_fsdp_0").is_dir()
-]
+
+def _mode(name: str) -> str:
+    return str(json.loads((FIXTURES / name / "meta.json").read_text()).get("mode"))
+
+
+DCP_FIXTURES = sorted(p.name for p in FIXTURES.glob("*fsdp2*") if (p / "meta.json").is_file())
+PLAIN = [n for n in DCP_FIXTURES if _mode(n) in ("dcp", "tp")]  # dcp.save of get_state_dict: model + optim
+ACCELERATE = [n for n in DCP_FIXTURES if _mode(n) == "accelerate"]  # SHARDED_STATE_DICT: pytorch_model_fsdp_0/
+HF_SHARDS = [n for n in DCP_FIXTURES if _mode(n) == "hf"]  # HuggingFaceStorageWriter: safetensors + saved_offsets
+PEFT = [n for n in DCP_FIXTURES if _mode(n) == "peft"]  # adapter-only state dict through dcp.save
+WEIGHTS = PLAIN + ACCELERATE + HF_SHARDS
 
 
 def _checkpoint(name: str) -> Path:
@@ -45,9 +45,10 @@ def _config(name: str) -> Path | None:
 
 def _reference(name: str) -> dict[str, torch.Tensor]:
     """The model entries of the reference by the names in the model: dcp_to_torch_save nests them under `model`
-    (flattened here to model.<name>); accelerate's merge-weights drops that root itself."""
+    (flattened here to model.<name>); accelerate's merge-weights drops that root itself, and torch's
+    consolidate_safetensors_files has none."""
     ref = load_file(FIXTURES / name / "reference" / "model.safetensors")
-    if name.startswith("accelerate_"):
+    if _mode(name) in ("accelerate", "hf"):
         return ref
     return {k.removeprefix("model."): v for k, v in ref.items()}
 
@@ -64,7 +65,7 @@ def _consolidate(name: str, out: Path, **kwargs: object) -> dict[str, torch.Tens
     return _load_folder(out)
 
 
-@pytest.mark.parametrize("name", PLAIN + ACCELERATE)
+@pytest.mark.parametrize("name", WEIGHTS)
 def test_stored_dtype_output_is_bit_identical_to_the_reference(name, tmp_path):
     ref = _reference(name)
     stored = next(iter(ref.values())).dtype
@@ -76,7 +77,7 @@ def test_stored_dtype_output_is_bit_identical_to_the_reference(name, tmp_path):
         assert torch.equal(ours[key], expected), key
 
 
-@pytest.mark.parametrize("name", PLAIN + ACCELERATE)
+@pytest.mark.parametrize("name", WEIGHTS)
 def test_fp32_and_16bit_outputs_are_the_stored_weights_cast(name, tmp_path):
     ref = _reference(name)
     for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
@@ -174,6 +175,30 @@ def test_run_folder_step_and_model_folder_are_found():
     if ACCELERATE:
         acc = open_checkpoint(_checkpoint(ACCELERATE[0]))
         assert acc.location.tag == "pytorch_model_fsdp_0"
+
+
+@pytest.mark.parametrize("name", PEFT)
+def test_an_adapter_only_save_gives_the_adapter_folder_peft_writes(name, tmp_path):
+    consolidate(_checkpoint(name), tmp_path / "out")
+    ref = FIXTURES / name / "reference" / "adapter"
+    ours, theirs = (
+        load_file(tmp_path / "out" / "adapter_model.safetensors"),
+        load_file(ref / "adapter_model.safetensors"),
+    )
+    assert set(ours) == set(theirs)
+    for key, expected in theirs.items():
+        assert torch.equal(ours[key], expected), key
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == json.loads((ref / "adapter_config.json").read_text())["r"]
+
+
+@pytest.mark.parametrize("name", HF_SHARDS)
+def test_hf_shards_match_torchs_own_consolidation(name, tmp_path):
+    ours = _consolidate(name, tmp_path / "out", dtype="bf16")
+    theirs = _load_folder(FIXTURES / name / "reference" / "consolidated")
+    assert set(ours) == set(theirs)
+    for key, expected in theirs.items():
+        assert ours[key].dtype == expected.dtype and torch.equal(ours[key], expected), key
 
 
 @pytest.mark.parametrize("name", PLAIN[:1])

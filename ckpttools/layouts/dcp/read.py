@@ -25,6 +25,7 @@ from ckpttools.io import dtypes
 from ckpttools.io.source import list_names, open_source, read_full
 from ckpttools.layouts.base import ReadOnlyLayout
 from ckpttools.layouts.dcp.chunks import ChunkFiles, chunk_tensor, tensor_segments
+from ckpttools.layouts.dcp.hf_shards import is_dcp_shard, read_hf_shards
 from ckpttools.layouts.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, DcpMetadata, TensorEntry, parse_metadata
 from ckpttools.layouts.locate import HF_SIDE_FILES
 from ckpttools.model.checkpoint import Checkpoint, OptimizerState, Param, TensorSource, strip_prefixes
@@ -33,6 +34,7 @@ from ckpttools.model.parallel import ParallelLayout
 
 KIND = "dcp"
 RANK_FILE_RE = re.compile(r"^__(?P<rank>\d+)_(?P<i>\d+)\.distcp$")
+HF_SHARD_RE = re.compile(r"^shard-(?P<rank>\d+)-model-\d+-of-\d+\.safetensors$")  # rank + 1, from 00001
 MODEL_FOLDER_RE = re.compile(r"^pytorch_model_fsdp_(?P<n>\d+)$")  # accelerate / Trainer SHARDED_STATE_DICT
 STEP_FOLDER_RE = re.compile(r"^(?:step|checkpoint|global_step|iter|epoch)[-_]?(?P<n>\d+)$")
 MODEL_ROOTS = ("model", "module", "models")
@@ -54,7 +56,11 @@ class DcpFolder:
 
 
 def is_dcp_folder(path: Path) -> bool:
-    return (path / METADATA_FILE).is_file()
+    """A DCP folder: `.metadata` beside `.distcp` files, or safetensors shards carrying DCP sharding metadata."""
+    if (path / METADATA_FILE).is_file():
+        return True
+    shards = sorted(path.glob("*.safetensors"))
+    return bool(shards) and is_dcp_shard(shards[0])
 
 
 def find_dcp(path: Path, *, tag: str | None = None, step: int | None = None) -> DcpFolder | None:
@@ -112,6 +118,8 @@ def read_metadata(folder: Path) -> DcpMetadata:
 def read_dcp(found: DcpFolder) -> Checkpoint:
     """Open a located DCP folder into the checkpoint model (metadata and the model's chunk headers only)."""
     names = list_names(found.folder)
+    if METADATA_FILE not in names:  # Hugging Face safetensors shards with DCP saved_offsets
+        return _checkpoint(found, names, None, read_hf_shards(found.folder, names))
     meta = read_metadata(found.folder)
     model = model_tensors(meta, found.folder)
     files = ChunkFiles(found.folder, set(names))
@@ -146,11 +154,34 @@ def model_tensors(meta: DcpMetadata, where: Path) -> dict[str, TensorEntry]:
         else:
             name = fqn
         out[strip_prefixes(name)] = entry
+    renamed = peft_model_names(list(out))
+    if renamed:
+        out = {renamed.get(name, name): entry for name, entry in out.items()}
     if not out:
         raise CorruptCheckpointError(
             f"{where} holds no model tensors (its entries: {short(', '.join(sorted(roots)), 120)}); "
             "point at the folder of the model's DCP save"
         )
+    return out
+
+
+# PEFT's saved form (get_peft_model_state_dict, adapter_model.safetensors) drops the adapter name that the model's
+# own state dict carries: X.lora_A.weight is X.lora_A.default.weight in the model. DCP saves of adapter-only state
+# dicts hold the saved form; the model takes the model form, which every command reads.
+_PEFT_SAVED = re.compile(r"^(?P<module>.+\.(?:lora_A|lora_B))\.(?P<leaf>weight|bias)$")
+_PEFT_SAVED_BARE = re.compile(r"^(?P<module>.+\.(?:lora_embedding_A|lora_embedding_B|lora_magnitude_vector))$")
+PEFT_DEFAULT = "default"
+
+
+def peft_model_names(names: list[str]) -> dict[str, str]:
+    """Saved-form LoRA names -> model-form names (adapter `default`), when every LoRA name is in saved form."""
+    out = {}
+    for name in names:
+        if m := _PEFT_SAVED.match(name):
+            out[name] = f"{m['module']}.{PEFT_DEFAULT}.{m['leaf']}"
+        elif m := _PEFT_SAVED_BARE.match(name):
+            leaf = ".weight" if name.endswith("lora_magnitude_vector") else ""
+            out[name] = f"{m['module']}.{PEFT_DEFAULT}{leaf}"
     return out
 
 
@@ -171,14 +202,15 @@ def _source(files: ChunkFiles, name: str, entry: TensorEntry) -> TensorSource:
 
 
 def _checkpoint(
-    found: DcpFolder, names: Sequence[str], meta: DcpMetadata, sources: dict[str, TensorSource]
+    found: DcpFolder, names: Sequence[str], meta: DcpMetadata | None, sources: dict[str, TensorSource]
 ) -> Checkpoint:
     ranks = {int(m["rank"]) for n in names if (m := RANK_FILE_RE.match(n))}
+    ranks |= {int(m["rank"]) - 1 for n in names if (m := HF_SHARD_RE.match(n))}
     world = max(ranks) + 1 if ranks else 1
     floating = [s.dtype for s in sources.values() if s.dtype.is_floating_point]
     train_dtype = max(set(floating), key=floating.count) if floating else dtypes.FLOAT32
-    states = optimizer_state_keys(meta)
-    trained = _optimized_names(meta) if states else set(sources)
+    states = optimizer_state_keys(meta) if meta else []
+    trained = _optimized_names(meta) if meta and states else set(sources)
     params, bit16 = [], {}
     for name, src in sources.items():
         if src.dtype is dtypes.FLOAT32 and train_dtype is not dtypes.FLOAT32:
@@ -191,8 +223,9 @@ def _checkpoint(
     side = [n for n in ("config.json", *HF_SIDE_FILES) if (found.root / n).is_file()]
     files = TagFiles({}, {}, "", False, layout=KIND, names=tuple(names))
     loc = CheckpointLocation(found.root, found.tag, found.folder, files, found.output_dir, side)
-    details: dict[str, Any] = {"format": "torch DCP", "world_size": world, "optimizer_states": states}
-    if meta.version:
+    form = "torch DCP" if meta else "torch DCP (Hugging Face safetensors shards)"
+    details: dict[str, Any] = {"format": form, "world_size": world, "optimizer_states": states}
+    if meta and meta.version:
         details["dcp_version"] = meta.version
     step = STEP_FOLDER_RE.match(found.folder.name) or STEP_FOLDER_RE.match(found.root.name)
     return Checkpoint(
@@ -228,7 +261,8 @@ class DcpLayout(ReadOnlyLayout):
         return read_dcp(DcpFolder(loc.tag_dir, loc.root, loc.tag, loc.output_dir))
 
     def describe(self, parallel: dict[str, Any]) -> list[str]:
-        return [f"saved by       {parallel.get('world_size', '?')} ranks (torch DCP {parallel.get('dcp_version', '')})"]
+        version = f" {parallel['dcp_version']}" if parallel.get("dcp_version") else ""
+        return [f"saved by       {parallel.get('world_size', '?')} ranks ({parallel.get('format')}{version})"]
 
 
 class DcpFolderFormat:
