@@ -23,7 +23,7 @@ import threading
 import zipfile
 import zlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -300,18 +300,25 @@ _TORCH_GLOBALS: dict[tuple[str, str], Any] = {
 
 
 class _AllowlistUnpickler(pickle.Unpickler):
-    def __init__(self, data: bytes, records: dict[str, Record], path: Path, *, label: str = "data/") -> None:
-        """`label`: what messages put before a storage key (a zip's records are `data/<key>`)."""
+    def __init__(
+        self, data: bytes, records: dict[str, Record], path: Path, *, label: str = "data/",
+        extra_globals: Mapping[tuple[str, str], Any] | None = None,
+    ) -> None:  # fmt: skip
+        """`label`: what messages put before a storage key (a zip's records are `data/<key>`). `extra_globals`:
+        more allowed names, asked first (a reader's stand-ins for the classes of its format, e.g. DTensor)."""
         import io
 
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self.records = records
         self.path = path
         self.label = label
+        self.extra_globals = extra_globals or {}
         self.used: set[str] = set()
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)
+        if key in self.extra_globals:
+            return self.extra_globals[key]
         if key in _TORCH_GLOBALS:
             return _TORCH_GLOBALS[key]
         if key in DEEPSPEED_STUBS:
@@ -362,7 +369,9 @@ def _data_offset(fh: Any, info: zipfile.ZipInfo) -> int:
 GENERIC_ARCHIVE = "archive"  # torch.save to a file object (not a path) names its archive folder so
 
 
-def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
+def load_pickle(
+    path: Path, *, check_identity: bool = True, extra_globals: Mapping[tuple[str, str], Any] | None = None
+) -> Any:
     """Unpickle a `torch.save` file (zip, or legacy non-zip) through the allowlist; tensors come back as
     `LazyTensor`s.
 
@@ -395,7 +404,7 @@ def load_pickle(path: Path, *, check_identity: bool = True) -> Any:
     for rec in records.values():
         if rec.offset + rec.nbytes > size:
             raise CorruptCheckpointError(f"{path} is truncated: record {rec.name} runs past the end of the file")
-    unpickler = _AllowlistUnpickler(data, records, path, label="" if legacy else "data/")
+    unpickler = _AllowlistUnpickler(data, records, path, label="" if legacy else "data/", extra_globals=extra_globals)
     try:
         obj = unpickler.load()
     except CkptError:
