@@ -186,7 +186,7 @@ def test_reshard_universal_and_ds_to_universal_refuse_with_deepspeeds_errors(nam
 
 
 @slow
-@pytest.mark.parametrize("name", ["muon_z2_dp2_bf16", "muon_z3_dp2_bf16"])
+@pytest.mark.parametrize("name", NAMES)
 def test_deepspeed_cannot_resume_muon_from_the_universal_form(name, tmp_path, monkeypatch):
     """The errors the refusal quotes, from DeepSpeed itself: the universal form written anyway (every state under
     its own key, as for any optimizer) and loaded with load_universal at DP 3."""

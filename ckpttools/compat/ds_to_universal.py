@@ -26,6 +26,9 @@ against its CRC-32 and the output is written into a temporary sibling renamed in
 It also converts what DeepSpeed's script refuses or crashes on: checkpoints without `universal_checkpoint_info`
 (no --inject_missing_state needed), any optimizer (SGD's `momentum_buffer`, Adagrad's `sum`, ... under their own
 keys; DeepSpeed: `KeyError: 'exp_avg'`) and ZeRO-3 checkpoints saved before the first step (`KeyError: 0`).
+DeepSpeed's Muon optimizer (param groups with `use_muon`; DeepSpeed's script: `KeyError: 'exp_avg'`, #8608) is
+refused, because no DeepSpeed 0.19.8 loader can resume Muon from the universal form (`layouts.universal.refuse_muon`
+quotes its errors); `ckpt reshard --dp` keeps Muon's momentum.
 --num_extract_workers, --num_merge_workers, --keep_temp_folder, --strict/--no_strict and --inject_missing_state
 are accepted and have no effect (one note on stderr says so).
 """
