@@ -67,6 +67,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeFS:
     monkeypatch.setattr(remote, "_FILESYSTEMS", {})
     monkeypatch.setattr(remote, "BACKOFF", 0.0)
     remote.STATS.reset()
+    remote.SMALL_READS.clear()
     return fs
 
 
@@ -80,6 +81,27 @@ def test_read_into_is_one_ranged_get_of_exactly_the_bytes_asked(fake: FakeFS) ->
     assert source.read_into(10240, memoryview(bytearray(10))) == 0  # at the end: nothing asked of the store
     assert source.read_into(10200, memoryview(buf)) == 40  # short at the end, as pread
     assert remote.STATS.ranged_bytes == 140 and remote.STATS.ranged_requests == 2
+
+
+def test_a_small_read_is_fetched_once(fake: FakeFS) -> None:
+    source = open_source("s3://bucket/obj")
+    for _ in range(3):
+        buf = bytearray(100)
+        assert open_source("s3://bucket/obj").read_into(1000, memoryview(buf)) == 100
+        assert bytes(buf) == fake.files["bucket/obj"][1000:1100]
+    assert source.read_into(1010, memoryview(bytearray(50))) == 50  # inside a kept read
+    buf = bytearray(300)
+    assert source.read_into(900, memoryview(buf)) == 300  # around it: only the two gaps are fetched
+    assert bytes(buf) == fake.files["bucket/obj"][900:1200]
+    assert fake.calls == [("bucket/obj", 1000, 1100), ("bucket/obj", 900, 1000), ("bucket/obj", 1100, 1200)]
+
+
+def test_small_reads_kept_are_bounded(fake: FakeFS, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "CACHE_BYTES", 250)
+    source = open_source("s3://bucket/obj")
+    for i in range(5):
+        source.read_into(i * 100, memoryview(bytearray(100)))
+    assert remote.SMALL_READS.size <= 250 and len(remote.SMALL_READS.order) == 2
 
 
 def test_a_large_buffer_is_read_in_gets_of_at_most_max_get(fake: FakeFS, monkeypatch: pytest.MonkeyPatch) -> None:

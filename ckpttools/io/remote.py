@@ -30,7 +30,9 @@ import shutil
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
@@ -53,6 +55,7 @@ MAX_GET = 16 << 20  # the most bytes one GET asks for: a caller's 1 GB buffer co
 TRIES = 5  # attempts of one ranged read before it fails
 BACKOFF = 0.25  # seconds before the second attempt, doubling up to BACKOFF_MAX
 BACKOFF_MAX = 4.0
+DOWNLOADS = 8  # small files downloaded at once when a checkpoint is mounted
 SMALL_FILE_LIMIT = 1 << 30  # a non-rank file (read whole, so downloaded whole) larger than this is refused
 STATS_VAR = "CKPTTOOLS_REMOTE_STATS"  # a file to write `STATS` to as JSON when the process ends (tests, benchmark)
 
@@ -230,6 +233,68 @@ def _fetch(fs: Any, path: str, start: int, end: int) -> bytes:
         return bytes(f.read(end - start))
 
 
+# --- Small reads, fetched once ---------------------------------------------------------------------------------------
+
+SMALL_READ = 1 << 20  # reads up to this size are kept (zip directories, pickles, headers): they come back
+CACHE_BYTES = 64 << 20  # the most bytes kept, least recently used first out
+
+
+class _SmallReads:
+    """The bytes of recent small reads of each object, so bytes read twice (a zip's directory read in overlapping
+    windows, each rank file's pickle opened by layout detection, cross-checks and the reader) are fetched once:
+    a read takes what is kept and fetches only the gaps. Bounded by CACHE_BYTES, least recently used out."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.order: OrderedDict[tuple[str, int, int], None] = OrderedDict()
+        self.spans: dict[str, dict[tuple[int, int], bytes]] = {}
+        self.size = 0
+
+    def read(self, name: str, start: int, end: int, fetch: Callable[[int, int], bytes]) -> bytes:
+        """Bytes [start, end) of object `name`: kept spans, and `fetch(a, b)` for each gap (short only at a short
+        fetch)."""
+        with self.lock:
+            kept = sorted((a, b, d) for (a, b), d in self.spans.get(name, {}).items() if a < end and b > start)
+            for a, b, _ in kept:
+                self.order.move_to_end((name, a, b))
+        parts: list[bytes] = []
+        pos = start
+        for a, b, data in [*kept, (end, end, b"")]:
+            if a > pos:  # a gap: fetch it
+                gap = fetch(pos, min(a, end))
+                self.put(name, pos, gap)
+                parts.append(gap)
+                if len(gap) < min(a, end) - pos:
+                    break
+                pos = min(a, end)
+            if b > pos:
+                parts.append(data[pos - a : min(b, end) - a])
+                pos = min(b, end)
+        return b"".join(parts)
+
+    def put(self, name: str, start: int, data: bytes) -> None:
+        if not data or len(data) > SMALL_READ:
+            return
+        with self.lock:
+            key = (name, start, start + len(data))
+            if key not in self.order:
+                self.order[key] = None
+                self.spans.setdefault(name, {})[key[1:]] = data
+                self.size += len(data)
+            while self.size > CACHE_BYTES and self.order:
+                (old, a, b), _ = self.order.popitem(last=False)
+                self.size -= len(self.spans[old].pop((a, b)))
+
+    def clear(self) -> None:
+        with self.lock:
+            self.order.clear()
+            self.spans.clear()
+            self.size = 0
+
+
+SMALL_READS = _SmallReads()
+
+
 # --- One object as a ByteSource -------------------------------------------------------------------------------------
 
 
@@ -260,6 +325,14 @@ class RemoteFile:
         end = min(offset + len(buffer), self._size, offset + MAX_GET)
         if end <= offset:
             return 0
+        data = (
+            self._get(offset, end) if end - offset > SMALL_READ else SMALL_READS.read(self.name, offset, end, self._get)
+        )
+        buffer[: len(data)] = data
+        return len(data)
+
+    def _get(self, offset: int, end: int) -> bytes:
+        """One ranged GET (retried)."""
         data = retrying(self.name, f"reading bytes {offset}-{end}", lambda: _fetch(self.fs, self.path, offset, end))
         STATS.add(ranged_bytes=len(data), ranged_requests=1)
         if len(data) > end - offset:  # a whole object for a range: its bytes would land at the wrong offset
@@ -267,8 +340,7 @@ class RemoteFile:
                 f"{self.name}: the store answered {len(data)} bytes for a range of {end - offset}: it ignores "
                 "byte ranges (a proxy in between?); ckpt cannot read this store by range"
             )
-        buffer[: len(data)] = data
-        return len(data)
+        return data
 
     def advise(self, offset: int, nbytes: int) -> None:
         """Nothing: every read is a GET of exactly the bytes asked for, so a prefetch could only fetch twice."""
@@ -340,12 +412,15 @@ def mount(url: str) -> Path:
     top = scratch / "tree"
     name = PurePosixPath(base).name or "checkpoint"
     remote: dict[str, tuple[str, int]] = {}
+    jobs = []
     for path, info in entries:
         below = PurePosixPath(path).relative_to(base).as_posix() if path != base else ""
         rel = f"{name}/{below}" if below else name
-        _place(fs, f"{url}/{below}" if below else url, top / rel, path, info, is_rank_file(rel))
+        jobs.append((f"{url}/{below}" if below else url, top / rel, path, info, is_rank_file(rel)))
         if is_rank_file(rel):
             remote[rel] = (path, int(info.get("size") or 0))
+    with ThreadPoolExecutor(DOWNLOADS) as pool:  # small files in parallel: each is one GET's latency
+        list(pool.map(lambda job: _place(fs, *job), jobs))
     mounted = Mount(url, top / name, remote, fs)
     _register(mounted, scratch)
     return mounted.root
@@ -457,5 +532,6 @@ def cleanup() -> None:
             os.environ.pop(MOUNTS_VAR, None)
     for scratch in scratches:
         shutil.rmtree(scratch, ignore_errors=True)
+    SMALL_READS.clear()
     if os.environ.get(STATS_VAR):
         Path(os.environ[STATS_VAR]).write_text(json.dumps(STATS.as_dict()))

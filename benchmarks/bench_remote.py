@@ -1,0 +1,231 @@
+"""Benchmark `ckpt consolidate s3://...` against a local S3-compatible server: bytes fetched per byte needed, and
+time against a plain parallel download of the same objects.
+
+    ./scripts/setup && .venv/bin/python -m benchmarks.bench_remote \
+        [--checkpoint PATH ...] [--gpt2 124M:3 ...] [--runs 3] [--out benchmarks/results]
+
+What it does, per checkpoint (default: the fixtures z3_dp2_bf16, z2_dp1_bf16, trainer_z2_bf16; `--gpt2 SIZE:STAGE`
+adds a GPT-2 ZeRO checkpoint built or reused by benchmarks/bench_consolidate.py):
+
+1. Starts moto's S3 server on 127.0.0.1 behind the counting proxy of tests/support/s3_server.py and uploads the
+   checkpoint folder to s3://bench/<name>/.
+2. needed: the bytes a local `consolidate` of the same folder reads through `LocalFile` (in-process, each byte
+   once however often it is read), plus the small files beside the rank files (`latest`, config.json, ...),
+   which the remote run downloads whole.
+3. remote: `ckpt consolidate s3://bench/<name> --out TMP` (a subprocess, wall time) with CKPTTOOLS_REMOTE_STATS:
+   ranged bytes, GETs, small-file bytes; the proxy counts the bytes it served (GET bodies, listings included).
+4. download: every object of the prefix fetched in parallel (s3fs `get`, recursive: one GET per object, 10 at a
+   time by default), then `ckpt consolidate` of the downloaded copy (a subprocess too): "download, then convert".
+5. The remote output must equal the local one byte for byte (a difference is reported, never hidden).
+
+Writes OUT/remote.json (every run, machine facts) and OUT/remote.md (the table). Numbers depend on the machine;
+the server is moto (Python, one process), so absolute throughput is the server's, the ratios are what carry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = REPO / "fixtures"
+DEFAULT_CHECKPOINTS = [
+    FIXTURES / "z3_dp2_bf16" / "checkpoint",
+    FIXTURES / "z2_dp1_bf16" / "checkpoint",
+    FIXTURES / "trainer_z2_bf16" / "out" / "checkpoint-2",
+]
+sys.path.insert(0, str(REPO))
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def small_files_bytes(folder: Path) -> int:
+    """The files a remote run downloads whole (everything but the rank files)."""
+    from ckpttools.io.remote import is_rank_file
+
+    return sum(
+        p.stat().st_size
+        for p in folder.rglob("*")
+        if p.is_file() and not is_rank_file(p.relative_to(folder).as_posix())
+    )
+
+
+def local_needed(folder: Path, out: Path) -> tuple[int, float]:
+    """The bytes a local consolidate reads through LocalFile, each byte once however often it is read (the
+    union of the ranges read, per file), and its wall time."""
+    from ckpttools.io.source import LocalFile
+    from ckpttools.ops.consolidate import consolidate
+
+    spans: dict[str, list[tuple[int, int]]] = {}
+    original = LocalFile.read_into
+
+    def counting(self: LocalFile, offset: int, buffer: memoryview) -> int:
+        n = original(self, offset, buffer)
+        spans.setdefault(self.name, []).append((offset, offset + n))
+        return n
+
+    LocalFile.read_into = counting  # type: ignore[method-assign]
+    try:
+        start = time.perf_counter()
+        consolidate(folder, out, overwrite=True)
+        wall = time.perf_counter() - start
+    finally:
+        LocalFile.read_into = original  # type: ignore[method-assign]
+    distinct = 0
+    for ranges in spans.values():
+        end = -1
+        for a, b in sorted(ranges):
+            distinct += max(0, b - max(a, end))
+            end = max(end, b)
+    return distinct, wall
+
+
+def same_output(a: Path, b: Path) -> bool:
+    names = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    if names != sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file()):
+        return False
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+def remote_run(url: str, out: Path, env: dict[str, str], stats: Path) -> tuple[float, dict[str, int], str]:
+    cmd = [str(REPO / ".venv" / "bin" / "ckpt"), "consolidate", url, "--out", str(out), "--overwrite", "-q"]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, env={**env, "CKPTTOOLS_REMOTE_STATS": str(stats)}, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stderr.strip()}")
+    return wall, json.loads(stats.read_text()), done.stdout.strip()
+
+
+def local_run(folder: Path, out: Path, env: dict[str, str]) -> float:
+    """`ckpt consolidate` of a local folder, a subprocess as the remote run is (same start-up cost)."""
+    cmd = [str(REPO / ".venv" / "bin" / "ckpt"), "consolidate", str(folder), "--out", str(out), "--overwrite", "-q"]
+    start = time.perf_counter()
+    subprocess.run(cmd, env=env, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def parallel_download(url: str, dest: Path, env: dict[str, str]) -> float:
+    """Every object under `url` with s3fs's parallel `get` (a fresh process, as the remote run is)."""
+    code = (
+        "import sys, s3fs; fs = s3fs.S3FileSystem(skip_instance_cache=True); "
+        "fs.get(sys.argv[1].rstrip('/') + '/', sys.argv[2] + '/', recursive=True)"
+    )
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code, url, str(dest)], env=env, check=True)
+    return time.perf_counter() - start
+
+
+def bench_one(s3: Any, folder: Path, name: str, runs: int, work: Path) -> dict[str, Any]:
+    s3.put_folder(folder, "bench", name)
+    url = f"s3://bench/{name}"
+    env = {**os.environ, **s3.env, "DS_ACCELERATOR": "cpu"}
+    needed_ranged, local_s = local_needed(folder, work / "local")
+    small = small_files_bytes(folder)
+    rows: list[dict[str, Any]] = []
+    for i in range(runs):
+        s3.served_body_bytes = 0
+        out = work / f"remote{i}"
+        wall, stats, _ = remote_run(url, out, env, work / "stats.json")
+        served = s3.served_body_bytes
+        s3.served_body_bytes = 0
+        dest = work / f"download{i}"
+        shutil.rmtree(dest, ignore_errors=True)
+        dl = parallel_download(url, dest, env)
+        dl_served = s3.served_body_bytes
+        convert_s = local_run(dest, work / f"after-download{i}", env)
+        rows.append({
+            "remote_s": wall, "remote_stats": stats, "served_bytes": served, "identical": same_output(work / "local", out),
+            "download_s": dl, "download_served_bytes": dl_served, "download_then_convert_s": dl + convert_s,
+        })  # fmt: skip
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(dest, ignore_errors=True)
+    size = folder_bytes(folder)
+    needed = needed_ranged + small
+    fetched = statistics.median(r["remote_stats"]["ranged_bytes"] + r["remote_stats"]["small_bytes"] for r in rows)
+    return {
+        "checkpoint": name, "path": str(folder), "object_bytes": size, "needed_bytes": needed,
+        "needed_ranged_bytes": needed_ranged, "small_files_bytes": small, "fetched_bytes": fetched,
+        "fetched_over_needed": fetched / needed if needed else None,
+        "served_over_needed": statistics.median(r["served_bytes"] for r in rows) / needed if needed else None,
+        "remote_s": statistics.median(r["remote_s"] for r in rows),
+        "download_s": statistics.median(r["download_s"] for r in rows),
+        "download_then_convert_s": statistics.median(r["download_then_convert_s"] for r in rows),
+        "local_convert_s": local_s, "identical": all(r["identical"] for r in rows), "runs": rows,
+    }  # fmt: skip
+
+
+def render(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
+    header = (
+        f"Machine: {machine['machine']}, {machine['cpus']} CPUs, Python {machine['python']}; medians of "
+        f"{machine['runs']} runs. needed = the distinct bytes a local consolidate reads + the small files; fetched = ranged "
+        "GET bodies + small files (client count); served = every GET body the server sent (listings too)."
+    )
+    columns = (
+        "| checkpoint | objects | needed | fetched | fetched/needed | served/needed | remote | parallel download "
+        "| download + convert | identical |"
+    )
+    lines = ["# `ckpt consolidate s3://...` against a local S3-compatible server (moto)", "", header, "", columns,
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines += [
+        f"| {r['checkpoint']} | {r['object_bytes']:,} | {r['needed_bytes']:,} | {int(r['fetched_bytes']):,} "
+        f"| {r['fetched_over_needed']:.3f} | {r['served_over_needed']:.3f} | {r['remote_s']:.2f} s "
+        f"| {r['download_s']:.2f} s | {r['download_then_convert_s']:.2f} s | {r['identical']} |"
+        for r in results
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", type=Path, action="append", help="a checkpoint folder (repeatable)")
+    ap.add_argument("--gpt2", action="append", default=[], metavar="SIZE:STAGE", help="e.g. 124M:3 (bench_consolidate)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results")
+    args = ap.parse_args()
+    from tests.support.s3_server import LocalS3
+
+    folders = [(p, p.parent.name if p.name == "checkpoint" else p.name) for p in (args.checkpoint or [])]
+    if not args.checkpoint:
+        folders = [(p, p.parent.name if p.name == "checkpoint" else p.parent.parent.name) for p in DEFAULT_CHECKPOINTS]
+    for spec in args.gpt2:
+        from benchmarks import bench_consolidate as bc
+
+        size, stage = spec.split(":")
+        built = bc.build_checkpoint(size, int(stage), bc.DEFAULT_CACHE, args.out / "logs", False)
+        if "path" in built:
+            folders.append((Path(built["path"]), bc.ckpt_name(size, int(stage))))
+        else:
+            print(f"skipped {spec}: {built.get('skipped')}", file=sys.stderr)
+    results = []
+    with LocalS3() as s3, tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
+        for folder, name in folders:
+            work = Path(tmp) / name
+            work.mkdir()
+            results.append(bench_one(s3, folder, name, args.runs, work))
+            r = results[-1]
+            print(f"{name}: fetched/needed {r['fetched_over_needed']:.3f}, remote {r['remote_s']:.2f} s, "
+                  f"download {r['download_s']:.2f} s (+convert {r['download_then_convert_s']:.2f} s), "
+                  f"identical {r['identical']}", file=sys.stderr)  # fmt: skip
+    machine = {"machine": platform.machine(), "cpus": os.cpu_count(), "python": platform.python_version(),
+               "node": platform.node(), "runs": args.runs}  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "remote.json").write_text(json.dumps({"machine": machine, "results": results}, indent=1) + "\n")
+    (args.out / "remote.md").write_text(render(results, machine))
+    print(render(results, machine))
+
+
+if __name__ == "__main__":
+    main()
