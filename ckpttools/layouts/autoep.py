@@ -690,11 +690,8 @@ class _AutoEPZero3Reader(_Zero3Reader):
 def check_autoep_reshard(ckpt: Checkpoint, target: ReshardTarget) -> None:
     """What reshard cannot write for an AutoEP checkpoint, refused before anything is written."""
     what = f"{ckpt.location.tag_dir} is a DeepSpeed AutoEP checkpoint ({ckpt.layout.describe()})"
-    if ckpt.zero_stage == 3 and target.universal:
-        raise UnsupportedCheckpointError(
-            f"{what}; the universal form of an AutoEP ZeRO-3 checkpoint is not written yet (not proven to load in "
-            "DeepSpeed); consolidate it, every expert under its Hugging Face name"
-        )
+    if target.universal:
+        return
     if ckpt.zero_stage == 3:
         raise UnsupportedCheckpointError(
             f"{what}; resharding AutoEP at ZeRO-3 is refused: DeepSpeed 0.19.8 loads such a checkpoint only at the "
@@ -702,8 +699,6 @@ def check_autoep_reshard(ckpt: Checkpoint, target: ReshardTarget) -> None:
             'parameter placement topology in this release."); consolidate it, every expert under its Hugging '
             "Face name"
         )
-    if target.universal:
-        return
     if target.stage != ckpt.zero_stage:
         raise UnsupportedCheckpointError(f"{what}; --stage is refused: reshard AutoEP with --dp M at its own stage")
     ep = int(ckpt.layout.details.get("ep_size") or 1)
@@ -752,9 +747,10 @@ def autoep_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
 
 
 def autoep_universal_files(ckpt: Checkpoint) -> dict[str, Any]:
-    """Relative path -> object: the universal tag folder of a ZeRO-1/2 AutoEP checkpoint, as DeepSpeed's
-    ds_to_universal writes it: one folder per engine parameter, each layer's grouped w1/w2/w3 whole ([N, ...],
-    every expert, marked `is_expert_param`), the module file with the AutoEP facts its universal loader reads."""
+    """Relative path -> object: the universal tag folder of an AutoEP checkpoint, as DeepSpeed's ds_to_universal
+    writes it: one folder per engine parameter, each layer's grouped w1/w2/w3 whole ([N, ...], every expert, marked
+    `is_expert_param`); ZeRO-1/2: the module file with the AutoEP facts its universal loader reads, ZeRO-3: every
+    rank's model-states file as saved."""
     check_autoep_reshard(ckpt, ReshardTarget(None, ckpt.zero_stage))
     if ckpt.optimizer.param_groups is None:
         raise UnsupportedCheckpointError(f"{ckpt.location.tag_dir}: elastic AutoEP checkpoints have no universal form")
@@ -771,8 +767,19 @@ def autoep_universal_files(ckpt: Checkpoint) -> dict[str, Any]:
             out.update({"is_expert_param": True, "ep_num_experts": experts[p.file_name]})
         return out
 
-    files = param_files(params, ckpt.optimizer.group_scalars, state_file)
-    files["zero/optimizer_state.pt"] = dict(ckpt.optimizer.common)
+    opt = ckpt.optimizer
+    files = param_files(params, opt.group_scalars, state_file)
+    common = dict(opt.common)
+    files["zero/optimizer_state.pt"] = common
+    if ckpt.zero_stage == 3:  # as ds_to_universal: every rank's model states as saved, the step by sub-group
+        groups = opt.param_groups or []
+        state = {
+            int(pg["params"][0]): dict(opt.group_scalars[g]) for g, pg in enumerate(groups) if opt.group_scalars[g]
+        }
+        common["optimizer_state_dict"] = {"state": state, "param_groups": groups}
+        for r, model_state in enumerate(ckpt.model_files):
+            files[f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"] = model_state
+        return files
     model = ckpt.model_files[0]
     info = dict(model.get("universal_checkpoint_info") or {})
     info["expert_parameter_patterns"] = [r"\.experts\.w[123]$"]  # what ds_to_universal writes
