@@ -37,7 +37,7 @@ from fixtures.build import ds_launch
 
 from .conftest import FIXTURES
 
-NAMES = [f"muon_z{s}_dp2_bf16" for s in (1, 2, 3)]
+NAMES = [f"muon_z{s}_dp2_bf16" for s in (1, 2, 3)] + ["muon_z3_dp2_bf16_inmem"]
 WORKER = "fixtures.build.fixture_muon"
 slow = pytest.mark.slow
 
@@ -143,7 +143,8 @@ def _resume(
     info = tmp_path / "info"
     ref = FIXTURES / name / "reference" / "full_state.safetensors"
     args = ["resume", "--stage", stage, "--ckpt", ckpt, "--ref", ref, "--out", info,
-            *(["--universal"] if universal else [])]  # fmt: skip
+            *(["--universal"] if universal else []),
+            *(["--in-memory"] if _in_memory(name) and stage == 3 else [])]  # fmt: skip
     run = ds_launch.torchrun(dp, WORKER, args, timeout=600)
     facts = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("info.*.json"))]
     return run.rc, facts, run.tail()
@@ -185,8 +186,12 @@ def test_reshard_universal_and_ds_to_universal_refuse_with_deepspeeds_errors(nam
     assert not (tmp_path / "dsu" / tag).exists()
 
 
+def _in_memory(name: str) -> bool:
+    return bool(_meta(name)["ds_config"]["zero_optimization"].get("save_muon_momentum_buffer_in_memory"))
+
+
 @slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", NAMES[:3])
 def test_deepspeed_cannot_resume_muon_from_the_universal_form(name, tmp_path, monkeypatch):
     """The errors the refusal quotes, from DeepSpeed itself: the universal form written anyway (every state under
     its own key, as for any optimizer) and loaded with load_universal at DP 3."""
