@@ -31,6 +31,7 @@ PLAIN = [n for n in DCP_FIXTURES if _mode(n) in ("dcp", "tp")]  # dcp.save of ge
 ACCELERATE = [n for n in DCP_FIXTURES if _mode(n) == "accelerate"]  # SHARDED_STATE_DICT: pytorch_model_fsdp_0/
 HF_SHARDS = [n for n in DCP_FIXTURES if _mode(n) == "hf"]  # HuggingFaceStorageWriter: safetensors + saved_offsets
 PEFT = [n for n in DCP_FIXTURES if _mode(n) == "peft"]  # adapter-only state dict through dcp.save
+RANK_FILES = [n for n in DCP_FIXTURES if _mode(n) == "accelerate_rankfiles"]  # use_dcp=False: DTensor torch.save
 WEIGHTS = PLAIN + ACCELERATE + HF_SHARDS
 
 
@@ -199,6 +200,27 @@ def test_hf_shards_match_torchs_own_consolidation(name, tmp_path):
     assert set(ours) == set(theirs)
     for key, expected in theirs.items():
         assert ours[key].dtype == expected.dtype and torch.equal(ours[key], expected), key
+
+
+@pytest.mark.parametrize("name", RANK_FILES)
+def test_per_rank_dtensor_files_give_the_live_models_weights(name, tmp_path):
+    """accelerate's use_dcp=False files, which its own merge-weights refuses (no .metadata)."""
+    ours = _consolidate(name, tmp_path / "out")
+    live = load_file(FIXTURES / name / "reference" / "live_full_state.safetensors")
+    assert set(ours) == set(live)
+    for key, expected in live.items():
+        assert torch.equal(ours[key], expected), key
+
+
+@pytest.mark.parametrize("name", RANK_FILES)
+def test_a_missing_or_foreign_rank_file_is_named(name, tmp_path):
+    root = _copy(name, tmp_path)
+    (root / "pytorch_model_fsdp_0_rank1.bin").unlink()
+    with pytest.raises(CorruptCheckpointError, match=r"saved by rank 0 of 2, but this is rank file 0 of 1"):
+        open_checkpoint(root)
+    shutil.copy(root / "pytorch_model_fsdp_0_rank0.bin", root / "pytorch_model_fsdp_0_rank1.bin")
+    with pytest.raises(CorruptCheckpointError, match=r"saved by rank 0 of 2, but this is rank file 1 of 2"):
+        open_checkpoint(root)
 
 
 @pytest.mark.parametrize("name", PLAIN[:1])

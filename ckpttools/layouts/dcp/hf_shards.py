@@ -110,15 +110,15 @@ def _sharding(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _entry(path: Path, key: str, entry: Any) -> tuple[dtypes.DType, tuple[int, ...], int, int]:
+    damaged = CorruptCheckpointError(f"{path}: the header entry of {key!r} is damaged ({short(entry, 80)})")
     try:
         dtype = BY_CODE[entry["dtype"]]
         shape = tuple(entry["shape"])
         begin, end = entry["data_offsets"]
-        ok = all(_is_count(v) for v in (*shape, begin, end)) and end - begin == _numel(shape) * dtype.itemsize
-    except (KeyError, TypeError, ValueError):
-        ok = False
-    if not ok:
-        raise CorruptCheckpointError(f"{path}: the header entry of {key!r} is damaged ({short(entry, 80)})")
+    except (KeyError, TypeError, ValueError) as e:
+        raise damaged from e
+    if not all(_is_count(v) for v in (*shape, begin, end)) or end - begin != _numel(shape) * dtype.itemsize:
+        raise damaged
     return dtype, shape, begin, end
 
 

@@ -27,6 +27,8 @@ from ckpttools.layouts.base import ReadOnlyLayout
 from ckpttools.layouts.dcp.chunks import ChunkFiles, chunk_tensor, tensor_segments
 from ckpttools.layouts.dcp.hf_shards import is_dcp_shard, read_hf_shards
 from ckpttools.layouts.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, DcpMetadata, TensorEntry, parse_metadata
+from ckpttools.layouts.dcp.rankfiles import RANK_FILE_RE as RANK_BIN_RE
+from ckpttools.layouts.dcp.rankfiles import rank_files, read_rank_files
 from ckpttools.layouts.locate import HF_SIDE_FILES
 from ckpttools.model.checkpoint import Checkpoint, OptimizerState, Param, TensorSource, strip_prefixes
 from ckpttools.model.origin import CheckpointLocation, TagFiles
@@ -72,6 +74,12 @@ def find_dcp(path: Path, *, tag: str | None = None, step: int | None = None) -> 
         named = MODEL_FOLDER_RE.match(path.name) or STEP_FOLDER_RE.match(path.name)
         owned = named or (parent / "config.json").is_file()
         return DcpFolder(path, parent, path.name) if owned else DcpFolder(path, path, ".")
+    per_rank = rank_files(sorted(p.name for p in path.iterdir()))
+    if per_rank:  # accelerate's use_dcp=False files, in the checkpoint folder itself
+        name = tag if tag is not None else min(per_rank)
+        if name not in per_rank:
+            raise CheckpointNotFoundError(f"{path} has no FSDP rank files of {name!r} (it has {', '.join(per_rank)})")
+        return DcpFolder(path, path, name)
     models = _children(path, MODEL_FOLDER_RE)
     if models:
         name = tag if tag is not None else min(models, key=lambda n: int(MODEL_FOLDER_RE.match(n)["n"]))  # type: ignore[index]
@@ -100,7 +108,9 @@ def _children(path: Path, pattern: re.Pattern[str]) -> list[str]:
 
 
 def _holds_model_folder(path: Path) -> bool:
-    return any(MODEL_FOLDER_RE.match(c.name) and is_dcp_folder(c) for c in path.iterdir())
+    return any(
+        (MODEL_FOLDER_RE.match(c.name) and is_dcp_folder(c)) or RANK_BIN_RE.match(c.name) for c in path.iterdir()
+    )
 
 
 def read_metadata(folder: Path) -> DcpMetadata:
@@ -118,6 +128,9 @@ def read_metadata(folder: Path) -> DcpMetadata:
 def read_dcp(found: DcpFolder) -> Checkpoint:
     """Open a located DCP folder into the checkpoint model (metadata and the model's chunk headers only)."""
     names = list_names(found.folder)
+    per_rank = rank_files(names).get(found.tag)
+    if per_rank is not None:  # accelerate's per-rank torch.save files of DTensors
+        return _checkpoint(found, list(per_rank.values()), None, read_rank_files(found.folder, per_rank))
     if METADATA_FILE not in names:  # Hugging Face safetensors shards with DCP saved_offsets
         return _checkpoint(found, names, None, read_hf_shards(found.folder, names))
     meta = read_metadata(found.folder)
@@ -206,6 +219,7 @@ def _checkpoint(
 ) -> Checkpoint:
     ranks = {int(m["rank"]) for n in names if (m := RANK_FILE_RE.match(n))}
     ranks |= {int(m["rank"]) - 1 for n in names if (m := HF_SHARD_RE.match(n))}
+    ranks |= {int(m["rank"]) for n in names if (m := RANK_BIN_RE.match(n))}
     world = max(ranks) + 1 if ranks else 1
     floating = [s.dtype for s in sources.values() if s.dtype.is_floating_point]
     train_dtype = max(set(floating), key=floating.count) if floating else dtypes.FLOAT32
@@ -223,7 +237,7 @@ def _checkpoint(
     side = [n for n in ("config.json", *HF_SIDE_FILES) if (found.root / n).is_file()]
     files = TagFiles({}, {}, "", False, layout=KIND, names=tuple(names))
     loc = CheckpointLocation(found.root, found.tag, found.folder, files, found.output_dir, side)
-    form = "torch DCP" if meta else "torch DCP (Hugging Face safetensors shards)"
+    form = "torch DCP" if meta else _form(names)
     details: dict[str, Any] = {"format": form, "world_size": world, "optimizer_states": states}
     if meta and meta.version:
         details["dcp_version"] = meta.version
@@ -234,6 +248,12 @@ def _checkpoint(
         optimizer=OptimizerState([], {}, {}), bit16=bit16, buffers={}, shared_params={}, frozen_excluded=False,
         layout=ParallelLayout(kind=KIND, dp=world, details=details),
     )  # fmt: skip
+
+
+def _form(names: Sequence[str]) -> str:
+    if any(RANK_BIN_RE.match(n) for n in names):
+        return "per-rank DTensor files (accelerate use_dcp=False)"
+    return "torch DCP (Hugging Face safetensors shards)"
 
 
 def _optimized_names(meta: DcpMetadata) -> set[str]:
