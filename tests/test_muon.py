@@ -150,11 +150,12 @@ def _resume(
     return run.rc, facts, run.tail()
 
 
-STAGE_CHANGES = [(NAMES[1], 3, 3), (NAMES[2], 1, 1)]  # ZeRO-2 -> ZeRO-3 at DP 3, ZeRO-3 -> ZeRO-1 at DP 1
+# ZeRO-2 -> ZeRO-3 at DP 3, ZeRO-3 -> ZeRO-1 at DP 1
+STAGE_CHANGES: list[tuple[str, int, int | None]] = [(NAMES[1], 3, 3), (NAMES[2], 1, 1)]
 
 
 @slow
-@pytest.mark.parametrize(("name", "dp", "stage"), [(n, dp, None) for n in NAMES for dp in (1, 3)] + STAGE_CHANGES)
+@pytest.mark.parametrize(("name", "dp", "stage"), [*((n, dp, None) for n in NAMES for dp in (1, 3)), *STAGE_CHANGES])
 def test_reshard_dp_loads_in_deepspeed_bit_identically_and_trains_on(name, dp, stage, tmp_path):
     """At a new DP (and at another ZeRO stage: the Muon momentum changes between ZeRO-1/2's whole-param layout
     and ZeRO-3's per-partition one)."""
