@@ -259,6 +259,18 @@ def test_swapped_zero3_optimizer_files_are_caught(tmp_path):
     _refused(ckpt, tmp_path, CkptError, "rank")
 
 
+def test_a_router_copy_that_differs_from_the_router_is_caught(tmp_path):
+    """AutoEP keeps the replaced block's gate in the module (`gate.gate.weight`, the router's parameter saved a
+    second time): a copy that differs means a file from another save."""
+    ckpt, tag = _copy(tmp_path, Z2)
+
+    def zero(sd):
+        sd["module"]["model.layers.0.mlp.gate.gate.weight"] = torch.zeros(4, 8, dtype=torch.bfloat16)
+
+    _edit(tag / "mp_rank_00_model_states.pt", zero)
+    _refused(ckpt, tmp_path, CorruptCheckpointError, "gate.gate.weight .module copy of model.layers.0.mlp.router")
+
+
 @pytest.mark.parametrize("name", BOTH)
 def test_a_non_uniform_expert_placement_is_refused_by_name(name, tmp_path):
     ckpt, tag = _copy(tmp_path, name)

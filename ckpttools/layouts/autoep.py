@@ -694,10 +694,10 @@ def check_autoep_reshard(ckpt: Checkpoint, target: ReshardTarget) -> None:
         return
     if ckpt.zero_stage == 3:
         raise UnsupportedCheckpointError(
-            f"{what}; resharding AutoEP at ZeRO-3 is refused: DeepSpeed 0.19.8 loads such a checkpoint only at the "
-            'topology that saved it (stage3.py: "AutoEP ZeRO-3 checkpoints can only be loaded with the same '
-            'parameter placement topology in this release."); consolidate it, every expert under its Hugging '
-            "Face name"
+            f"{what}; --dp is refused at ZeRO-3: DeepSpeed 0.19.8 checks the saved partition groups against the "
+            'loading topology (stage3.py: "AutoEP ZeRO-3 checkpoints can only be loaded with the same parameter '
+            'placement topology in this release."); reshard with --universal, which DeepSpeed loads at any DP '
+            "(load_universal), or consolidate"
         )
     if target.stage != ckpt.zero_stage:
         raise UnsupportedCheckpointError(f"{what}; --stage is refused: reshard AutoEP with --dp M at its own stage")
