@@ -333,3 +333,32 @@ def test_chunks_that_leave_a_hole_are_refused(tmp_path):
     (folder / ".metadata").write_bytes(pickle.dumps(meta))
     with pytest.raises(CorruptCheckpointError, match=r"uncovered|hold"):
         open_checkpoint(root)
+
+
+def test_push_publishes_the_consolidated_model_and_no_training_state(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+    from huggingface_hub import constants
+
+    from ckpttools.cli import main
+    from tests.support.hub_server import LocalHub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    name = PLAIN[0]
+    token = "hf_LocalToken_dcp_27182"
+    with LocalHub(token=token) as hub:
+        args = ["push", str(_checkpoint(name)), "--repo", "org/fsdp2", "--endpoint", hub.url, "--token", token]
+        res = CliRunner().invoke(main, args)
+        assert res.exit_code == 0, res.output
+        files = hub.files("org/fsdp2")
+    assert {"model.safetensors", "config.json", "README.md"} <= set(files)
+    assert not any(p.endswith((".distcp", ".metadata")) for p in files)
+    card = files["README.md"].decode()
+    assert "torch Distributed Checkpoint (FSDP2) checkpoint" in card and "ZeRO stage" not in card
+    from safetensors.torch import load
+
+    ours = load(files["model.safetensors"])
+    for key, expected in _reference(name).items():
+        assert torch.equal(ours[key], expected), key

@@ -23,7 +23,7 @@ from ckpttools.io.source import location_name
 from ckpttools.io.staging import check_output_dir
 from ckpttools.io.torchfile import Record, RecordReader
 from ckpttools.layouts.crosscheck import check_module_copies
-from ckpttools.layouts.registry import open_checkpoint
+from ckpttools.layouts.registry import layout_of, open_checkpoint
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 from ckpttools.ops import hf, peft
 from ckpttools.ranks import executor
@@ -363,10 +363,12 @@ def _param_count(tensors: list[OutputTensor], ckpt: Checkpoint) -> int:
 
 
 def source_summary(ckpt: Checkpoint) -> dict[str, Any]:
+    deepspeed = bool(ckpt.ds_version)  # other writers (torch DCP) have no ZeRO stage
     return {
         "path": location_name(ckpt.location.root),  # a remote checkpoint's URL, not its local mount
         "tag": ckpt.location.tag,
-        "zero_stage": ckpt.zero_stage,
+        "checkpoint_kind": "DeepSpeed ZeRO" if deepspeed else layout_of(ckpt).title,
+        "zero_stage": ckpt.zero_stage if deepspeed else None,
         "dp_world_size": ckpt.dp_world_size,
         "train_dtype": ckpt.train_dtype.name,
         "ds_version": ckpt.ds_version,

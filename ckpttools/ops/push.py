@@ -221,10 +221,12 @@ def _matches(rel: str, patterns: Sequence[str]) -> bool:
 
 def _is_checkpoint(path: Path, opts: dict[str, Any]) -> bool:
     """True for a raw DeepSpeed checkpoint (to consolidate first), False for a folder to push as it is."""
-    from ckpttools.layouts.registry import locate
+    from ckpttools.layouts.registry import folder_format_of, locate
 
     explicit = any(opts.get(k) for k in ("tag", "step", "best"))
     has_weights = any((path / n).is_file() for n in (*WEIGHT_NAMES, *ADAPTER_WEIGHTS, ADAPTER_CONFIG))
+    if folder_format_of(path) is not None:  # universal, torch DCP: a model saved at the top is what the user means
+        return not (has_weights and not explicit)
     try:
         loc = locate(path, tag=opts.get("tag"), step=opts.get("step"), best=bool(opts.get("best")))
     except CkptError as e:
@@ -336,7 +338,8 @@ def _card(repo_id: str, data: Any, what: str, report: VerifyReport, source: dict
     rows += [("weights dtype", report.dtype), ("parameters", f"{report.num_parameters:,}"), ("ckpttools", __version__)]
     table = "\n".join(f"| {k} | {v} |" for k, v in rows if v not in (None, ""))
     checksums = "\n".join(f"| {f['path']} | {f['size']:,} | `{f['sha256']}` |" for f in files if f.get("sha256"))
-    origin = "consolidated from a DeepSpeed ZeRO checkpoint with" if source else "pushed with"
+    kind = (source or {}).get("checkpoint_kind") or "DeepSpeed ZeRO"
+    origin = f"consolidated from a {kind} checkpoint with" if source else "pushed with"
     if problems:
         checked = "**Verification found problems; the files were pushed anyway (`--force`):**\n\n" + "\n".join(
             f"- {p}" for p in problems
