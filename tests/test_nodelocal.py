@@ -350,3 +350,20 @@ def test_two_nodes_on_shared_storage_split_the_shards(tmp_path):
     assert len(shard_ranks) == 3 and len(set(shard_ranks)) == 3 and max(shard_ranks) >= 2  # node 1 wrote one
     assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")
     assert data["files"] == single["files"]
+
+
+def test_a_node_local_fsdp2_dcp_folder_gives_the_one_process_output(tmp_path):
+    """torch DCP: each node holds its ranks' __R_0.distcp files and its own copy of .metadata."""
+    ckpt = FIXTURES / "fsdp2_dcp_dp2_fp32" / "checkpoint"
+    command = ["consolidate", "--max-shard-size", "2KB"]
+    one_process(*command, ckpt, "--out", tmp_path / "one", "--json")
+    folders = [tmp_path / "nodes" / f"node{n}" / ckpt.name for n in range(2)]
+    for path in sorted(p for p in ckpt.rglob("*") if p.is_file()):
+        rel = path.relative_to(ckpt)
+        m = re.match(r"__(\d+)_\d+\.distcp$", path.name)
+        for n in [int(m.group(1))] if m else ([0, 1] if path.name == ".metadata" else [0]):
+            (folders[n] / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, folders[n] / rel)
+    runs = on_ranks([[*command, f, "--out", tmp_path / "many", "--json"] for f in folders])
+    assert [rc for rc, _, _ in runs] == [0, 0], runs
+    assert _tree_sha256(tmp_path / "many") == _tree_sha256(tmp_path / "one")
