@@ -131,6 +131,41 @@ def test_reads_from_many_threads_at_once(fake: FakeFS) -> None:
     assert all(results[i] == data[i * 97 : i * 97 + 97] for i in range(64))
 
 
+def test_advised_bytes_are_fetched_ahead_in_the_pieces_read_asks_for(
+    fake: FakeFS, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(remote, "MAX_GET", 4096)
+    source = open_source("s3://bucket/obj")
+    source.advise(100, 9000)
+    assert sorted(fake_calls_after(fake)) == [(100, 4196), (4196, 8292), (8292, 9100)]
+    buf = bytearray(9000)
+    assert read_full(source, 100, memoryview(buf)) == 9000 and bytes(buf) == fake.files["bucket/obj"][100:9100]
+    assert len(fake.calls) == 3 and remote.STATS.ranged_bytes == 9000  # each byte fetched once
+    assert remote.PREFETCH.pending == 0
+
+
+def test_advice_past_the_budget_is_dropped(fake: FakeFS, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "PREFETCH_BYTES", 1000)
+    source = open_source("s3://bucket/obj")
+    source.advise(0, 5000)
+    assert fake_calls_after(fake) == [] and remote.PREFETCH.pending == 0
+    source.advise(0, 800)
+    source.close()  # advised, never read: the budget comes back
+    assert remote.PREFETCH.pending == 0
+
+
+def fake_calls_after(fake: FakeFS) -> list[tuple[int | None, int | None]]:
+    """The ranges GET so far, once the prefetch threads are done."""
+    import time
+
+    for _ in range(100):
+        if remote.PREFETCH.pool is None or remote.PREFETCH.pool._work_queue.empty():
+            break
+        time.sleep(0.01)
+    time.sleep(0.05)
+    return [(a, b) for _, a, b in fake.calls]
+
+
 def test_transient_errors_are_retried_with_backoff(fake: FakeFS) -> None:
     source = open_source("s3://bucket/obj")
     fake.faults = [ConnectionResetError("connection reset by peer"), TimeoutError("read timed out")]

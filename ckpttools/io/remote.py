@@ -32,7 +32,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
@@ -272,6 +272,16 @@ class _SmallReads:
                 pos = min(b, end)
         return b"".join(parts)
 
+    def covers(self, name: str, start: int, end: int) -> bool:
+        """Whether bytes [start, end) of `name` are all kept."""
+        with self.lock:
+            pos = start
+            for a, b in sorted(k for k in self.spans.get(name, {}) if k[0] < end and k[1] > start):
+                if a > pos:
+                    return False
+                pos = max(pos, b)
+            return pos >= end
+
     def put(self, name: str, start: int, data: bytes) -> None:
         if not data or len(data) > SMALL_READ:
             return
@@ -295,6 +305,41 @@ class _SmallReads:
 SMALL_READS = _SmallReads()
 
 
+# --- GETs sent ahead -----------------------------------------------------------------------------------------------
+
+PREFETCH_BYTES = 128 << 20  # the most bytes advised and not yet read, over all objects (held in our memory)
+PREFETCH_THREADS = 8  # GETs in flight at once
+
+
+class _Prefetch:
+    """The threads that send advised GETs, and the budget of bytes advised but not yet read."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending = 0
+        self.pool: ThreadPoolExecutor | None = None
+
+    def take(self, nbytes: int) -> bool:
+        with self.lock:
+            if self.pending + nbytes > PREFETCH_BYTES:
+                return False
+            self.pending += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        with self.lock:
+            self.pending -= nbytes
+
+    def submit(self, fn: Callable[[int, int], bytes], start: int, end: int) -> Future[bytes]:
+        with self.lock:
+            if self.pool is None:
+                self.pool = ThreadPoolExecutor(PREFETCH_THREADS, thread_name_prefix="ckpt-prefetch")
+            return self.pool.submit(fn, start, end)
+
+
+PREFETCH = _Prefetch()
+
+
 # --- One object as a ByteSource -------------------------------------------------------------------------------------
 
 
@@ -309,6 +354,8 @@ class RemoteFile:
         self.fs, self.path = fs, path
         self._size = size if size is not None else self._stat()
         self.closed = False
+        self._ahead: dict[tuple[int, int], Future[bytes]] = {}  # prefetched GETs (advise), by byte range
+        self._ahead_lock = threading.Lock()
 
     def _stat(self) -> int:
         info = retrying(self.name, "reading its size", lambda: self.fs.info(self.path))
@@ -325,9 +372,18 @@ class RemoteFile:
         end = min(offset + len(buffer), self._size, offset + MAX_GET)
         if end <= offset:
             return 0
-        data = (
-            self._get(offset, end) if end - offset > SMALL_READ else SMALL_READS.read(self.name, offset, end, self._get)
-        )
+        with self._ahead_lock:
+            ahead = self._ahead.pop((offset, end), None)
+        if ahead is not None:  # advised: its GET was sent ahead
+            try:
+                data = ahead.result()
+            finally:
+                PREFETCH.release(end - offset)
+            SMALL_READS.put(self.name, offset, data)  # kept when small, as any small read
+        elif end - offset > SMALL_READ:  # record bytes: read once (the RecordReader checks them as they come)
+            data = self._get(offset, end)
+        else:
+            data = SMALL_READS.read(self.name, offset, end, self._get)
         buffer[: len(data)] = data
         return len(data)
 
@@ -343,10 +399,26 @@ class RemoteFile:
         return data
 
     def advise(self, offset: int, nbytes: int) -> None:
-        """Nothing: every read is a GET of exactly the bytes asked for, so a prefetch could only fetch twice."""
+        """Send the GETs for these bytes now, in the pieces `read_into` will ask for (MAX_GET from `offset`), while
+        PREFETCH's budget lasts: the reads that follow (ReadAhead's spans are exactly the reads to come) take the
+        answers instead of waiting. A hint: never fails, and does nothing past the budget."""
+        end = min(offset + nbytes, self._size)
+        while offset < end and not self.closed:
+            piece = (offset, min(offset + MAX_GET, end))
+            with self._ahead_lock:
+                if piece not in self._ahead and not SMALL_READS.covers(self.name, *piece):
+                    if not PREFETCH.take(piece[1] - piece[0]):
+                        return
+                    self._ahead[piece] = PREFETCH.submit(self._get, *piece)
+            offset = piece[1]
 
     def close(self) -> None:
         self.closed = True
+        with self._ahead_lock:
+            ahead, self._ahead = self._ahead, {}
+        for (start, end), future in ahead.items():  # advised but never read
+            future.cancel()
+            PREFETCH.release(end - start)
 
     def __repr__(self) -> str:
         return f"RemoteFile({self.name!r})"
