@@ -140,13 +140,13 @@ def test_inspect_names_the_layout(name):
     assert "model.layers.0.mlp 4" in line and "EP 2" in line and "gate_up_proj" in line
 
 
-def test_zero3_reshards_are_refused_with_the_reason():
+def test_reshards_deepspeed_cannot_load_are_refused_with_the_reason():
     from ckpttools.layouts.base import ReshardTarget
     from ckpttools.layouts.registry import layout_of
 
     ckpt = read_checkpoint(FIXTURES / Z3 / "checkpoint")
-    with pytest.raises(UnsupportedCheckpointError, match="same parameter placement topology"):
-        layout_of(ckpt).check_reshard(ckpt, ReshardTarget(2, 3))
+    with pytest.raises(UnsupportedCheckpointError, match="--stage is refused"):
+        layout_of(ckpt).check_reshard(ckpt, ReshardTarget(2, 2))
     ckpt = read_checkpoint(FIXTURES / Z2 / "checkpoint")
     with pytest.raises(UnsupportedCheckpointError, match="not a multiple of the AutoEP ep_size 2"):
         layout_of(ckpt).check_reshard(ckpt, ReshardTarget(3, 2))
@@ -181,26 +181,49 @@ def test_the_universal_form_holds_the_engines_tensors_as_ds_to_universal_names_t
     assert [la["expert_key_prefix"] for la in layers] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
 
 
-def _resharded(tmp_path: Path, dp: int) -> Path:
+def _resharded(tmp_path: Path, dp: int, name: str = Z2) -> Path:
     from ckpttools import reshard
 
-    reshard(FIXTURES / Z2 / "checkpoint", tmp_path / f"dp{dp}", dp=dp)
+    reshard(FIXTURES / name / "checkpoint", tmp_path / f"dp{dp}", dp=dp)
     return tmp_path / f"dp{dp}"
 
 
+@pytest.mark.parametrize("name", BOTH)
 @pytest.mark.parametrize("dp", [2, 4, 8])
-def test_a_dp_reshard_reads_back_bit_identical(dp, tmp_path):
-    out = _resharded(tmp_path, dp)
-    tag = out / _meta(Z2)["tag"]
+def test_a_dp_reshard_reads_back_bit_identical(name, dp, tmp_path):
+    out = _resharded(tmp_path, dp, name)
+    tag = out / _meta(name)["tag"]
     assert len(list(tag.glob("*_optim_states.pt"))) == dp
-    assert len(list(tag.glob("layer_*_expert_*_model_states.pt"))) == 8
+    if name == Z2:
+        assert len(list(tag.glob("layer_*_expert_*_model_states.pt"))) == 8
+    else:
+        assert len(list(tag.glob("zero_pp_rank_*_model_states.pt"))) == dp
     ckpt = read_checkpoint(out)
-    assert (ckpt.layout.dp, ckpt.layout.ep) == (dp, 2)
-    ref = _ref(Z2, "full_state.safetensors")
+    assert (ckpt.layout.dp, ckpt.layout.ep, ckpt.zero_stage) == (dp, 2, _meta(name)["zero_stage"])
+    ref = _ref(name, "full_state.safetensors")
     with RecordReader() as reader:
         for p in ckpt.params:
             for key, src in (("fp32", p.fp32), *p.states.items()):
                 assert torch.equal(read_tensor(src, reader).reshape(p.shape), ref[f"{key}/{p.name}"]), (key, p.name)
+
+
+def test_a_zero3_reshard_at_the_same_dp_writes_the_same_rank_files(tmp_path):
+    out = _resharded(tmp_path, 4, Z3)
+    tag = _meta(Z3)["tag"]
+    for r in range(4):
+        name = f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt"
+        ours = torch.load(out / tag / name, weights_only=False)["optimizer_state_dict"]
+        theirs = torch.load(FIXTURES / Z3 / "checkpoint" / tag / name, weights_only=False)["optimizer_state_dict"]
+        assert ours["ds_zero_partition_groups"] == theirs["ds_zero_partition_groups"]
+        for a, b in zip(ours["fp32_flat_groups"], theirs["fp32_flat_groups"], strict=True):
+            assert torch.equal(a, b)
+        for sg, st in theirs["optimizer_state_dict"]["state"].items():
+            for k in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours["optimizer_state_dict"]["state"][sg][k], st[k]), (r, sg, k)
+        model = f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"
+        ours_m = torch.load(out / tag / model, weights_only=False)
+        theirs_m = torch.load(FIXTURES / Z3 / "checkpoint" / tag / model, weights_only=False)
+        assert str(ours_m["ds_autoep_layers"]) == str(theirs_m["ds_autoep_layers"])
 
 
 def test_a_reshard_at_the_same_dp_writes_the_same_optimizer_tensors(tmp_path):
@@ -321,6 +344,7 @@ def test_deepspeed_loads_the_universal_form_at_dp2_and_trains_one_more_step(name
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (TF515 / "transformers").is_dir(), reason=NO_TF515)
-def test_deepspeed_loads_a_dp2_reshard_and_trains_one_more_step(tmp_path):
+@pytest.mark.parametrize("name", BOTH)
+def test_deepspeed_loads_a_dp2_reshard_and_trains_one_more_step(name, tmp_path):
     """EP 2 x expert-DP 2 (4 ranks) resharded to EP 2 x expert-DP 1 (2 ranks)."""
-    _deepspeed_resumes(_resharded(tmp_path, 2), 2, tmp_path / "resume.json")
+    _deepspeed_resumes(_resharded(tmp_path, 2, name), 2, tmp_path / "resume.json", name=name)

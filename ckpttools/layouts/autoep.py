@@ -60,6 +60,7 @@ from ckpttools.layouts.rankfile import (
 from ckpttools.layouts.universal import NAME_KEY, param_files
 from ckpttools.layouts.zero.read import Zero12Reader, _Zero3Reader, zero3_optimizer_parts, zero12_bit16
 from ckpttools.model.checkpoint import (
+    MASTER,
     Checkpoint,
     OptimizerState,
     Param,
@@ -692,13 +693,6 @@ def check_autoep_reshard(ckpt: Checkpoint, target: ReshardTarget) -> None:
     what = f"{ckpt.location.tag_dir} is a DeepSpeed AutoEP checkpoint ({ckpt.layout.describe()})"
     if target.universal:
         return
-    if ckpt.zero_stage == 3:
-        raise UnsupportedCheckpointError(
-            f"{what}; --dp is refused at ZeRO-3: DeepSpeed 0.19.8 checks the saved partition groups against the "
-            'loading topology (stage3.py: "AutoEP ZeRO-3 checkpoints can only be loaded with the same parameter '
-            'placement topology in this release."); reshard with --universal, which DeepSpeed loads at any DP '
-            "(load_universal), or consolidate"
-        )
     if target.stage != ckpt.zero_stage:
         raise UnsupportedCheckpointError(f"{what}; --stage is refused: reshard AutoEP with --dp M at its own stage")
     ep = int(ckpt.layout.details.get("ep_size") or 1)
@@ -744,6 +738,77 @@ def autoep_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
     for name in ckpt.layout_files:
         files[name] = load_pickle(ckpt.location.tag_dir / name)
     return files
+
+
+def autoep_zero3_rank_files(ckpt: Checkpoint, dp: int) -> dict[str, Any]:
+    """Relative path -> object: a ZeRO-3 AutoEP checkpoint at `dp` ranks, same ep size: the dense sub-group cut
+    over every rank, the expert sub-group of each EP rank (its grouped w1/w2/w3) over its new expert-DP group;
+    each rank's `ds_zero_partition_groups` and `ds_autoep_layers` say which (DeepSpeed checks both on load)."""
+    from ckpttools.io.torchwriter import NewTensor, Slice
+    from ckpttools.layouts.zero.pieces import group_keys, master_partition, new_tensor
+    from ckpttools.layouts.zero.write import _Flats, _rank_pieces
+
+    details = ckpt.layout.details
+    ep = int(details["ep_size"])
+    dbe = details.get("topology") == "data_before_expert"
+    layers = _layers_of(ckpt)
+    opt = ckpt.optimizer
+    groups = opt.param_groups or []
+    by_name = {p.name: p for p in ckpt.params}
+    hf_experts = {name for la in layers for name in (la.gate_up, la.down)}
+    dense = [p for p in ckpt.params if p.name not in hf_experts]
+    expert_group = next(p.group for p in ckpt.params if p.name in hf_experts)
+    if len(groups) != 2 or {p.group for p in dense} != {1 - expert_group}:
+        raise UnsupportedCheckpointError(f"{ckpt.location.tag_dir}: AutoEP ZeRO-3 with {len(groups)} param groups "
+                                         "is not resharded (one dense and one expert group are)")  # fmt: skip
+    local = [[native_expert_param(la, by_name, e, w) for la in layers for w in GROUPED] for e in range(ep)]
+    saved = {int(entries[0]["ep_rank"]): m for m in ckpt.model_files if (entries := autoep_entries(m))}
+    common = {k: v for k, v in opt.common.items() if k not in ("param_groups", "ds_zero_partition_groups")}
+    param_groups = [{**pg, "params": [g]} for g, pg in enumerate(groups)]
+    flats = _Flats()
+    files: dict[str, Any] = {}
+    for r in range(dp):
+        e = next(e for e in range(ep) if r in expert_dp_ranks(e, ep, dp, dbe))
+        peers = expert_dp_ranks(e, ep, dp, dbe)
+        members = {expert_group: (local[e], len(peers), peers.index(r)), 1 - expert_group: (dense, dp, r)}
+        flat, state, partition_groups = [], {}, []
+        for sg in range(2):
+            params, count, pos = members[sg]
+            keys = group_keys(params)
+            flat.append(master_partition(_rank_pieces(params, MASTER, count, pos, flats)))
+            entry = {k: _fresh(v, NewTensor, Slice) for k, v in opt.group_scalars[sg].items()}
+            for k in keys:
+                entry[k] = new_tensor(params[0].states[k].dtype, _rank_pieces(params, k, count, pos, flats))
+            if entry:
+                state[sg] = entry
+            family = "autoep_expert" if sg == expert_group else "replicated"
+            partition_groups.append({
+                "sub_group": sg, "partition_count": count, "partition_rank": pos,
+                "partition_ranks": peers if sg == expert_group else list(range(dp)),
+                "families": [family], "group_names": [f"ep_size_{ep}" if sg == expert_group else "replicated"],
+            })  # fmt: skip
+        inner = {"state": state, "param_groups": param_groups}
+        osd = {**common, "partition_count": dp, "ds_zero_partition_groups": partition_groups,
+               "fp32_flat_groups": flat, "optimizer_state_dict": inner}  # fmt: skip
+        files[f"{ckpt.location.files.optim_prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt"] = {
+            **opt.file_meta, "optimizer_state_dict": osd}  # fmt: skip
+        model = saved[e]
+        entries = [{**entry, "expert_data_parallel_rank": peers.index(r), "expert_data_parallel_world_size": len(peers)}
+                   for entry in autoep_entries(model)]  # fmt: skip
+        info = {**(model.get("universal_checkpoint_info") or {}), "ds_autoep_layers": entries}
+        files[f"zero_pp_rank_{r}_mp_rank_00_model_states.pt"] = {
+            **model, "dp_world_size": dp, "ds_autoep_layers": entries, "universal_checkpoint_info": info,
+            "shared_params": model.get("shared_params") if r == 0 else {}}  # fmt: skip
+    return files
+
+
+def _fresh(value: Any, new_tensor_type: Any, slice_type: Any) -> Any:
+    """A stored scalar tensor (AdamW's 0-dim step) written as its own storage."""
+    from ckpttools.io.torchfile import LazyTensor
+
+    if isinstance(value, LazyTensor):
+        return new_tensor_type(value.dtype, (slice_type(value, 0, value.numel()),), value.shape)
+    return value
 
 
 def autoep_universal_files(ckpt: Checkpoint) -> dict[str, Any]:
@@ -850,6 +915,9 @@ class AutoEPLayout:
     def tag_files(self, ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
         if target.dp is None:
             return self.universal_files(ckpt)
+        if ckpt.zero_stage == 3:
+            check_autoep_reshard(ckpt, target)  # DeepSpeed checks the partition groups: written for the new DP
+            return autoep_zero3_rank_files(ckpt, target.dp)
         return autoep_rank_files(ckpt, target.dp, target.stage)
 
 
