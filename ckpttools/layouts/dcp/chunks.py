@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,17 +54,19 @@ class ChunkFiles:
         self.folder, self.names = folder, names
         self._open: dict[str, ByteSource] = {}
         self._sizes: dict[str, int] = {}
+        self._lock = threading.Lock()  # chunks are opened from several threads
 
     def source(self, stored: StoredChunk, fqn: str) -> ByteSource:
         name = stored.relative_path
-        if name not in self._open:
-            if name not in self.names:
-                raise CorruptCheckpointError(
-                    f"{self.folder / name} is missing ({fqn!r} is stored there): a rank's file was not saved or not "
-                    "copied; copy the whole checkpoint folder"
-                )
-            self._open[name] = open_source(self.folder / name)
-            self._sizes[name] = self._open[name].size()
+        with self._lock:
+            if name not in self._open:
+                if name not in self.names:
+                    raise CorruptCheckpointError(
+                        f"{self.folder / name} is missing ({fqn!r} is stored there): a rank's file was not saved or "
+                        "not copied; copy the whole checkpoint folder"
+                    )
+                self._open[name] = open_source(self.folder / name)
+                self._sizes[name] = self._open[name].size()
         if stored.offset + stored.length > self._sizes[name]:
             raise CorruptCheckpointError(
                 f"{self.folder / name} is truncated: {fqn!r} needs bytes {stored.offset}-"

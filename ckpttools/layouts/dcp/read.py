@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import re
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -138,7 +139,7 @@ def read_dcp(found: DcpFolder) -> Checkpoint:
     files = ChunkFiles(found.folder, set(names))
     try:
         files.check_sizes(meta.file_ends)
-        sources = {name: _source(files, name, entry) for name, entry in model.items()}
+        sources = _sources(files, model)
     finally:
         files.close()
     return _checkpoint(found, names, meta, sources)
@@ -206,6 +207,18 @@ def optimizer_state_keys(meta: DcpMetadata) -> list[str]:
         if len(path) >= 4 and str(path[0]) in NON_MODEL_ROOTS | {"optim"} and "state" in map(str, path[:2]):
             seen[str(path[-1])] = None
     return list(seen)
+
+
+OPEN_THREADS = 16  # chunk headers are small reads spread over the files: overlap their latency (cold storage)
+
+
+def _sources(files: ChunkFiles, model: dict[str, TensorEntry]) -> dict[str, TensorSource]:
+    """Every model tensor's source; each chunk's zip headers are read by one of a few threads."""
+    if sum(len(e.chunks) for e in model.values()) < 64:
+        return {name: _source(files, name, entry) for name, entry in model.items()}
+    with ThreadPoolExecutor(OPEN_THREADS, thread_name_prefix="ckpt-dcp-open") as pool:
+        built = list(pool.map(lambda item: _source(files, *item), model.items()))
+    return dict(zip(model, built, strict=True))
 
 
 def _source(files: ChunkFiles, name: str, entry: TensorEntry) -> TensorSource:
