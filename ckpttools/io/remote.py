@@ -3,9 +3,11 @@ HfFileSystem: model repos and Storage Buckets), read by byte range.
 
 Two pieces:
 
-- `RemoteFile`, the `ByteSource` of one object: every `read_into` is one ranged GET (`cat_file(path, start, end)`)
-  of at most `MAX_GET` bytes, safe from many threads at once, retried with backoff on transient errors. The CRC-32
-  checks and the bounded memory are the `RecordReader`'s, as for a local file.
+- `RemoteFile`, the `ByteSource` of one object: a `read_into` is one ranged GET (`cat_file(path, start, end)`)
+  of at most `MAX_GET` bytes, safe from many threads at once, retried with backoff on transient errors. Small
+  reads (zip directories, pickles) are kept, bounded, so bytes read twice are fetched once; `advise` sends the
+  GETs of the spans to come ahead, on PREFETCH_THREADS threads within PREFETCH_BYTES. The CRC-32 checks and the
+  bounded output memory are the `RecordReader`'s and the writers', as for a local file.
 - `mount`, a checkpoint folder seen as a local one: the tree is listed once, the small files (`latest`,
   trainer_state.json, config.json, tokenizer files, RNG states) are downloaded whole into a scratch folder, and
   every rank file (`*_model_states.pt`, `*_optim_states.pt`, universal `zero/**.pt`, `*.distcp`) becomes a sparse
