@@ -17,10 +17,20 @@ autoep_* fixtures):
   states.pt` holding `<layer>.experts.w1.{E}`, `w2.{E}`, `w3.{E}` (16-bit, global expert E); the optimizer files
   cut the `moe` group of EP rank e over its expert-DP group (ranks e, e+K, ... by DeepSpeed's default).
 
+- ZeRO-3: every rank's `zero_pp_rank_{r}_mp_rank_00_model_states.pt` (its ds_autoep_layers name its EP and
+  expert-DP rank, checkpoint_format `zero3_partitioned`) and optimizer file; `ds_zero_partition_groups` says per
+  sub-group which ranks partition it (dense: every rank, family `replicated`; experts: the expert-DP group,
+  family `autoep_expert`). DeepSpeed's zero_to_fp32/zero_to_torch refuse it ("Use ds_to_universal.py").
+
 Transformers (5.x) names a layer's experts `<layer>.experts.gate_up_proj` [N, 2*ffn, hidden] (gate rows first:
 DeepSpeed's `moe/ep_repack.py` splits it so, layout `gate_up_first`) and `<layer>.experts.down_proj`
 [N, hidden, ffn], its router `<layer>.gate.weight`. Every one of them is a concatenation of whole rows of
 the stored tensors, so the layout describes them as segments: no bytes are copied or read here.
+
+Resharding (same ep size, DP a multiple of it) cuts each EP rank's grouped w1/w2/w3 back out of those params:
+`--dp M` re-cuts the optimizer files (and, at ZeRO-3, writes every rank's partition groups and AutoEP facts for
+the new topology: DeepSpeed checks them on load); `--universal` writes ds_to_universal's form. Each is proven by
+DeepSpeed loading the result at another DP and training on (tests/test_autoep.py).
 """
 
 from __future__ import annotations
@@ -744,9 +754,8 @@ def autoep_zero3_rank_files(ckpt: Checkpoint, dp: int) -> dict[str, Any]:
     """Relative path -> object: a ZeRO-3 AutoEP checkpoint at `dp` ranks, same ep size: the dense sub-group cut
     over every rank, the expert sub-group of each EP rank (its grouped w1/w2/w3) over its new expert-DP group;
     each rank's `ds_zero_partition_groups` and `ds_autoep_layers` say which (DeepSpeed checks both on load)."""
-    from ckpttools.io.torchwriter import NewTensor, Slice
     from ckpttools.layouts.zero.pieces import group_keys, master_partition, new_tensor
-    from ckpttools.layouts.zero.write import _Flats, _rank_pieces
+    from ckpttools.layouts.zero.write import _Flats, _own_copy, _rank_pieces
 
     details = ckpt.layout.details
     ep = int(details["ep_size"])
@@ -776,7 +785,7 @@ def autoep_zero3_rank_files(ckpt: Checkpoint, dp: int) -> dict[str, Any]:
             params, count, pos = members[sg]
             keys = group_keys(params)
             flat.append(master_partition(_rank_pieces(params, MASTER, count, pos, flats)))
-            entry = {k: _fresh(v, NewTensor, Slice) for k, v in opt.group_scalars[sg].items()}
+            entry = {k: _own_copy(v) for k, v in opt.group_scalars[sg].items()}
             for k in keys:
                 entry[k] = new_tensor(params[0].states[k].dtype, _rank_pieces(params, k, count, pos, flats))
             if entry:
@@ -800,15 +809,6 @@ def autoep_zero3_rank_files(ckpt: Checkpoint, dp: int) -> dict[str, Any]:
             **model, "dp_world_size": dp, "ds_autoep_layers": entries, "universal_checkpoint_info": info,
             "shared_params": model.get("shared_params") if r == 0 else {}}  # fmt: skip
     return files
-
-
-def _fresh(value: Any, new_tensor_type: Any, slice_type: Any) -> Any:
-    """A stored scalar tensor (AdamW's 0-dim step) written as its own storage."""
-    from ckpttools.io.torchfile import LazyTensor
-
-    if isinstance(value, LazyTensor):
-        return new_tensor_type(value.dtype, (slice_type(value, 0, value.numel()),), value.shape)
-    return value
 
 
 def autoep_universal_files(ckpt: Checkpoint) -> dict[str, Any]:
