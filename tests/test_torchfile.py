@@ -1,11 +1,19 @@
 import os
+import pickle
+import pickletools
+import re
+import time
+import zipfile
+from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 import torch
 
 from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError
-from ckpttools.io.torchfile import LazyTensor, RecordReader, lazy_tensors, load_pickle
+from ckpttools.io import pickles
+from ckpttools.io.torchfile import LazyTensor, RecordReader, _AllowlistUnpickler, lazy_tensors, load_pickle
+from tests.support.memo_bombs import BOMB, FUZZ_INDEX, capped_memory, plant_long_binput
 
 from .conftest import FIXTURES, fixture_names
 
@@ -176,3 +184,95 @@ def test_legacy_serialization_is_read(tmp_path):
 def test_lazy_tensors_walks_nested_structures(tmp_path):
     torch.save({"a": [torch.ones(1), {"b": (torch.zeros(2),)}], "c": 3}, tmp_path / "n.pt")
     assert len(lazy_tensors(load_pickle(tmp_path / "n.pt"))) == 2
+
+
+# --- Memo bombs: a memo index that would make the unpickler allocate by its value -----------------------------------
+
+
+def _walk_objects() -> list[object]:
+    return [
+        {"a": [1, 2.5, "x" * 300, b"y" * 70000, None, True, (1, 2), {3, 4}, frozenset([5]), bytearray(b"zz")]},
+        {"big": [2**100, -(2**70), 2**40, -5], "text": "é\n\\u\r\x1a", "float": 1.5, "cls": int},
+        [[f"s{i}"] * 3 for i in range(400)],  # past 256 memo entries: LONG_BINPUT / LONG_BINGET
+        OrderedDict(step=2, groups=[{"lr": 0.1}] * 3),
+    ]
+
+
+@pytest.mark.parametrize("protocol", range(pickle.HIGHEST_PROTOCOL + 1))
+def test_walk_ends_where_pickletools_does_and_resumes_after_a_cut(protocol):
+    for obj in _walk_objects():
+        data = pickle.dumps(obj, protocol=protocol)
+        ends = [pos for _, _, pos in pickletools.genops(data)]
+        assert pickles.walk(data + b"trailing") == ends[-1] + 1 == len(data)
+        for cut in range(0, len(data), max(1, len(data) // 500)):
+            with pytest.raises(pickles.Truncated) as e:
+                pickles.walk(data[:cut])
+            assert pickles.walk(data, e.value.at, e.value.puts) == len(data)  # resumed over the whole
+
+
+def test_walk_of_a_real_data_pkl():
+    path = next(p for p in sorted(FIXTURES.glob("z3_dp2_bf16/checkpoint/*/*.pt")))
+    with zipfile.ZipFile(path) as zf:
+        data = zf.read(next(n for n in zf.namelist() if n.endswith("/data.pkl")))
+    assert pickles.walk(data) == len(data)
+
+
+@pytest.mark.parametrize(
+    "bomb, reason",
+    [
+        (BOMB, "memo index 2147483648 after 0 entries"),
+        (b"}p2147483648\n.", "memo index 2147483648 after 0 entries"),  # protocol 0's decimal PUT
+        (b"]\x94r" + FUZZ_INDEX.to_bytes(4, "little") + b".", f"memo index {FUZZ_INDEX} after 1 entries"),
+        (b"\x80\x02}q\x05.", "memo index 5 after 0 entries"),
+        (b"}p-1\n.", "memo index -1 after 0 entries"),
+        (b"}pxyz\n.", "not a number"),
+        (b"}\xff.", "unknown opcode"),
+    ],
+)
+def test_walk_refuses_memo_bombs(bomb, reason):
+    with pytest.raises(pickles.Damaged, match=re.escape(reason)):
+        pickles.walk(bomb)
+
+
+def test_a_memo_bomb_is_real():
+    """Why the walk exists: CPython's unpickler allocates the table (here failing under a cap, else OOM-killed)."""
+    with capped_memory(), pytest.raises(MemoryError):
+        pickle.loads(BOMB)
+
+
+def _rezip(path: Path, member: str, data: bytes) -> None:
+    """Rewrite the zip at `path` with `member` replaced by `data`, every CRC correct (a crafted file, not damage)."""
+    with zipfile.ZipFile(path) as zf:
+        members = [(info.filename, zf.read(info)) for info in zf.infolist()]
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zf:
+        for name, content in members:
+            zf.writestr(name, data if name == member else content)
+
+
+@pytest.mark.parametrize("index", [2**31, FUZZ_INDEX])
+def test_memo_bomb_in_a_zip_data_pkl_is_one_line(tmp_path, index):
+    path = tmp_path / "m.pt"
+    torch.save({f"w{i}": torch.ones(1) for i in range(100)}, path)  # > 256 memo entries: LONG_BINPUTs
+    with zipfile.ZipFile(path) as zf:
+        data = zf.read("m/data.pkl")
+    _rezip(path, "m/data.pkl", plant_long_binput(data, index))
+    started = time.perf_counter()
+    with capped_memory(), pytest.raises(CorruptCheckpointError) as e:
+        load_pickle(path)
+    assert time.perf_counter() - started < 5
+    message = str(e.value)
+    assert "\n" not in message and str(path) in message and f"memo index {index} after" in message
+
+
+def test_memo_bomb_as_the_whole_data_pkl(tmp_path):
+    path = tmp_path / "m.pt"
+    torch.save({"w": torch.ones(1)}, path)
+    _rezip(path, "m/data.pkl", BOMB)
+    with capped_memory(), pytest.raises(CorruptCheckpointError, match="memo index 2147483648 after 0 entries"):
+        load_pickle(path)
+
+
+def test_every_allowlist_unpickler_walks_first():
+    """DCP chunks (torch.save zips inside .distcp files) unpickle through the same class."""
+    with capped_memory(), pytest.raises(CorruptCheckpointError, match=r"x\.distcp: .*memo index 2147483648"):
+        _AllowlistUnpickler(BOMB, {}, Path("x.distcp"))

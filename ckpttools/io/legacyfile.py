@@ -9,21 +9,21 @@ no checksum, so the checks that stand in for a zip's CRC-32 are structural (`sto
 
 The small pickles here hold only numbers, strings, lists and dicts, and are read by an unpickler that accepts no
 global and no persistent id. The data pickle is torchfile's business (its allowlist). Every pickle is first walked op
-by op (`read_pickle`) to find where it ends, so that unpickling works on its bytes alone, and to refuse what would
-make the unpickler allocate by a damaged value: with no CRC, a flipped bit reaches the unpickler, and a memo index
-of 2**31 makes CPython's grow its memo table to 16 GiB.
+by op (`read_pickle`, `pickles.walk`) to find where it ends, so that unpickling works on its bytes alone, and to
+refuse what would make the unpickler allocate by a damaged value: with no CRC, a flipped bit reaches the unpickler,
+and a memo index of 2**31 makes CPython's grow its memo table to 32 GiB.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
-import pickletools
 import struct
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import Any
 
 from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, short
+from ckpttools.io import pickles
 from ckpttools.io.source import ByteSource, read_full
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C  # torch.serialization.MAGIC_NUMBER
@@ -54,48 +54,43 @@ class _PlainUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"{self.path}: unexpected persistent id {short(pid, 80)} in a legacy torch file")
 
 
-class _Capped:
-    """`fh` as pickletools reads it, each read cut at the end of the file: a damaged length asks for no more."""
-
-    def __init__(self, fh: Any, size: int) -> None:
-        self.fh, self.size = fh, size
-
-    def read(self, n: int = -1) -> bytes:
-        left = max(0, self.size - self.fh.tell())
-        return bytes(self.fh.read(left if n < 0 else min(n, left)))
-
-    def readline(self) -> bytes:
-        return bytes(self.fh.readline())
-
-    def tell(self) -> int:
-        return int(self.fh.tell())
-
-
-_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_WINDOW = 4 << 10  # read at first while walking a pickle, doubled as it goes on (the framing pickles are tiny)
+_MAX_STEP = 1 << 20  # read at most at a time, but for an opcode longer than that (the walk skips long arguments)
+_MAX_WINDOW = 1 << 26  # a text argument (protocol 0) longer than this is damage, not something torch.save writes
 
 
 def read_pickle(path: Path, fh: Any, size: int, what: str) -> bytes:
     """The bytes of the pickle at `fh`'s position (of a file of `size` bytes), `fh` left just after it.
 
-    Walked op by op, nothing built: a pickler numbers its memo entries 0, 1, 2, ..., so an index beyond the entries
-    so far is damage (and would make the unpickler allocate a table by its value)."""
-    start, puts = fh.tell(), 0
+    Walked op by op first (`pickles.walk`), which also refuses a memo index that would make the unpickler allocate a
+    table by its value."""
+    start = fh.tell()
     try:
-        for op, arg, _ in pickletools.genops(cast(IO[bytes], _Capped(fh, size))):
-            if op.name in _MEMO_PUTS:
-                if not isinstance(arg, int) or not 0 <= arg <= puts:
-                    raise ValueError(f"memo index {short(arg)} after {puts} entries")
-                puts += 1
-            elif op.name == "MEMOIZE":
-                puts += 1
-    except ValueError as e:  # pickletools' word for truncated, unknown opcodes and bad arguments
+        end = _pickle_end(fh, start, size)
+    except pickles.Damaged as e:
         raise CorruptCheckpointError(
-            f"{path}: cannot read the {what} of this legacy torch file ({short(e, 100)}); the file is truncated or "
-            "damaged"
+            f"{path}: cannot read the {what} of this legacy torch file ({e}); the file is truncated or damaged"
         ) from e
-    end = fh.tell()
     fh.seek(start)
     return bytes(fh.read(end - start))
+
+
+def _pickle_end(fh: Any, start: int, size: int) -> int:
+    """Where the pickle at `start` ends, walked a window at a time: little is read past it (the windows double
+    from 4 KiB to 1 MiB), and a damaged length asks for nothing (the walk skips arguments without reading them)."""
+    at, puts, window = start, 0, _WINDOW
+    while True:
+        fh.seek(at)
+        chunk = bytes(fh.read(max(0, min(window, size - at))))
+        try:
+            return at + pickles.walk(chunk, 0, puts)
+        except pickles.Truncated as cut:
+            if at + len(chunk) >= size:
+                raise pickles.Damaged("it runs past the end of the file") from cut
+            if cut.at == 0 and window >= _MAX_WINDOW:
+                raise pickles.Damaged(f"an opcode longer than {_MAX_WINDOW >> 20} MiB") from cut
+            window = window * 2 if cut.at == 0 else min(window * 2, _MAX_STEP)  # cut.at 0: one opcode is longer
+            at, puts = at + cut.at, cut.puts
 
 
 def _load_plain(path: Path, fh: Any, size: int, what: str) -> Any:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import Self
 
 from ckpttools.errors import CkptError, CorruptCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError, short
-from ckpttools.io import dtypes, legacyfile
+from ckpttools.io import dtypes, legacyfile, pickles
 from ckpttools.io.crc import crc32, crc32_combine
 from ckpttools.io.dtypes import DType
 from ckpttools.io.source import ByteSource, open_source, open_stream, read_full
@@ -302,12 +302,17 @@ _TORCH_GLOBALS: dict[tuple[str, str], Any] = {
 class _AllowlistUnpickler(pickle.Unpickler):
     def __init__(
         self, data: bytes, records: dict[str, Record], path: Path, *, label: str = "data/",
-        extra_globals: Mapping[tuple[str, str], Any] | None = None,
+        extra_globals: Mapping[tuple[str, str], Any] | None = None, walked: bool = False,
     ) -> None:  # fmt: skip
         """`label`: what messages put before a storage key (a zip's records are `data/<key>`). `extra_globals`:
-        more allowed names, asked first (a reader's stand-ins for the classes of its format, e.g. DTensor)."""
+        more allowed names, asked first (a reader's stand-ins for the classes of its format, e.g. DTensor).
+        `walked`: `data` has been through `pickles.walk` already (legacy files are walked to find the pickle's end).
+
+        Raises CorruptCheckpointError when a memo index would make the unpickler allocate by its value (`pickles`)."""
         import io
 
+        if not walked:
+            pickles.check(data, path)
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self.records = records
         self.path = path
@@ -404,7 +409,9 @@ def load_pickle(
     for rec in records.values():
         if rec.offset + rec.nbytes > size:
             raise CorruptCheckpointError(f"{path} is truncated: record {rec.name} runs past the end of the file")
-    unpickler = _AllowlistUnpickler(data, records, path, label="" if legacy else "data/", extra_globals=extra_globals)
+    unpickler = _AllowlistUnpickler(
+        data, records, path, label="" if legacy else "data/", extra_globals=extra_globals, walked=legacy
+    )
     try:
         obj = unpickler.load()
     except CkptError:
@@ -497,7 +504,7 @@ class _LegacyScan(_AllowlistUnpickler):
     against placeholder records and dropped."""
 
     def __init__(self, data: bytes, path: Path) -> None:
-        super().__init__(data, {}, path, label="")
+        super().__init__(data, {}, path, label="", walked=True)
         self.dtypes: dict[str, DType] = {}
 
     def persistent_load(self, pid: Any) -> StorageRef:

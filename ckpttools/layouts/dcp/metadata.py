@@ -24,7 +24,7 @@ from typing import Any
 from typing_extensions import Self
 
 from ckpttools.errors import CorruptCheckpointError, UnsafeCheckpointError, short
-from ckpttools.io import dtypes
+from ckpttools.io import dtypes, pickles
 from ckpttools.io.dtypes import DType
 
 METADATA_FILE = ".metadata"
@@ -175,8 +175,10 @@ def parse_metadata(data: bytes, where: str) -> DcpMetadata:
 
     Raises:
         UnsafeCheckpointError: the pickle names anything outside the DCP metadata classes.
-        CorruptCheckpointError: it is not DCP metadata, or its entries contradict each other.
+        CorruptCheckpointError: it is not DCP metadata, or its entries contradict each other, or its pickle would
+            make the unpickler allocate by a memo index (`pickles`).
     """
+    pickles.check(data, where)
     try:
         raw = _MetadataUnpickler(data, where).load()
     except (UnsafeCheckpointError, CorruptCheckpointError):
