@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import pickletools
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from ckpttools.io import dtypes
 from ckpttools.io.torchfile import LazyTensor, Record, StorageRef
 from ckpttools.layouts.dcp.chunks import tensor_segments
 from ckpttools.layouts.dcp.metadata import Chunk, StoredChunk, TensorEntry, _is_plain_name, parse_metadata
+from tests.support.memo_bombs import FUZZ_INDEX, capped_memory
 
 from .conftest import FIXTURES
 
@@ -99,3 +102,25 @@ def test_only_dcp_classes_are_unpickled():
         parse_metadata(pickle.dumps([1, 2]), "m")
     with pytest.raises(CorruptCheckpointError, match="damaged"):
         parse_metadata(b"\x80\x04garbage", "m")
+
+
+def _memoize_to_long_binput(data: bytes, index: int) -> bytes:
+    """A protocol-4 pickle with its first MEMOIZE replaced by a LONG_BINPUT of `index` (4 bytes longer), the frame
+    around it lengthened to match: a crafted file the unpickler reads up to the bomb."""
+    ops = [(op.name, arg, int(pos or 0)) for op, arg, pos in pickletools.genops(data)]
+    at = next(pos for name, _, pos in ops if name == "MEMOIZE")
+    frame_at, frame_len = max((pos, int(arg or 0)) for name, arg, pos in ops if name == "FRAME" and pos < at)
+    data = data[:at] + b"r" + index.to_bytes(4, "little") + data[at + 1 :]
+    return data[: frame_at + 1] + (frame_len + 4).to_bytes(8, "little") + data[frame_at + 9 :]
+
+
+@pytest.mark.parametrize("index", [2**31, FUZZ_INDEX])
+def test_memo_bomb_in_metadata_is_one_line_without_allocating(index):
+    path = METADATA[0]
+    data = _memoize_to_long_binput(path.read_bytes(), index)
+    started = time.perf_counter()
+    with capped_memory(), pytest.raises(CorruptCheckpointError) as e:
+        parse_metadata(data, str(path))
+    assert time.perf_counter() - started < 5
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{path}: ") and f"memo index {index} after 0 entries" in message

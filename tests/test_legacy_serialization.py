@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import struct
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from ckpttools.io.torchfile import (
     mark_absent,
     storage_records,
 )
+from tests.support.memo_bombs import FUZZ_INDEX, capped_memory, plant_long_binput
 
 from .conftest import FIXTURES
 
@@ -288,6 +290,46 @@ def test_damaged_memo_index_is_refused_before_unpickling(tmp_path):
     with pytest.raises(CorruptCheckpointError) as e:
         load_pickle(path)
     assert "memo index 250 after 2 entries" in _one_line(e)
+
+
+def _pickle_starts(raw: bytes) -> list[int]:
+    """Where each of the five pickles of a legacy file starts (magic number, version, sys_info, data, key list)."""
+    import io
+    import pickletools
+
+    fh, starts = io.BytesIO(raw), []
+    for _ in range(5):
+        starts.append(fh.tell())
+        for _op in pickletools.genops(fh):
+            pass
+    return starts
+
+
+@pytest.mark.parametrize("index", [2**31, FUZZ_INDEX])
+@pytest.mark.parametrize("which, what", [(3, "data pickle"), (4, "storage key list")])
+def test_memo_bomb_is_one_line_without_allocating(tmp_path, index, which, what):
+    """A LONG_BINPUT index (the fuzz run's 1393191011, or 2**31) planted in a pickle with more than 256 memo entries,
+    so that it has LONG_BINPUTs: refused by the walk, under a memory cap that the unpickler's table would break."""
+    path = _save_legacy({f"w{i}": torch.ones(1) for i in range(300)}, tmp_path / "m.pt")
+    raw = path.read_bytes()
+    path.write_bytes(plant_long_binput(raw, index, _pickle_starts(raw)[which]))
+    started = time.perf_counter()
+    with capped_memory(), pytest.raises(CorruptCheckpointError) as e:
+        load_pickle(path)
+    assert time.perf_counter() - started < 5
+    assert f"cannot read the {what}" in _one_line(e) and f"memo index {index} after" in _one_line(e)
+    assert str(path) in _one_line(e)
+
+
+def test_a_long_pickle_is_walked_window_by_window(tmp_path, monkeypatch):
+    """A data pickle of ~450 KB, past the walk's first windows (4 KiB, doubling): the walk resumes where each ends."""
+    state = {f"layer.{i}.weight": torch.ones(1) for i in range(5000)}
+    path = _save_legacy(state, tmp_path / "long.pt")
+    walks = []
+    plain = legacyfile.pickles.walk
+    monkeypatch.setattr(legacyfile.pickles, "walk", lambda *a: walks.append(len(a[0])) or plain(*a))
+    obj = load_pickle(path)
+    assert len(obj) == 5000 and len(walks) > 5 and walks[:3] == [4096] * 3  # 3 framing pickles in the first
 
 
 def test_wrong_magic_number(tmp_path):
