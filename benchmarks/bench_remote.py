@@ -204,6 +204,8 @@ def main() -> None:
         from benchmarks import bench_consolidate as bc
 
         size, stage = spec.split(":")
+        (args.out / "logs").mkdir(parents=True, exist_ok=True)
+        bc.DEFAULT_CACHE.mkdir(parents=True, exist_ok=True)
         built = bc.build_checkpoint(size, int(stage), bc.DEFAULT_CACHE, args.out / "logs", False)
         if "path" in built:
             folders.append((Path(built["path"]), bc.ckpt_name(size, int(stage))))

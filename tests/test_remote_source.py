@@ -68,6 +68,7 @@ def fake(monkeypatch: pytest.MonkeyPatch) -> FakeFS:
     monkeypatch.setattr(remote, "BACKOFF", 0.0)
     remote.STATS.reset()
     remote.SMALL_READS.clear()
+    remote.PREFETCH.pending = 0
     return fs
 
 
@@ -137,10 +138,26 @@ def test_advised_bytes_are_fetched_ahead_in_the_pieces_read_asks_for(
     monkeypatch.setattr(remote, "MAX_GET", 4096)
     source = open_source("s3://bucket/obj")
     source.advise(100, 9000)
-    assert sorted(fake_calls_after(fake)) == [(100, 4196), (4196, 8292), (8292, 9100)]
+    assert sorted(fake_calls_after(fake)) == [(100, 4196), (4196, 8292)]  # the last piece may still grow
     buf = bytearray(9000)
     assert read_full(source, 100, memoryview(buf)) == 9000 and bytes(buf) == fake.files["bucket/obj"][100:9100]
     assert len(fake.calls) == 3 and remote.STATS.ranged_bytes == 9000  # each byte fetched once
+    assert remote.PREFETCH.pending == 0
+
+
+def test_adjacent_advice_grows_into_one_get(fake: FakeFS) -> None:
+    source = open_source("s3://bucket/obj")
+    for start in (0, 100, 200):
+        source.advise(start, 100)
+    source.advise(5000, 50)  # not adjacent: the first range is sent, this one starts anew
+    for start in (0, 100, 200):
+        buf = bytearray(100)
+        assert source.read_into(start, memoryview(buf)) == 100
+        assert bytes(buf) == fake.files["bucket/obj"][start : start + 100]
+    assert source.read_into(4990, memoryview(bytearray(100))) == 10  # stops where the next advised range starts
+    assert [(a, b) for _, a, b in fake.calls] == [(0, 300), (4990, 5000)]
+    assert remote.PREFETCH.pending == 50
+    source.close()
     assert remote.PREFETCH.pending == 0
 
 

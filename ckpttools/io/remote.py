@@ -345,6 +345,21 @@ PREFETCH = _Prefetch()
 # --- One object as a ByteSource -------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Ahead:
+    """An advised byte range of one object: its GET (sent, or None while adjacent advice may still grow it), and
+    how many of its bytes no read has taken yet."""
+
+    start: int
+    end: int
+    future: Future[bytes] | None = None
+    unread: int = -1
+
+    def __post_init__(self) -> None:
+        if self.unread < 0:
+            self.unread = self.end - self.start
+
+
 class RemoteFile:
     """One remote object read by byte range: `read_into` is a ranged GET, thread-safe, retried on transient
     errors. Its size is taken when it is opened (from the listing when one is at hand)."""
@@ -356,7 +371,7 @@ class RemoteFile:
         self.fs, self.path = fs, path
         self._size = size if size is not None else self._stat()
         self.closed = False
-        self._ahead: dict[tuple[int, int], Future[bytes]] = {}  # prefetched GETs (advise), by byte range
+        self._ahead: list[_Ahead] = []  # advised byte ranges, sorted, disjoint: sent (future) or still growing
         self._ahead_lock = threading.Lock()
 
     def _stat(self) -> int:
@@ -374,18 +389,14 @@ class RemoteFile:
         end = min(offset + len(buffer), self._size, offset + MAX_GET)
         if end <= offset:
             return 0
-        with self._ahead_lock:
-            ahead = self._ahead.pop((offset, end), None)
-        if ahead is not None:  # advised: its GET was sent ahead
-            try:
-                data = ahead.result()
-            finally:
-                PREFETCH.release(end - offset)
-            SMALL_READS.put(self.name, offset, data)  # kept when small, as any small read
-        elif end - offset > SMALL_READ:  # record bytes: read once (the RecordReader checks them as they come)
-            data = self._get(offset, end)
-        else:
-            data = SMALL_READS.read(self.name, offset, end, self._get)
+        data = self._from_ahead(offset, end)
+        if data is None:
+            with self._ahead_lock:  # never fetch bytes an advised range will bring
+                end = min([end, *(r.start for r in self._ahead if offset < r.start < end)])
+            if end - offset > SMALL_READ:  # record bytes: read once (the RecordReader checks them as they come)
+                data = self._get(offset, end)
+            else:
+                data = SMALL_READS.read(self.name, offset, end, self._get)
         buffer[: len(data)] = data
         return len(data)
 
@@ -400,27 +411,59 @@ class RemoteFile:
             )
         return data
 
+    def _from_ahead(self, offset: int, end: int) -> bytes | None:
+        """The bytes from `offset` (up to `end`) of the advised range holding `offset`, sending its GET now if it
+        is still growing; None when no advised range holds `offset`. A range goes once all its bytes were read."""
+        with self._ahead_lock:
+            ahead = next((r for r in self._ahead if r.start <= offset < r.end), None)
+            if ahead is None:
+                return None
+            if ahead.future is None:
+                ahead.future = PREFETCH.submit(self._get, ahead.start, ahead.end)
+            n = min(end, ahead.end) - offset
+            ahead.unread -= n
+            if ahead.unread <= 0:
+                self._ahead.remove(ahead)
+                PREFETCH.release(ahead.end - ahead.start)
+        data = ahead.future.result()
+        return data[offset - ahead.start : offset - ahead.start + n]
+
     def advise(self, offset: int, nbytes: int) -> None:
-        """Send the GETs for these bytes now, in the pieces `read_into` will ask for (MAX_GET from `offset`), while
-        PREFETCH's budget lasts: the reads that follow (ReadAhead's spans are exactly the reads to come) take the
-        answers instead of waiting. A hint: never fails, and does nothing past the budget."""
+        """Send the GETs for these bytes ahead of the reads, while PREFETCH's budget lasts: ranges advised back to
+        back (a rank's parameters, one after the other) grow into one GET of up to MAX_GET bytes, sent when the
+        next range is not adjacent, it is full, or a read needs it. The reads that follow take their bytes from
+        the answers. A hint: never fails, does nothing past the budget or for bytes already kept or advised."""
         end = min(offset + nbytes, self._size)
-        while offset < end and not self.closed:
-            piece = (offset, min(offset + MAX_GET, end))
-            with self._ahead_lock:
-                if piece not in self._ahead and not SMALL_READS.covers(self.name, *piece):
-                    if not PREFETCH.take(piece[1] - piece[0]):
-                        return
-                    self._ahead[piece] = PREFETCH.submit(self._get, *piece)
-            offset = piece[1]
+        if offset >= end or self.closed or SMALL_READS.covers(self.name, offset, end):
+            return
+        with self._ahead_lock:
+            if any(r.start < end and offset < r.end for r in self._ahead):
+                return
+            last = self._ahead[-1] if self._ahead else None
+            if last is not None and last.future is None and last.end == offset and end - last.start <= MAX_GET:
+                if PREFETCH.take(end - offset):
+                    last.end, last.unread = end, last.unread + end - offset
+                return
+            if last is not None and last.future is None:
+                last.future = PREFETCH.submit(self._get, last.start, last.end)
+            while offset < end:
+                piece = _Ahead(offset, min(offset + MAX_GET, end))
+                if not PREFETCH.take(piece.end - piece.start):
+                    break
+                self._ahead.append(piece)
+                self._ahead.sort(key=lambda r: r.start)
+                if piece.end < end:  # a full piece: send it
+                    piece.future = PREFETCH.submit(self._get, piece.start, piece.end)
+                offset = piece.end
 
     def close(self) -> None:
         self.closed = True
         with self._ahead_lock:
-            ahead, self._ahead = self._ahead, {}
-        for (start, end), future in ahead.items():  # advised but never read
-            future.cancel()
-            PREFETCH.release(end - start)
+            ahead, self._ahead = self._ahead, []
+        for r in ahead:  # advised but never (wholly) read
+            if r.future is not None:
+                r.future.cancel()
+            PREFETCH.release(r.end - r.start)
 
     def __repr__(self) -> str:
         return f"RemoteFile({self.name!r})"
