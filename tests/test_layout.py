@@ -52,7 +52,7 @@ TP = [
         (ZERO2, "dp"),
         (ZERO3, "dp"),
         (PIPE, "pipeline"),
-        ([*ZERO2, "layer_01-model_00-model_states.pt"], "pipeline"),
+        ([*ZERO2, "layer_01-model_00-model_states.pt"], "pipeline_tp"),  # Megatron-DeepSpeed 3D
         (TP, "tensor"),
         ([*ZERO2, "layer_0_expert_3_mp_rank_00_model_states.pt"], "moe"),
         ([*ZERO2, "expp_rank_0_mp_rank_00_optim_states.pt"], "moe"),
