@@ -145,18 +145,21 @@ def test_advised_bytes_are_fetched_ahead_in_the_pieces_read_asks_for(
     assert remote.PREFETCH.pending == 0
 
 
-def test_adjacent_advice_grows_into_one_get(fake: FakeFS) -> None:
+def test_adjacent_advice_grows_into_one_get(fake: FakeFS, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(remote, "MAX_GAP", 1000)
     source = open_source("s3://bucket/obj")
     for start in (0, 100, 200):
         source.advise(start, 100)
-    source.advise(5000, 50)  # not adjacent: the first range is sent, this one starts anew
+    source.advise(5000, 50)  # not close: a range of its own
     for start in (0, 100, 200):
         buf = bytearray(100)
         assert source.read_into(start, memoryview(buf)) == 100
         assert bytes(buf) == fake.files["bucket/obj"][start : start + 100]
     assert source.read_into(4990, memoryview(bytearray(100))) == 10  # stops where the next advised range starts
     assert [(a, b) for _, a, b in fake.calls] == [(0, 300), (4990, 5000)]
-    assert remote.PREFETCH.pending == 50
+    source.advise(5100, 50)  # close enough: joins the growing range, the bytes between fetched once
+    assert [(r.start, r.end, r.unread) for r in source._ahead] == [(5000, 5150, 100)]
+    assert remote.PREFETCH.pending == 150
     source.close()
     assert remote.PREFETCH.pending == 0
 

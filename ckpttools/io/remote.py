@@ -311,6 +311,8 @@ SMALL_READS = _SmallReads()
 
 PREFETCH_BYTES = 128 << 20  # the most bytes advised and not yet read, over all objects (held in our memory)
 PREFETCH_THREADS = 8  # GETs in flight at once
+GROWING = 4  # advised ranges of one object that may still grow (reads jump between a few streams of a file)
+MAX_GAP = 64 << 10  # advice this close after a growing range joins it (fetching the bytes between once)
 
 
 class _Prefetch:
@@ -372,6 +374,7 @@ class RemoteFile:
         self._size = size if size is not None else self._stat()
         self.closed = False
         self._ahead: list[_Ahead] = []  # advised byte ranges, sorted, disjoint: sent (future) or still growing
+        self._growing: list[_Ahead] = []  # advised ranges not sent yet, oldest first (at most GROWING)
         self._ahead_lock = threading.Lock()
 
     def _stat(self) -> int:
@@ -418,34 +421,34 @@ class RemoteFile:
             ahead = next((r for r in self._ahead if r.start <= offset < r.end), None)
             if ahead is None:
                 return None
-            if ahead.future is None:
-                ahead.future = PREFETCH.submit(self._get, ahead.start, ahead.end)
+            future = self._send(ahead)
             n = min(end, ahead.end) - offset
             ahead.unread -= n
             if ahead.unread <= 0:
                 self._ahead.remove(ahead)
                 PREFETCH.release(ahead.end - ahead.start)
-        data = ahead.future.result()
+        data = future.result()
         return data[offset - ahead.start : offset - ahead.start + n]
 
     def advise(self, offset: int, nbytes: int) -> None:
         """Send the GETs for these bytes ahead of the reads, while PREFETCH's budget lasts: ranges advised back to
-        back (a rank's parameters, one after the other) grow into one GET of up to MAX_GET bytes, sent when the
-        next range is not adjacent, it is full, or a read needs it. The reads that follow take their bytes from
-        the answers. A hint: never fails, does nothing past the budget or for bytes already kept or advised."""
+        back (a rank's parameters, one after the other, up to MAX_GAP apart) grow into one GET of up to MAX_GET
+        bytes, sent when the next range is not close, it is full, or a read needs it. The reads that follow take
+        their bytes from the answers. A hint: never fails, does nothing past the budget or for bytes already kept
+        or advised."""
         end = min(offset + nbytes, self._size)
         if offset >= end or self.closed or SMALL_READS.covers(self.name, offset, end):
             return
         with self._ahead_lock:
             if any(r.start < end and offset < r.end for r in self._ahead):
                 return
-            last = self._ahead[-1] if self._ahead else None
-            if last is not None and last.future is None and last.end == offset and end - last.start <= MAX_GET:
-                if PREFETCH.take(end - offset):
-                    last.end, last.unread = end, last.unread + end - offset
+            grow = next((r for r in self._growing if self._may_grow(r, offset, end)), None)
+            if grow is not None:
+                if PREFETCH.take(end - grow.end):  # the gap too (padding between partitions: the CRC reads it)
+                    grow.end, grow.unread = end, grow.unread + end - offset
+                if grow.end - grow.start >= MAX_GET // 2:  # big enough: on its way
+                    self._send(grow)
                 return
-            if last is not None and last.future is None:
-                last.future = PREFETCH.submit(self._get, last.start, last.end)
             while offset < end:
                 piece = _Ahead(offset, min(offset + MAX_GET, end))
                 if not PREFETCH.take(piece.end - piece.start):
@@ -453,13 +456,31 @@ class RemoteFile:
                 self._ahead.append(piece)
                 self._ahead.sort(key=lambda r: r.start)
                 if piece.end < end:  # a full piece: send it
-                    piece.future = PREFETCH.submit(self._get, piece.start, piece.end)
+                    self._send(piece)
+                else:
+                    self._growing.append(piece)
+                    if len(self._growing) > GROWING:
+                        self._send(self._growing[0])
                 offset = piece.end
+
+    def _may_grow(self, r: _Ahead, offset: int, end: int) -> bool:
+        """Whether advice [offset, end) may join range `r`: close after it, within MAX_GET, no range in between."""
+        if not (0 <= offset - r.end <= MAX_GAP and end - r.start <= MAX_GET):
+            return False
+        return not any(q is not r and r.end <= q.start < end for q in self._ahead)
+
+    def _send(self, r: _Ahead) -> Future[bytes]:
+        """Send the GET of an advised range, once (called with the lock held)."""
+        if r.future is None:
+            r.future = PREFETCH.submit(self._get, r.start, r.end)
+        if r in self._growing:
+            self._growing.remove(r)
+        return r.future
 
     def close(self) -> None:
         self.closed = True
         with self._ahead_lock:
-            ahead, self._ahead = self._ahead, []
+            ahead, self._ahead, self._growing = self._ahead, [], []
         for r in ahead:  # advised but never (wholly) read
             if r.future is not None:
                 r.future.cancel()
