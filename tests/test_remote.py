@@ -177,6 +177,23 @@ def test_a_truncated_object_is_refused_and_nothing_published(aws: LocalS3, tmp_p
     assert not (tmp_path / "out").exists()
 
 
+def test_a_flipped_byte_fails_its_crc_as_a_local_file_would(aws: LocalS3, tmp_path: Path) -> None:
+    folder = tmp_path / "copy"
+    shutil.copytree(FIXTURES / "z1_dp2_bf16" / "checkpoint", folder)
+    optim = next(folder.rglob("*optim_states.pt"))
+    data = bytearray(optim.read_bytes())
+    with zipfile.ZipFile(optim) as z:  # a byte inside the largest record: the fp32 master partition
+        info = max(z.infolist(), key=lambda i: i.file_size)
+    data[info.header_offset + 30 + len(info.filename) + len(info.extra) + info.file_size // 2] ^= 0x40
+    optim.write_bytes(bytes(data))
+    aws.put_folder(folder, "bucket", "flipped/checkpoint-2")
+    local = ckpt("consolidate", folder, "--out", tmp_path / "local", "-q")
+    res = ckpt("consolidate", "s3://bucket/flipped/checkpoint-2", "--out", tmp_path / "out", "-q")
+    assert local.exit_code == res.exit_code == 1 and "CRC-32" in local.output, local.output
+    assert res.output == local.output.replace(str(folder), "s3://bucket/flipped/checkpoint-2"), res.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_wrong_credentials_are_one_line_that_never_shows_them(
     aws: LocalS3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
