@@ -158,7 +158,8 @@ def test_adjacent_advice_grows_into_one_get(fake: FakeFS, monkeypatch: pytest.Mo
     assert source.read_into(4990, memoryview(bytearray(100))) == 10  # stops where the next advised range starts
     assert [(a, b) for _, a, b in fake.calls] == [(0, 300), (4990, 5000)]
     source.advise(5100, 50)  # close enough: joins the growing range, the bytes between fetched once
-    assert [(r.start, r.end, r.unread) for r in source._ahead]  # type: ignore[attr-defined] == [(5000, 5150, 100)]
+    ahead = source._ahead  # type: ignore[attr-defined]
+    assert [(r.start, r.end, r.unread) for r in ahead] == [(5000, 5150, 100)]
     assert remote.PREFETCH.pending == 150
     source.close()
     assert remote.PREFETCH.pending == 0
