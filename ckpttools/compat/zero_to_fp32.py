@@ -375,7 +375,7 @@ def _convert(
     weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
     split = _split(entries, weights_name, max_shard_size)
     notes = []
-    dropped = _dropped_frozen(ckpt, exclude_frozen_parameters)
+    dropped = [n for n in _dropped_frozen(ckpt, exclude_frozen_parameters) if n not in entries]  # said if so only
     if dropped:
         notes.append(
             f"{len(dropped)} frozen parameters ({', '.join(dropped[:3])}{', ...' if len(dropped) > 3 else ''}) are "
