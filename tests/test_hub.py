@@ -383,3 +383,78 @@ def test_post_train_script_runs_the_whole_chain(hub, tmp_path):
         ["bash", str(ROOT / "scripts" / "post_train.sh")], check=False, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 2 and "usage:" in proc.stderr
+
+
+# --- a checkpoint is streamed: one shard in scratch at a time, one commit at the end -----------------------
+
+
+BLOCK = 4096  # a hollowed shard keeps its header: one block
+
+
+def _allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+class _ScratchWatch:
+    """Wraps push's `_hollow` (called right after a shard is sent): what the scratch holds at its fullest."""
+
+    def __init__(self, monkeypatch):
+        from ckpttools.ops import push as push_mod
+
+        self.peak = 0  # disk bytes the shard files in scratch take, measured with a shard just written and sent
+        self.whole_shards: list[int] = []  # shard files holding their data at each measure
+        hollow = push_mod._hollow
+
+        def watched(file: Path) -> None:
+            shards = [p for p in file.parent.rglob("*.safetensors") if p.is_file()]
+            self.peak = max(self.peak, sum(_allocated(p) for p in shards))
+            self.whole_shards.append(sum(1 for p in shards if _allocated(p) > BLOCK))
+            hollow(file)
+
+        monkeypatch.setattr(push_mod, "_hollow", watched)
+
+
+def test_checkpoint_is_streamed_one_shard_at_a_time_byte_identical_to_consolidate(hub, models, monkeypatch):
+    watch = _ScratchWatch(monkeypatch)
+    res = push(hub, TRAINER, "--repo", "org/stream", "--max-shard-size", "8KB", "--json")
+    assert res.exit_code == 0, res.output
+    expected = {p.name: p.read_bytes() for p in (models / "sharded").iterdir() if p.name != MANIFEST}
+    shards = [n for n in expected if n.endswith(".safetensors")]
+    remote = hub.files("org/stream")
+    assert {n: remote[n] for n in expected} == expected  # what `ckpt consolidate --max-shard-size 8KB` writes
+    assert len(hub.commits) == 1 and sorted(hub.lfs_puts) == sorted(_sha256(expected[n]) for n in shards)
+    data = json.loads(res.stdout)
+    assert data["verified"] and {f["path"]: f.get("sha256") for f in data["files"] if f.get("sha256")} == {
+        n: _sha256(expected[n]) for n in shards
+    }
+    assert "bit-identical to the checkpoint" in remote["README.md"].decode()
+    # Never more than the shard just written holds its data; the scratch peak is about one shard, not the model.
+    largest, model_bytes = max(len(expected[n]) for n in shards), sum(len(expected[n]) for n in shards)
+    assert watch.whole_shards == [1] * len(shards)
+    whole = -(-largest // BLOCK) * BLOCK  # the largest shard, in whole blocks
+    assert watch.peak <= whole + BLOCK * (len(shards) - 1) < model_bytes
+    print(f"scratch peak {watch.peak} bytes; largest shard {largest}; model {model_bytes} in {len(shards)} shards")
+
+
+def test_failed_shard_upload_publishes_nothing_and_rerun_sends_only_the_rest(hub, models):
+    shards = sorted((models / "sharded").glob("model-*.safetensors"))
+    second = _sha256(shards[1].read_bytes())
+    hub.fail("PUT", rf"^/lfs-upload/org/half/{second}$", status=400, message="storage quota exceeded")
+    res = push(hub, TRAINER, "--repo", "org/half", "--max-shard-size", "8KB")
+    _one_error_line(res, 3, "HTTP 400", "storage quota exceeded", "re-run")
+    assert hub.lfs_puts == [_sha256(shards[0].read_bytes())]  # sent the first, stopped at the second
+    assert set(hub.files("org/half")) == {".gitattributes"} and not hub.commits  # nothing published
+
+    res = push(hub, TRAINER, "--repo", "org/half", "--max-shard-size", "8KB")
+    assert res.exit_code == 0, res.output
+    assert sorted(hub.lfs_puts) == sorted(_sha256(p.read_bytes()) for p in shards)  # each shard sent once
+    assert len(hub.commits) == 1
+    assert all(hub.files("org/half")[p.name] == p.read_bytes() for p in shards)
+
+
+def test_streamed_dry_run_sends_nothing_and_lists_the_shards(models):
+    res = push(None, TRAINER, "--repo", "org/dry", "--max-shard-size", "8KB", "--dry-run", "--json")
+    assert res.exit_code == 0, res.output
+    files = {f["path"]: f for f in json.loads(res.stdout)["files"]}
+    for p in (models / "sharded").glob("model-*.safetensors"):
+        assert files[p.name]["size"] == p.stat().st_size and files[p.name]["sha256"] == _sha256(p.read_bytes())

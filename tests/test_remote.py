@@ -304,3 +304,23 @@ def test_push_from_s3_to_the_hub(aws: LocalS3, hub: LocalHub, tmp_path: Path) ->
     assert files["model.safetensors"] == (tmp_path / "model" / "model.safetensors").read_bytes()
     card = files["README.md"].decode()
     assert "s3://bucket/trainer/checkpoint-2" in card and "ckpt-remote-" not in card
+
+
+def test_streamed_push_from_s3_matches_consolidate_shard_for_shard(aws: LocalS3, hub: LocalHub, tmp_path: Path) -> None:
+    """A remote checkpoint is pushed shard by shard (bounded scratch): the Hub gets what `consolidate` writes."""
+    url = "s3://bucket/trainer/checkpoint-2"
+    remote.STATS.reset()
+    res = ckpt("consolidate", url, "--out", tmp_path / "model", "--max-shard-size", "8KB", "-q")
+    assert res.exit_code == 0, res.output
+    consolidated = remote.STATS.ranged_bytes
+    remote.cleanup()  # a fresh mount: nothing cached from the consolidation
+    remote.STATS.reset()
+    res = ckpt("push", url, "--repo", "org/streamed", "--endpoint", hub.url, "--max-shard-size", "8KB", "-q")
+    assert res.exit_code == 0, res.output
+    files = hub.files("org/streamed")
+    expected = [p for p in (tmp_path / "model").iterdir() if p.name != ".ckpt-manifest.json"]
+    assert len([p for p in expected if p.name.startswith("model-")]) > 1
+    assert all(files[p.name] == p.read_bytes() for p in expected)
+    fetched = remote.STATS.ranged_bytes  # the bit-for-bit check reads each shard's bytes again (small reads: cached)
+    assert fetched <= 2.1 * consolidated, (fetched, consolidated)
+    print(f"streamed push: fetched {fetched} ranged bytes, consolidate {consolidated} ({fetched / consolidated:.2f}x)")

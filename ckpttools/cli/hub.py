@@ -168,7 +168,8 @@ def _human_verify(r: VerifyReport) -> str:
     type=SIZE,
     default="5GB",
     show_default=True,
-    help="When PATH is a checkpoint: largest file.",
+    help="When PATH is a checkpoint: largest file. The shards are written one at a time into the temporary "
+    "folder, each sent and deleted before the next: local scratch is one shard, not the model.",
 )
 @click.option("--config", type=click.Path(exists=True, path_type=Path), metavar="PATH",
               help="When PATH is a checkpoint without one: the model's config.json (or its folder).")  # fmt: skip
@@ -188,8 +189,10 @@ def push_cmd(
     """Verify a model or adapter folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub.
 
     PATH may be remote (s3://, gs://, az://, hf://): a checkpoint there is read by byte range, never copied
-    whole; the consolidated model is staged in a local temporary folder (the model's size, not the
-    checkpoint's) before it is sent.
+    whole. A checkpoint (remote or local) is streamed: its shards are written one at a time into a local
+    temporary folder (TMPDIR), each verified (header; every tensor bit-identical to the checkpoint), uploaded
+    and deleted before the next, so local scratch is bounded by --max-shard-size (plus the small files), not
+    the model's size. Nothing is published until one commit at the end.
     """
     from ckpttools.ops.push import COMMIT_STATE, push
 

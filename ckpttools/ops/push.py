@@ -1,6 +1,7 @@
 """Push a consolidated folder, a PEFT adapter folder, or a ZeRO checkpoint consolidated on the way, to the Hub.
 
-Thin over `huggingface_hub.HfApi` (create_repo -> branch -> upload_folder, the flow of `hf upload`), with:
+Thin over `huggingface_hub.HfApi` (create_repo -> branch -> upload_folder, the flow of `hf upload`; for a
+checkpoint, preupload_lfs_files shard by shard as each is written, then one create_commit), with:
 cheap checks first (options, token and write rights through `whoami` and `repo_info`, free space in the
 temporary folder) before any consolidation or verification; verification before anything is sent; an
 allowlist of the files a model repo holds (never training state or other outputs lying around); private repos
@@ -583,17 +584,20 @@ def _estimated_output(path: Path, opts: dict[str, Any]) -> int:
     return sum(t.nbytes for t in plan_tensors(ckpt, dtype, hf_folder=True)[0])
 
 
-def check_temp_space(needed: int) -> None:
-    """push consolidates into the temporary folder (it has no --out): say so, and how to move it."""
+def check_temp_space(needed: int, *, per_shard: bool = False) -> None:
+    """push consolidates into the temporary folder (it has no --out): say so, and how to move it. `per_shard`:
+    `needed` is the largest shard (a streamed push holds one at a time), and a smaller --max-shard-size helps."""
     from ckpttools.io.staging import SPACE_MARGIN
 
     tmp = tempfile.gettempdir()
     free = shutil.disk_usage(tmp).free
     if free < needed + SPACE_MARGIN:
+        what = "the largest shard needs" if per_shard else "the weights need"
+        hint = "pass a smaller --max-shard-size or " if per_shard else ""
         raise OutputError(
-            f"not enough free disk space in the temporary folder {tmp} to consolidate into: the weights need "
-            f"{_mb(needed)} plus a {_mb(SPACE_MARGIN)} margin, {_mb(free)} is free; set TMPDIR to a folder on a "
-            "larger disk (nothing was sent)"
+            f"not enough free disk space in the temporary folder {tmp} to consolidate into: {what} "
+            f"{_mb(needed)} plus a {_mb(SPACE_MARGIN)} margin, {_mb(free)} is free; {hint}set TMPDIR to a folder "
+            "on a larger disk (nothing was sent)"
         )
 
 
@@ -605,9 +609,16 @@ def _mb(n: int) -> str:
 
 
 def _prepare(
-    path: Path, stack: ExitStack, opts: dict[str, Any], notes: list[str], source: Path | str | None
-) -> tuple[Path, dict[str, Any] | None, bool]:
-    """The folder to push, its source checkpoint summary, and whether it is a temporary consolidation."""
+    path: Path,
+    stack: ExitStack,
+    opts: dict[str, Any],
+    notes: list[str],
+    source: Path | str | None,
+    sink: _Sink,
+    force: bool,
+) -> tuple[Path, dict[str, Any] | None, bool, _Streamed | None]:
+    """The folder to push, its source checkpoint summary, whether it is a temporary consolidation, and for a
+    checkpoint streamed shard by shard (`stream_checkpoint`, the shards already sent to `sink`) what that found."""
     from ckpttools.ops.consolidate import consolidate
 
     if not _is_checkpoint(path, opts):
@@ -615,19 +626,26 @@ def _prepare(
             from ckpttools.layouts.registry import open_checkpoint
             from ckpttools.ops.consolidate import source_summary
 
-            return path, source_summary(open_checkpoint(source)), False
+            return path, source_summary(open_checkpoint(source)), False, None
         if opts.get("dtype") != "fp32" or opts.get("max_shard_size") not in ("5GB", 5_000_000_000):
             notes.append(f"{path} is already a model folder: --dtype and --max-shard-size do not apply")
         if (path / "trainer_state.json").is_file() or any(p.name.startswith("checkpoint-") for p in path.iterdir()):
             notes.append(f"pushing the model saved in {path}; checkpoint-N folders and training state are left out")
-        return path, None, False
+        return path, None, False, None
     if source is not None:
         raise UsageError(f"--source names the checkpoint a model folder came from, but {path} is itself a checkpoint")
-    check_temp_space(_estimated_output(path, opts))
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-push-")))
+    streamed = stream_checkpoint(path, tmp, opts, sink, force=force, on_shard=SCRATCH_HOOK)
+    if streamed is not None:
+        notes += streamed.notes
+        return streamed.folder, streamed.source, True, streamed
+    check_temp_space(_estimated_output(path, opts))
     result = consolidate(path, tmp / "model", **opts)
     notes += result.notes
-    return Path(result.output_dir), result.source, True
+    return Path(result.output_dir), result.source, True, None
+
+
+SCRATCH_HOOK = None  # tests: called with the scratch folder after each streamed shard is sent and freed
 
 
 def _stage(folder: Path, files: list[str], stage: Path, card: str | None) -> None:
@@ -673,8 +691,9 @@ def push(
     checked first, before anything heavy runs.
 
     Args:
-        path: a folder from_pretrained loads, a PEFT adapter folder, or a ZeRO checkpoint (consolidated into a
-            temporary folder first).
+        path: a folder from_pretrained loads, a PEFT adapter folder, or a checkpoint: streamed shard by shard
+            (`stream_checkpoint`: one shard in the temporary folder at a time, each checked and preuploaded, one
+            commit at the end); a PEFT run's adapters are consolidated whole first.
         repo_id: "org/name".
         private: None or True create a private repo, False a public one. An existing public repo is only
             pushed to with private=False; an existing repo's visibility is never changed.
@@ -715,9 +734,14 @@ def push(
     with ExitStack() as stack:
         opts = {"dtype": dtype, "max_shard_size": max_shard_size, "tag": tag, "step": step, "best": best,
                 "config": config}  # fmt: skip
-        folder, summary, temporary = _prepare(path, stack, opts, notes, source)
+        target = {"endpoint": api.endpoint if api is not None else endpoint, "repo_id": repo_id,
+                  "revision": revision or "main", "token": token}  # fmt: skip
+        sink = _Sink(None if dry_run else api, repo_id, revision or "main", create_pr, private, access, target)
+        folder, summary, temporary, streamed = _prepare(path, stack, opts, notes, source, sink, force)
         report = verify_folder(folder)
-        problems = list(report.problems)
+        if streamed is not None:
+            report.checks += streamed.checks
+        problems = (streamed.problems if streamed is not None else []) + list(report.problems)
         adapter = report.kind == "adapter"
         if not adapter and not (folder / "config.json").is_file():
             hint = "; pass --config (the model's config.json or its folder)" if temporary else ""
@@ -729,13 +753,24 @@ def push(
             )
         notes += report.notes
         result = _plan(repo_id, folder, report, summary, problems, private, revision, dry_run, temporary, notes,
-                       include, exclude, base_model)  # fmt: skip
+                       include, exclude, base_model, sink.sha256)  # fmt: skip
         result.endpoint = (api.endpoint if api is not None else None) or endpoint or _default_endpoint()
         if dry_run or access is None:
             return result
         context = {"endpoint": api.endpoint, "repo_id": repo_id, "revision": result.revision, "token": token}
         with _remote_errors(**context):
-            _upload(api, result, access, folder, stack, private, create_pr, commit_message, summary)
+            _upload(
+                api,
+                result,
+                access,
+                folder,
+                stack,
+                private,
+                create_pr,
+                commit_message,
+                summary,
+                sink if streamed is not None else None,
+            )
     return result
 
 
@@ -764,7 +799,7 @@ def _default_endpoint() -> str:
 def _plan(
     repo_id: str, folder: Path, report: VerifyReport, summary: dict[str, Any] | None, problems: list[str],
     private: bool | None, revision: str | None, dry_run: bool, temporary: bool, notes: list[str],
-    include: Sequence[str], exclude: Sequence[str], base_model: str | None,
+    include: Sequence[str], exclude: Sequence[str], base_model: str | None, known_sha256: dict[str, str],
 ) -> PushResult:  # fmt: skip
     rels, skipped = list_upload_files(folder, include, exclude)
     if skipped:
@@ -778,7 +813,7 @@ def _plan(
     for rel in rels:
         entry: dict[str, Any] = {"path": rel, "size": (folder / rel).stat().st_size}
         if WEIGHT_FILE_RE.search(rel):
-            entry["sha256"] = _sha256(folder / rel)
+            entry["sha256"] = known_sha256.get(rel) or _sha256(folder / rel)  # a streamed shard: hashed when sent
         files.append(entry)
     adapter = report.kind == "adapter"
     config = hf.read_config(folder / (ADAPTER_CONFIG if adapter else "config.json")) or {}
@@ -817,32 +852,58 @@ def _card_lacks_base(readme: Path) -> bool:
         return False
 
 
+def _open_repo(api: Any, repo_id: str, rev: str, private: bool | None, access: Access,
+               notes: list[str]) -> tuple[str, str | None]:  # fmt: skip
+    """Create the repo (and the branch) when missing: its URL and the revision's head before the push."""
+    repo_url = str(api.create_repo(repo_id, private=private is not False, exist_ok=True))
+    head = access.head if access.exists else api.repo_info(repo_id).sha
+    if rev != "main" and (head is None or not access.exists):
+        api.create_branch(repo_id, branch=rev, exist_ok=True)
+        notes.append(f"created branch {rev} from main")
+        head = api.repo_info(repo_id, revision=rev).sha
+    return repo_url, head
+
+
 def _upload(api: Any, result: PushResult, access: Access, folder: Path, stack: ExitStack, private: bool | None,
-            create_pr: bool, commit_message: str | None, summary: dict[str, Any] | None) -> None:  # fmt: skip
+            create_pr: bool, commit_message: str | None, summary: dict[str, Any] | None,
+            sink: _Sink | None = None) -> None:  # fmt: skip
+    """Commit the files: a folder through upload_folder; a streamed checkpoint as one create_commit of the shards
+    already preuploaded by `sink` and the small files (nothing is published before it)."""
     repo_id, rev = result.repo_id, result.revision
-    result.repo_url = str(api.create_repo(repo_id, private=private is not False, exist_ok=True))
+    if sink is not None and sink.opened:
+        repo_url, head = str(sink.repo_url), sink.head
+        result.notes += sink.notes
+    else:
+        repo_url, head = _open_repo(api, repo_id, rev, private, access, result.notes)
+    result.repo_url = repo_url
     if access.exists and access.private is not None:
         if access.private and private is False:
             result.notes.append(
                 f"{repo_id} already exists and is private; it stays private (visibility is not changed)"
             )
         result.visibility = "private" if access.private else "public"
-    head = access.head if access.exists else api.repo_info(repo_id).sha
-    if rev != "main" and (head is None or not access.exists):
-        api.create_branch(repo_id, branch=rev, exist_ok=True)
-        result.notes.append(f"created branch {rev} from main")
-        head = api.repo_info(repo_id, revision=rev).sha
-    stage = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-stage-")))
-    _stage(folder, [f["path"] for f in result.files if not f.get("generated")], stage, result.card)
     step = f" (step {summary['global_steps']})" if summary and summary.get("global_steps") is not None else ""
     what = "adapter" if result.kind == "adapter" else (result.architecture or "model")
     message = commit_message or f"Upload {what}{step} with ckpttools {__version__}"
     description = f"{len(result.files)} files, {result.total_size:,} bytes, {result.dtype}, verified={result.verified}"
+    if sink is not None:
+        stage = folder  # the scratch folder: small files whole, shards hollowed (their sha256 is known)
+        if result.card is not None:
+            (stage / "README.md").write_text(result.card, encoding="utf-8")
+    else:
+        stage = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-stage-")))
+        _stage(folder, [f["path"] for f in result.files if not f.get("generated")], stage, result.card)
     try:
-        commit = api.upload_folder(
-            repo_id=repo_id, folder_path=stage, commit_message=message, commit_description=description,
-            revision=None if rev == "main" else rev, create_pr=create_pr or None,
-        )  # fmt: skip
+        if sink is not None:
+            commit = api.create_commit(
+                repo_id=repo_id, operations=_operations(sink, stage, result.files), commit_message=message,
+                commit_description=description, revision=None if rev == "main" else rev, create_pr=create_pr or None,
+            )  # fmt: skip
+        else:
+            commit = api.upload_folder(
+                repo_id=repo_id, folder_path=stage, commit_message=message, commit_description=description,
+                revision=None if rev == "main" else rev, create_pr=create_pr or None,
+            )  # fmt: skip
     except BaseException as e:
         if create_pr or _commit_state(api, result, stage, head, e) != "landed":
             raise
@@ -850,6 +911,16 @@ def _upload(api: Any, result: PushResult, access: Access, folder: Path, stack: E
     result.commit_url, result.oid, result.pr_url = commit.commit_url, commit.oid, commit.pr_url
     if commit.oid == head:
         result.notes.append(f"nothing changed: every file is already on {rev}, so no commit was made")
+
+
+def _operations(sink: _Sink, stage: Path, files: list[dict[str, Any]]) -> list[Any]:
+    """One CommitOperationAdd per file pushed: the shards' preuploaded ones, the small files' from `stage`."""
+    from huggingface_hub import CommitOperationAdd
+
+    return [
+        sink.ops.get(f["path"]) or CommitOperationAdd(path_in_repo=f["path"], path_or_fileobj=str(stage / f["path"]))
+        for f in files
+    ]
 
 
 COMMIT_STATE = "ckpt_commit_state"  # set on the error of a failed commit: landed / absent / other / unknown
@@ -885,7 +956,7 @@ def _commit_state(api: Any, result: PushResult, stage: Path, head: str | None, e
         return "unknown"
     if now == head:
         state = "absent"
-    elif all(remote.get(f["path"]) in (f.get("sha256"), _git_blob_sha(stage / f["path"])) for f in result.files):
+    elif all(_same_file(remote.get(f["path"]), f, stage) for f in result.files):
         state = "landed"
     else:
         state = "other"
@@ -899,6 +970,14 @@ def _commit_state(api: Any, result: PushResult, stage: Path, head: str | None, e
             "file of this push"
         )
     return state
+
+
+def _same_file(remote: str | None, f: dict[str, Any], stage: Path) -> bool:
+    """The Hub's id of a file is ours: its sha256 (LFS), else its git blob id (a streamed shard is hollow by now:
+    only its sha256 is compared)."""
+    if remote is not None and remote == f.get("sha256"):
+        return True
+    return remote is not None and remote == _git_blob_sha(stage / f["path"])
 
 
 def _http_status(error: BaseException) -> int | None:
@@ -915,3 +994,152 @@ def _remote_oids(api: Any, repo_id: str, revision: str | None) -> dict[str, str]
         for f in api.list_repo_tree(repo_id, revision=revision, recursive=True)
         if hasattr(f, "blob_id")
     }
+
+
+# --- a checkpoint, streamed: one shard in scratch at a time ------------------------------------------------
+
+
+@dataclass
+class _Sink:
+    """Where the shards of a streamed checkpoint go as they are written: each one is preuploaded as an LFS object
+    (nothing is published until the one commit at the end), its operation kept for that commit. The repo (and
+    branch) is created before the first shard is sent. `api` None: a dry run, nothing is sent."""
+
+    api: Any
+    repo_id: str
+    revision: str
+    create_pr: bool
+    private: bool | None
+    access: Access | None
+    context: dict[str, Any]
+    ops: dict[str, Any] = field(default_factory=dict)  # path in repo -> CommitOperationAdd, already preuploaded
+    sha256: dict[str, str] = field(default_factory=dict)  # path -> sha256 of the file sent
+    repo_url: str | None = None
+    head: str | None = None
+    notes: list[str] = field(default_factory=list)
+    opened: bool = False
+
+    def open_repo(self) -> None:
+        if self.opened or self.api is None or self.access is None:
+            return
+        with _remote_errors(**self.context):
+            self.repo_url, self.head = _open_repo(self.api, self.repo_id, self.revision, self.private, self.access,
+                                                  self.notes)  # fmt: skip
+        self.opened = True
+
+    def send(self, file: Path, rel: str) -> None:
+        """Hash the file; preupload it (the Hub skips an LFS object it already holds: a re-run resumes)."""
+        self.sha256[rel] = _sha256(file)
+        if self.api is None:
+            return
+        from huggingface_hub import CommitOperationAdd
+
+        self.open_repo()
+        op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(file))
+        with _remote_errors(**self.context):
+            self.api.preupload_lfs_files(self.repo_id, additions=[op], revision=self._target(),
+                                         create_pr=self.create_pr or None)  # fmt: skip
+        if op._upload_mode != "lfs":  # a Hub that keeps it in git: the commit carries its bytes (small files only)
+            op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=file.read_bytes())
+        self.ops[rel] = op
+
+    def _target(self) -> str | None:
+        return None if self.revision == "main" else self.revision
+
+
+def _hollow(file: Path) -> None:
+    """Free a shard's data blocks once it is sent, keeping its header at its full length (a sparse file): the
+    whole-folder verification still reads every header and size, and the scratch holds one shard's bytes."""
+    size = file.stat().st_size
+    with open(file, "r+b") as fh:
+        header = 8 + int.from_bytes(fh.read(8), "little")
+        fh.truncate(min(header, size))
+        fh.truncate(size)
+
+
+def _check_shard(file: Path, tensors: Sequence[Any], reader: Any) -> list[str]:
+    """What `ckpt verify --against` checks of one shard: its header, and every tensor bit-identical to the one
+    rebuilt from the checkpoint's bytes (the rebuild reads through the same CRC-checked reader)."""
+    from safetensors import safe_open
+
+    from ckpttools.io.safetensors_writer import read_tensor
+    from ckpttools.ops.verify import _bit_equal, read_safetensors_header
+
+    infos, _, problems = read_safetensors_header(file)
+    if problems:
+        return problems
+    if sorted(i.name for i in infos) != sorted(t.name for t in tensors):
+        return [f"{file.name} does not hold the tensors planned for it"]
+    with safe_open(file, framework="pt") as f:  # one tensor at a time: bounded memory
+        differing = [
+            t.name for t in tensors if not _bit_equal(f.get_tensor(t.name), read_tensor(t.source, reader, t.dtype))
+        ]
+    return [f"tensors of {file.name} that differ from the checkpoint: {hf.names(differing)}"] if differing else []
+
+
+@dataclass
+class _Streamed:
+    """A checkpoint consolidated shard by shard into scratch, each shard checked, sent and hollowed."""
+
+    folder: Path
+    source: dict[str, Any]
+    notes: list[str]
+    problems: list[str]
+    checks: list[str]
+    peak_bytes: int  # the most bytes of shard data the scratch held at once
+
+
+def stream_checkpoint(path: Path, scratch: Path, opts: dict[str, Any], sink: _Sink, *, force: bool,
+                      on_shard: Any = None) -> _Streamed | None:  # fmt: skip
+    """Consolidate the checkpoint at `path` into `scratch` one shard at a time, as `ckpt consolidate` writes it
+    (same shards, same bytes): each shard is written, checked (`_check_shard`), handed to `sink`, and its data
+    freed before the next one; the index, config and companion files follow. Peak scratch: the largest shard.
+    None for a PEFT run (its adapters are consolidated whole).
+
+    `on_shard(scratch)` runs after each shard is freed (tests measure the scratch there)."""
+    from ckpttools.io.torchfile import RecordReader
+    from ckpttools.layouts.crosscheck import check_module_copies
+    from ckpttools.layouts.registry import open_checkpoint
+    from ckpttools.ops import peft
+    from ckpttools.ops.consolidate import DTYPES, _plan_output, source_summary
+
+    ckpt = open_checkpoint(path, tag=opts.get("tag"), step=opts.get("step"), best=bool(opts.get("best")))
+    if peft.is_peft(ckpt):
+        return None  # adapters (small) or a merge: consolidated whole, as before
+    output = _plan_output(ckpt, DTYPES[opts.get("dtype") or "fp32"], "safetensors", opts["max_shard_size"],
+                          opts.get("config"))  # fmt: skip
+    check_temp_space(max((sum(t.nbytes for t in group) for group in output.shards.values()), default=0),
+                     per_shard=True)  # fmt: skip
+    folder = scratch / "model"
+    folder.mkdir(parents=True)
+    problems: list[str] = []
+    peak = 0
+    with RecordReader() as reader:
+        check_module_copies(ckpt)
+        for fname, group in output.shards.items():
+            file = folder / fname
+            hf.write_shards(folder, {fname: group}, reader)
+            peak = max(peak, _data_bytes(folder))
+            found = _check_shard(file, group, reader)
+            if found and not force:
+                raise PushRefusedError(
+                    f"{path}: {fname} failed verification ({len(found)} problem(s)), nothing was published; "
+                    "fix the checkpoint or pass --force",
+                    found,
+                )
+            problems += found
+            sink.send(file, fname)
+            _hollow(file)
+            if on_shard is not None:
+                on_shard(folder)
+        keycheck = output.key_check(False)
+        output.finish_folder(folder, keycheck, reader, check_existing=True)
+        reader.finish()  # CRC-32 of every record read; raises before anything is committed
+    n = len(output.shards)
+    checks = [f"every tensor of the {n} shard(s) bit-identical to the checkpoint, each checked before it was sent"]
+    return _Streamed(folder, source_summary(ckpt), output.notes, problems, checks, peak)
+
+
+def _data_bytes(folder: Path) -> int:
+    """Bytes the files under `folder` occupy on disk (a hollowed shard: its header only)."""
+    return sum(p.stat().st_blocks * 512 for p in folder.rglob("*") if p.is_file())
