@@ -240,7 +240,7 @@ def render(results: list[dict[str, Any]], machine: dict[str, Any]) -> str:
         f"Machine: {machine['machine']}, {machine['cpus']} CPUs, Python {machine['python']}; server: {server}; medians "
         f"of {machine['runs']} runs. needed = the distinct bytes a local consolidate reads + the small files; fetched "
         "= ranged GET bodies + small files (client count); served = every GET body the server sent (listings too); "
-        "remote GB/s = needed / remote; s3fs get = one GET per object; ranged = "
+        "remote GB/s = needed / remote; s3fs get = its recursive `get` (s3fs 2026.9: 50 MiB ranges, 10 at a time an object); ranged = "
         f"{machine.get('threads', '?')} threads of 64 MiB ranges; local = `ckpt consolidate` of a local copy; "
         "download + convert = the faster download + local."
     )
