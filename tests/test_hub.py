@@ -458,3 +458,43 @@ def test_streamed_dry_run_sends_nothing_and_lists_the_shards(models):
     files = {f["path"]: f for f in json.loads(res.stdout)["files"]}
     for p in (models / "sharded").glob("model-*.safetensors"):
         assert files[p.name]["size"] == p.stat().st_size and files[p.name]["sha256"] == _sha256(p.read_bytes())
+
+
+def test_a_shard_that_differs_from_the_checkpoint_is_refused_before_it_is_sent(hub, monkeypatch):
+    from ckpttools.ops import hf
+
+    write = hf.write_shards
+
+    def write_then_flip(folder, shards, reader, **kw):
+        names = write(folder, shards, reader, **kw)
+        if "model-00002-of" in next(iter(shards)):  # the second shard: a bit flipped in its last tensor's bytes
+            data = bytearray((folder / names[0]).read_bytes())
+            data[-1] ^= 0x01
+            (folder / names[0]).write_bytes(bytes(data))
+        return names
+
+    monkeypatch.setattr(hf, "write_shards", write_then_flip)
+    res = push(hub, TRAINER, "--repo", "org/flip", "--max-shard-size", "8KB", "--json")
+    assert res.exit_code == 1, res.output
+    assert "model-00002-of-" in res.stderr and "differ from the checkpoint" in res.stderr
+    assert len(hub.lfs_puts) == 1 and not hub.commits  # the first shard was sent; nothing published
+
+
+def test_streamed_checkpoint_to_a_branch_and_a_pull_request(hub):
+    res = push(hub, TRAINER, "--repo", "org/srev", "--max-shard-size", "8KB", "--revision", "step-2", "--json")
+    assert res.exit_code == 0, res.output
+    assert "model.safetensors.index.json" in hub.files("org/srev", "step-2")
+    assert set(hub.files("org/srev")) == {".gitattributes"}
+    assert any("created branch step-2" in n for n in json.loads(res.stdout)["notes"])
+    puts = list(hub.lfs_puts)
+    res = push(hub, TRAINER, "--repo", "org/srev", "--max-shard-size", "8KB", "--create-pr", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["pr_url"] == f"{hub.url}/org/srev/discussions/1"
+    assert hub.files("org/srev", "refs/pr/1") == hub.files("org/srev", "step-2") and hub.lfs_puts == puts
+    assert all(r["query"] == {"create_pr": "1"} for r in hub.requests("POST", "/preupload/")[-2:])
+
+
+def test_checkpoint_without_config_is_refused_before_anything_is_sent(hub):
+    res = push(hub, FIXTURES / "accelerate_z2_bf16" / "checkpoint", "--repo", "org/noconf")
+    assert res.exit_code == 1 and "nothing was pushed" in res.stderr and "no config.json" in res.stderr
+    assert not hub.lfs_puts and not hub.created and not hub.requests("POST", "/preupload/")

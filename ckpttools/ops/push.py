@@ -75,6 +75,9 @@ REPO_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 LOGIN = "log in with `hf auth login` or set HF_TOKEN (or pass --token)"
 
 
+NO_CONFIG_HINT = "; pass --config (the model's config.json or its folder)"
+
+
 class HubOfflineError(UsageError):
     """HF_HUB_OFFLINE is set: a push cannot work, and retrying will not help (exit 2, not 3)."""
 
@@ -744,7 +747,7 @@ def push(
         problems = (streamed.problems if streamed is not None else []) + list(report.problems)
         adapter = report.kind == "adapter"
         if not adapter and not (folder / "config.json").is_file():
-            hint = "; pass --config (the model's config.json or its folder)" if temporary else ""
+            hint = NO_CONFIG_HINT if temporary else ""
             problems.append(f"no config.json: from_pretrained cannot load this folder from the Hub{hint}")
         if problems and not force:
             raise PushRefusedError(
@@ -1110,6 +1113,10 @@ def stream_checkpoint(path: Path, scratch: Path, opts: dict[str, Any], sink: _Si
                           opts.get("config"))  # fmt: skip
     check_temp_space(max((sum(t.nbytes for t in group) for group in output.shards.values()), default=0),
                      per_shard=True)  # fmt: skip
+    if output.model_config is None and not force:  # refused before any shard is sent, as the folder would be
+        problem = f"no config.json: from_pretrained cannot load this folder from the Hub{NO_CONFIG_HINT}"
+        raise PushRefusedError(f"{path} failed verification (1 problem(s)), nothing was pushed; fix it or pass --force",
+                               [problem])  # fmt: skip
     folder = scratch / "model"
     folder.mkdir(parents=True)
     problems: list[str] = []
