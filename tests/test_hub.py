@@ -498,3 +498,12 @@ def test_checkpoint_without_config_is_refused_before_anything_is_sent(hub):
     res = push(hub, FIXTURES / "accelerate_z2_bf16" / "checkpoint", "--repo", "org/noconf")
     assert res.exit_code == 1 and "nothing was pushed" in res.stderr and "no config.json" in res.stderr
     assert not hub.lfs_puts and not hub.created and not hub.requests("POST", "/preupload/")
+
+
+def test_streamed_commit_whose_answer_is_dropped_is_found_landed(hub, models):
+    hub.fail("POST", r"/commit/main$", status=0, after=True)  # the Hub commits, the answer never arrives
+    res = push(hub, TRAINER, "--repo", "org/slanded", "--max-shard-size", "8KB", "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["commit_recovered"] and data["oid"] == hub.repos["org/slanded"].refs["main"]
+    assert all(hub.files("org/slanded")[p.name] == p.read_bytes() for p in (models / "sharded").glob("model-*"))
