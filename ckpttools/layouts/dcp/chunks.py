@@ -19,7 +19,7 @@ from pathlib import Path
 from ckpttools.errors import CkptError, CorruptCheckpointError, UnsupportedCheckpointError, short
 from ckpttools.io import torchfile
 from ckpttools.io.segments import Segment
-from ckpttools.io.source import ByteSource, open_source, open_stream
+from ckpttools.io.source import ByteSource, open_source, open_stream, read_full
 from ckpttools.io.torchfile import LazyTensor
 from ckpttools.layouts.dcp.metadata import Chunk, StoredChunk, TensorEntry
 
@@ -125,12 +125,43 @@ def chunk_tensor(files: ChunkFiles, entry: TensorEntry, chunk: Chunk) -> LazyTen
     return tensor
 
 
+class WindowedSource(RangeSource):
+    """A chunk's byte range whose first and last few KiB are read once, up front: a torch.save zip of one
+    tensor keeps everything but the tensor's bytes there (local headers and data.pkl first, the central directory
+    last), so its zip structure parses from two reads instead of a dozen small ones (each a GET on remote
+    storage). Reads outside the windows go to the source as before."""
+
+    HEAD = 16 << 10  # local headers and data.pkl, plus the 8 KiB block a buffered stream reads from the last one
+    TAIL = 8 << 10  # central directory and end records (a few hundred bytes for one tensor)
+
+    def __init__(self, source: ByteSource, offset: int, length: int) -> None:
+        super().__init__(source, offset, length)
+        head_len = min(length, self.HEAD)
+        self.head = self._fetch(0, head_len)
+        tail_start = max(head_len, length - self.TAIL)
+        self.tail_start, self.tail = tail_start, self._fetch(tail_start, length - tail_start)
+
+    def _fetch(self, start: int, n: int) -> bytes:
+        buf = bytearray(n)
+        got = read_full(self.source, self.offset + start, memoryview(buf)) if n else 0
+        return bytes(buf[:got])
+
+    def read_into(self, offset: int, buffer: memoryview) -> int:
+        n = max(0, min(len(buffer), self.length - offset))  # readers ask past the end (a buffered stream's block)
+        end = offset + n
+        if end <= len(self.head):
+            buffer[:n] = self.head[offset:end]
+            return n
+        if offset >= self.tail_start and end <= self.tail_start + len(self.tail):
+            buffer[:n] = self.tail[offset - self.tail_start : end - self.tail_start]
+            return n
+        return super().read_into(offset, buffer)
+
+
 def _load_embedded(source: ByteSource, stored: StoredChunk, where: Path, fqn: str) -> LazyTensor:
     """Unpickle the torch.save zip at the chunk's byte range (allowlist, CRC-checked records)."""
-    part = RangeSource(source, stored.offset, stored.length)
-    head = bytearray(4)
-    part.read_into(0, memoryview(head))
-    if bytes(head) != ZIP_MAGIC:
+    part = WindowedSource(source, stored.offset, stored.length)
+    if part.head[:4] != ZIP_MAGIC:
         raise UnsupportedCheckpointError(
             f"{where}: the chunk of {fqn!r} is not a torch.save record (safetensors-serialized or transformed DCP "
             "files are not read yet)"
