@@ -40,7 +40,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from ckpttools.errors import AuthError, CheckpointNotFoundError, CkptError, RemoteError, short
-from ckpttools.io.source import MOUNTS_VAR  # mount root -> its mount.json, for the processes a command starts
+
+MOUNTS_VAR = "CKPTTOOLS_REMOTE_MOUNTS"  # mount root -> its mount.json, for the processes a command starts
 
 # Schemes read through fsspec, and the optional extra that installs each one's library.
 REMOTE_SCHEMES = {

@@ -27,6 +27,7 @@ except ImportError:  # not on Windows
     resource = None  # type: ignore[assignment]
 
 from ckpttools.errors import CkptError
+from ckpttools.io.remote import MOUNTS_VAR  # set while a remote checkpoint is mounted (remote's own imports are light)
 
 
 class ByteSource(Protocol):
@@ -207,9 +208,6 @@ def location_name(path: Path | str) -> str:
         if url is not None:
             return url
     return os.fspath(path)
-
-
-MOUNTS_VAR = "CKPTTOOLS_REMOTE_MOUNTS"  # set while a remote checkpoint is mounted (io.remote.MOUNTS_VAR)
 
 
 def _open_remote(location: Path | str) -> ByteSource:

@@ -69,6 +69,7 @@ from ckpttools.layouts.rankfile import (
 )
 from ckpttools.layouts.universal import NAME_KEY, param_files
 from ckpttools.layouts.zero.read import Zero12Reader, _Zero3Reader, zero3_optimizer_parts, zero12_bit16
+from ckpttools.layouts.zero.write import append_partitions
 from ckpttools.model.checkpoint import (
     MASTER,
     Checkpoint,
@@ -717,7 +718,6 @@ def autoep_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
     change: dense groups re-cut over every rank, the expert group of each EP rank (its grouped w1/w2/w3, cut back
     out of gate_up_proj/down_proj) over its new expert-DP group; the module file gets the new dp_world_size, the
     expert files come along (their records CRC-checked on the way)."""
-    from ckpttools.layouts.moe import _append_partitions
 
     check_autoep_reshard(ckpt, ReshardTarget(dp, stage))
     details = ckpt.layout.details
@@ -734,11 +734,11 @@ def autoep_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
     for g in sorted({p.group for p in ckpt.params}):
         members = [p for p in ckpt.params if p.group == g]
         if not any(p.name in expert_names for p in members):
-            _append_partitions(g, members, osds, opt.group_scalars)
+            append_partitions(g, members, osds, opt.group_scalars)
             continue
         for e in range(ep):
             local = [native_expert_param(la, by_name, e, w) for la in layers for w in GROUPED]
-            _append_partitions(g, local, [osds[r] for r in expert_dp_ranks(e, ep, dp, dbe)], opt.group_scalars)
+            append_partitions(g, local, [osds[r] for r in expert_dp_ranks(e, ep, dp, dbe)], opt.group_scalars)
     prefix = ckpt.location.files.optim_prefix
     files: dict[str, Any] = {
         f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": {"optimizer_state_dict": osd, **opt.file_meta}

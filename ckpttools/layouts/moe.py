@@ -59,8 +59,8 @@ from ckpttools.layouts.rankfile import (
     train_dtype_of,
     zero_stage_of,
 )
-from ckpttools.layouts.zero.pieces import cut_group
 from ckpttools.layouts.zero.read import Zero12Reader, zero12_bit16
+from ckpttools.layouts.zero.write import append_partitions
 from ckpttools.model.checkpoint import Checkpoint, Param, Segment, TensorSource, strip_prefixes
 from ckpttools.model.origin import CheckpointLocation
 from ckpttools.model.parallel import ParallelLayout
@@ -533,7 +533,7 @@ def moe_rank_files(ckpt: Checkpoint, dp: int, stage: int) -> dict[str, Any]:
     for g, ep in enumerate(_group_ep_sizes(ckpt)):
         for e, group in enumerate(_local_members(ckpt, g, ep)):
             ranks = expert_dp_ranks(e, ep, dp, dbe)
-            _append_partitions(g, group, [osds[r] for r in ranks], opt.group_scalars)
+            append_partitions(g, group, [osds[r] for r in ranks], opt.group_scalars)
     prefix = ckpt.location.files.optim_prefix
     files: dict[str, Any] = {
         f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt": {"optimizer_state_dict": osd, **opt.file_meta}
@@ -574,20 +574,6 @@ def _local_members(ckpt: Checkpoint, g: int, ep: int) -> list[list[Param]]:
             f"{ckpt.location.tag_dir}: param group {g} has no params for some of its {ep} expert-parallel ranks"
         )
     return members
-
-
-def _append_partitions(g: int, group: list[Param], osds: Sequence[dict[str, Any]],
-                       group_scalars: Sequence[Mapping[str, Any]]) -> None:  # fmt: skip
-    """Param group g cut over the ranks of `osds` (its expert-DP group, in expert-DP rank order) with the ZeRO-1/2
-    arithmetic, each rank's partition appended to its optimizer dict."""
-    scalars = group_scalars[g] if g < len(group_scalars) else {}
-    for osd, part in zip(osds, cut_group(group, dict(scalars), len(osds)), strict=True):
-        osd["single_partition_of_fp32_groups"].append(part.master)
-        if part.state:  # before the first optimizer step the torch optimizer has no state at all
-            osd["base_optimizer_state"]["state"][g] = part.state
-        osd["group_paddings"].append(part.padding)
-        osd["param_slice_mappings"].append(part.mapping)
-        osd["partition_count"].append(len(osds))
 
 
 class MoeLayout:

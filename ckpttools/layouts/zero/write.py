@@ -7,7 +7,7 @@ Pipeline and AutoTP checkpoints are data-parallel groups slice by slice: their l
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ckpttools.errors import CorruptCheckpointError, UnsupportedCheckpointError, short
@@ -254,3 +254,17 @@ def sliced_tag_files(ckpt: Checkpoint, target: ReshardTarget) -> dict[str, Any]:
     for name in ckpt.layout_files:
         files[name] = load_pickle(ckpt.location.tag_dir / name)
     return files
+
+
+def append_partitions(g: int, group: list[Param], osds: Sequence[dict[str, Any]],
+                       group_scalars: Sequence[Mapping[str, Any]]) -> None:  # fmt: skip
+    """Param group g cut over the ranks of `osds` (its expert-DP group, in expert-DP rank order) with the ZeRO-1/2
+    arithmetic, each rank's partition appended to its optimizer dict."""
+    scalars = group_scalars[g] if g < len(group_scalars) else {}
+    for osd, part in zip(osds, cut_group(group, dict(scalars), len(osds)), strict=True):
+        osd["single_partition_of_fp32_groups"].append(part.master)
+        if part.state:  # before the first optimizer step the torch optimizer has no state at all
+            osd["base_optimizer_state"]["state"][g] = part.state
+        osd["group_paddings"].append(part.padding)
+        osd["param_slice_mappings"].append(part.mapping)
+        osd["partition_count"].append(len(osds))
