@@ -32,6 +32,7 @@ The module also exports DeepSpeed's functions with its signatures: `get_fp32_sta
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import threading
@@ -504,9 +505,9 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
-    """`python -m ckpttools.zero_to_fp32 ...`; returns the exit code."""
-    args = _parser().parse_args(argv)
+def run_drop_in(name: str, args: argparse.Namespace, convert: Callable[..., _Written]) -> int:
+    """A drop-in script's run: `convert(debug=, on_start=, on_progress=)` under progress, its notes, one summary
+    line, the exit code (shared by zero_to_fp32 and zero_to_torch)."""
 
     def debug(line: str) -> None:
         print(line, file=sys.stderr)
@@ -514,17 +515,8 @@ def cli(argv: Sequence[str] | None = None) -> int:
     def body() -> None:
         from ckpttools.cli._common import echo_notes, human_size, progress_callbacks
 
-        with progress_callbacks("zero_to_fp32", quiet=False) as progress:
-            result = _convert(
-                args.checkpoint_dir,
-                args.output_dir,
-                args.max_shard_size,
-                args.safe_serialization,
-                args.tag,
-                args.exclude_frozen_parameters,
-                debug=debug if args.debug else None,
-                **progress,
-            )
+        with progress_callbacks(name, quiet=False) as progress:
+            result = convert(debug=debug if args.debug else None, **progress)
         echo_notes(result.notes)
         print(
             f"Wrote {result.num_tensors} tensors ({human_size(result.total_size)}) to {result.output_dir}: "
@@ -532,6 +524,15 @@ def cli(argv: Sequence[str] | None = None) -> int:
         )
 
     return run_cli(body, debug=args.debug)
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """`python -m ckpttools.zero_to_fp32 ...`; returns the exit code."""
+    args = _parser().parse_args(argv)
+    return run_drop_in("zero_to_fp32", args, functools.partial(
+        _convert, args.checkpoint_dir, args.output_dir, args.max_shard_size, args.safe_serialization, args.tag,
+        args.exclude_frozen_parameters,
+    ))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ into OUTPUT_DIR; safetensors output is streamed; other files in OUTPUT_DIR are l
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 from collections import OrderedDict
@@ -44,7 +45,7 @@ from ckpttools.compat.zero_to_fp32 import (
     _split,
     _write_bin,
     _Written,
-    run_cli,
+    run_drop_in,
 )
 from ckpttools.errors import OutputError, UsageError
 from ckpttools.io import dtypes
@@ -261,32 +262,10 @@ def _parser() -> argparse.ArgumentParser:
 def cli(argv: Sequence[str] | None = None) -> int:
     """`python -m ckpttools.zero_to_torch ...`; returns the exit code."""
     args = _parser().parse_args(argv)
-
-    def debug(line: str) -> None:
-        print(line, file=sys.stderr)
-
-    def body() -> None:
-        from ckpttools.cli._common import echo_notes, human_size, progress_callbacks
-
-        with progress_callbacks("zero_to_torch", quiet=False) as progress:
-            result = _convert(
-                args.checkpoint_dir,
-                args.output_dir,
-                args.dtype,
-                args.max_shard_size,
-                args.safe_serialization,
-                args.tag,
-                args.exclude_frozen_parameters,
-                debug=debug if args.debug else None,
-                **progress,
-            )
-        echo_notes(result.notes)
-        print(
-            f"Wrote {result.num_tensors} tensors ({human_size(result.total_size)}) to {result.output_dir}: "
-            f"{', '.join(result.files)}"
-        )
-
-    return run_cli(body, debug=args.debug)
+    return run_drop_in("zero_to_torch", args, functools.partial(
+        _convert, args.checkpoint_dir, args.output_dir, args.dtype, args.max_shard_size, args.safe_serialization,
+        args.tag, args.exclude_frozen_parameters,
+    ))  # fmt: skip
 
 
 if __name__ == "__main__":
