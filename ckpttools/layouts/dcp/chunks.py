@@ -22,6 +22,7 @@ from ckpttools.io.segments import Segment
 from ckpttools.io.source import ByteSource, open_source, open_stream, read_full
 from ckpttools.io.torchfile import LazyTensor
 from ckpttools.layouts.dcp.metadata import Chunk, StoredChunk, TensorEntry
+from ckpttools.model.checkpoint import shape_numel
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -215,9 +216,9 @@ def tensor_segments(entry: TensorEntry, tensors: list[LazyTensor]) -> tuple[Segm
             )
         out.append(seg)
         pos += seg.count
-    if pos != _numel(entry.size):
+    if pos != shape_numel(entry.size):
         raise CorruptCheckpointError(
-            f"the chunks of {entry.fqn!r} hold {pos} of its {_numel(entry.size)} elements; the save was incomplete"
+            f"the chunks of {entry.fqn!r} hold {pos} of its {shape_numel(entry.size)} elements; the save was incomplete"
         )
     return _merged(out)
 
@@ -229,12 +230,12 @@ def _runs(size: tuple[int, ...], chunk: Chunk, tensor: LazyTensor) -> Iterator[t
         return
     if 0 in chunk.sizes:
         return
-    strides = _strides(size)
+    strides = contiguous_strides(size)
     # the last dimension the chunk does not span whole: runs are chunk.sizes[k] rows of the dims after it
     k = max((d for d in range(len(size)) if chunk.sizes[d] != size[d]), default=0)
     run = chunk.sizes[k] * strides[k]
     outer = chunk.sizes[:k]
-    chunk_strides = _strides(chunk.sizes)
+    chunk_strides = contiguous_strides(chunk.sizes)
     for index in _indices(outer):
         start = sum((chunk.offsets[d] + i) * strides[d] for d, i in enumerate(index)) + chunk.offsets[k] * strides[k]
         local = sum(i * chunk_strides[d] for d, i in enumerate(index))
@@ -253,7 +254,7 @@ def _merged(segments: list[Segment]) -> tuple[Segment, ...]:
     return tuple(out)
 
 
-def _strides(size: tuple[int, ...]) -> list[int]:
+def contiguous_strides(size: tuple[int, ...]) -> list[int]:
     strides, acc = [0] * len(size), 1
     for d in range(len(size) - 1, -1, -1):
         strides[d], acc = acc, acc * size[d]
@@ -267,10 +268,3 @@ def _indices(dims: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
     for i in range(dims[0]):
         for rest in _indices(dims[1:]):
             yield (i, *rest)
-
-
-def _numel(size: tuple[int, ...]) -> int:
-    n = 1
-    for s in size:
-        n *= s
-    return n

@@ -19,9 +19,9 @@ from ckpttools.errors import CorruptCheckpointError, short
 from ckpttools.io import dtypes
 from ckpttools.io.source import open_source, read_full
 from ckpttools.io.torchfile import LazyTensor, Record, StorageRef
-from ckpttools.layouts.dcp.chunks import tensor_segments
-from ckpttools.layouts.dcp.metadata import Chunk, StoredChunk, TensorEntry
-from ckpttools.model.checkpoint import TensorSource, strip_prefixes
+from ckpttools.layouts.dcp.chunks import contiguous_strides, tensor_segments
+from ckpttools.layouts.dcp.metadata import Chunk, StoredChunk, TensorEntry, is_count
+from ckpttools.model.checkpoint import TensorSource, shape_numel, strip_prefixes
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 OFFSETS_KEY = "saved_offsets"
@@ -36,14 +36,14 @@ def shard_names(names: list[str]) -> list[str]:
 def is_dcp_shard(path: Path) -> bool:
     """A safetensors file carrying DCP sharding metadata (a plain HF weights file has none)."""
     try:
-        meta, _, _ = read_header(path)
+        meta, _, _, _ = read_header(path)
     except (OSError, CorruptCheckpointError):
         return False
     return SHARDING_KEY in meta
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], dict[str, Any], int]:
-    """(__metadata__, tensor entries, byte offset of the data) of a safetensors file."""
+def read_header(path: Path) -> tuple[dict[str, Any], dict[str, Any], int, int]:
+    """(__metadata__, tensor entries, byte offset of the data, file size) of a safetensors file."""
     with contextlib.closing(open_source(path)) as source:
         size = source.size()
         head = bytearray(8)
@@ -65,7 +65,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, Any], int]:
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict):
         raise CorruptCheckpointError(f"{path}: its __metadata__ is not a JSON object")
-    return meta, header, 8 + n
+    return meta, header, 8 + n, size
 
 
 def read_hf_shards(folder: Path, names: list[str]) -> dict[str, TensorSource]:
@@ -74,8 +74,7 @@ def read_hf_shards(folder: Path, names: list[str]) -> dict[str, TensorSource]:
     dtype_of: dict[str, dtypes.DType] = {}
     for name in shard_names(names):
         path = folder / name
-        meta, entries, data_start = read_header(path)
-        size = _file_size(path)
+        meta, entries, data_start, size = read_header(path)
         sharding = _sharding(path, meta)
         for key, entry in entries.items():
             dtype, shape, begin, end = _entry(path, key, entry)
@@ -85,7 +84,7 @@ def read_hf_shards(folder: Path, names: list[str]) -> dict[str, TensorSource]:
             if dtype_of.setdefault(key, dtype) is not dtype:
                 raise CorruptCheckpointError(f"{path}: {key!r} is {dtype.name} here and {dtype_of[key].name} elsewhere")
             record = Record(path, f"{key}@{begin}", data_start + begin, end - begin, None)
-            tensor = LazyTensor(StorageRef(record, dtype), 0, shape, _strides(shape))
+            tensor = LazyTensor(StorageRef(record, dtype), 0, shape, tuple(contiguous_strides(shape)))
             stored = StoredChunk(name, data_start + begin, end - begin, ())
             pieces.setdefault(key, []).append((Chunk(offsets, shape, stored), tensor))
     return {strip_prefixes(key): _whole(key, dtype_of[key], parts) for key, parts in pieces.items()}
@@ -117,7 +116,7 @@ def _entry(path: Path, key: str, entry: Any) -> tuple[dtypes.DType, tuple[int, .
         begin, end = entry["data_offsets"]
     except (KeyError, TypeError, ValueError) as e:
         raise damaged from e
-    if not all(_is_count(v) for v in (*shape, begin, end)) or end - begin != _numel(shape) * dtype.itemsize:
+    if not all(is_count(v) for v in (*shape, begin, end)) or end - begin != shape_numel(shape) * dtype.itemsize:
         raise damaged
     return dtype, shape, begin, end
 
@@ -126,29 +125,6 @@ def _offsets(path: Path, key: str, info: Any, dims: int) -> tuple[int, ...]:
     if info is None:
         return (0,) * dims
     offsets = info.get(OFFSETS_KEY) if isinstance(info, dict) else None
-    if not isinstance(offsets, list) or len(offsets) != dims or not all(_is_count(o) for o in offsets):
+    if not isinstance(offsets, list) or len(offsets) != dims or not all(is_count(o) for o in offsets):
         raise CorruptCheckpointError(f"{path}: the saved_offsets of {key!r} are {short(offsets, 60)}")
     return tuple(offsets)
-
-
-def _file_size(path: Path) -> int:
-    with contextlib.closing(open_source(path)) as source:
-        return source.size()
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out, acc = [0] * len(shape), 1
-    for d in range(len(shape) - 1, -1, -1):
-        out[d], acc = acc, acc * shape[d]
-    return tuple(out)
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -242,7 +242,7 @@ class _Checker:
                 f"{self.where}: {fqn!r} is stored in {short(path, 80)}, which is not a file of the checkpoint "
                 "folder; refusing to read outside it"
             )
-        if not (_is_count(offset) and _is_count(length)):
+        if not (is_count(offset) and is_count(length)):
             raise self.fail(f"the byte range of {fqn!r} is {short(offset)}+{short(length)}")
         if not (isinstance(transforms, (list, tuple)) and all(isinstance(t, str) for t in transforms)):
             raise self.fail(f"the transforms of {fqn!r} are {short(transforms, 60)}")
@@ -276,7 +276,7 @@ class _Checker:
         return TensorEntry(fqn, dtype, dims, tuple(out))
 
     def dims(self, value: Any, what: str) -> tuple[int, ...]:
-        if not isinstance(value, (tuple, list)) or not all(_is_count(v) for v in value) or len(value) > 64:
+        if not isinstance(value, (tuple, list)) or not all(is_count(v) for v in value) or len(value) > 64:
             raise self.fail(f"{what} is {short(value, 60)}")
         return tuple(value)
 
@@ -294,7 +294,7 @@ def _is_key(value: Any) -> bool:
     return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
 
 
-def _is_count(value: Any) -> bool:
+def is_count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 62
 
 
