@@ -7,6 +7,7 @@ server does not serve Xet). What arrives is fetched back with snapshot_download 
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -260,6 +261,26 @@ def test_remote_failures_are_one_line_exit_3(hub, model, case, needles):
         args += ["--endpoint", f"http://127.0.0.1:{_closed_port()}"]
     res = push(endpoint, model, *args)
     _one_error_line(res, 3, *needles)
+
+
+def _documented_exit_codes(command: str) -> set[int]:
+    """The codes the `Exit codes:` paragraph of a command's --help names."""
+    text = CliRunner().invoke(main, [command, "--help"]).output
+    return {int(n) for n in re.findall(r"\b(\d{1,3})\b", text.split("Exit codes:")[1].split("Set CKPT_DEBUG")[0])}
+
+
+@pytest.mark.parametrize("case, code", [("unreachable", 3), ("token refused", 4)])
+def test_verify_help_names_every_code_a_remote_against_returns(model, tmp_path, case, code):
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
+    env["HF_HOME"] = str(tmp_path / "hf")
+    with LocalHub(token=TOKEN) as server:
+        env |= {"HF_ENDPOINT": f"http://127.0.0.1:{_closed_port()}"} if case == "unreachable" else {
+            "HF_ENDPOINT": server.url, "HF_TOKEN": "hf_refused"}  # fmt: skip
+        proc = subprocess.run([str(Path(sys.executable).parent / "ckpt"), "verify", str(model), "--against",
+                               "hf://org/ckpt"], capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+    assert proc.returncode == code, proc.stderr
+    assert code in _documented_exit_codes("verify"), "ckpt verify --help does not list the code it returned"
+    assert {0, 1, 2, 3, 4, 129, 130, 143} <= _documented_exit_codes("verify")
 
 
 def test_server_without_xet_gets_a_hint(hub, model, monkeypatch):

@@ -44,8 +44,12 @@ shapes of the PeftModel built on the meta device.
 
 \b
 Exit codes: 0 the folder is sound, 1 problems found (each on its own stderr
-            line, or under "problems" with --json), 2 usage error,
-            130 SIGINT, 143 SIGTERM, 129 SIGHUP.
+            line, or under "problems" with --json), or a --against
+            checkpoint missing or damaged, 2 usage error, 3 a remote
+            --against (s3://, gs://, az://, hf://) could not be read: network
+            or store failure (retrying may help), 4 its credentials missing
+            or refused (retrying cannot help), 130 SIGINT, 143 SIGTERM,
+            129 SIGHUP.
 Set CKPT_DEBUG=1 to see tracebacks."""
 
 PUSH_EPILOG = """\b
