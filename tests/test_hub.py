@@ -312,6 +312,15 @@ def test_offline_mode_is_refused_up_front(model):
         assert hub.log == []
 
 
+def test_offline_message_names_the_variable_that_is_set(model, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    with LocalHub(token=TOKEN) as hub:
+        res = push(hub, model, "--repo", "org/m")
+        _one_error_line(res, 2, "TRANSFORMERS_OFFLINE is set", "HF_HUB_OFFLINE=0")
+        assert "HF_HUB_OFFLINE is set" not in res.stderr and hub.log == []
+
+
 def test_private_by_default_public_on_request_and_existing_public_repo_needs_public(hub, model):
     res = push(hub, model, "--repo", "org/priv")
     assert res.exit_code == 0 and "(private)" in res.stdout

@@ -129,18 +129,30 @@ class PushResult:
 
 def offline_mode() -> bool:
     """HF_HUB_OFFLINE / TRANSFORMERS_OFFLINE, as huggingface_hub reads them (it blocks even 127.0.0.1)."""
+    return offline_variable() is not None
+
+
+def offline_variable() -> str | None:
+    """The variable that puts huggingface_hub offline, as it reads them (HF_HUB_OFFLINE, when set, decides; else
+    TRANSFORMERS_OFFLINE), or None when online. The message names the one the user actually set."""
     from huggingface_hub import constants
 
-    env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
-    return constants.is_offline_mode() or env.strip().upper() in {"1", "ON", "YES", "TRUE"}
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        value = os.environ.get(name)
+        if value:  # huggingface_hub: HF_HUB_OFFLINE=0 wins over TRANSFORMERS_OFFLINE=1
+            return name if value.strip().upper() in {"1", "ON", "YES", "TRUE"} else None
+    return "HF_HUB_OFFLINE" if constants.is_offline_mode() else None  # set before huggingface_hub was imported
+
+
+def _offline_message(variable: str | None) -> str:
+    name = variable or "HF_HUB_OFFLINE"
+    return f"{name} is set, so nothing can be pushed; unset it (or set HF_HUB_OFFLINE=0) for this command"
 
 
 def check_online() -> None:
-    if offline_mode():
-        raise HubOfflineError(
-            "HF_HUB_OFFLINE is set, so nothing can be pushed; unset it (or set HF_HUB_OFFLINE=0) for this command. "
-            "--dry-run works offline"
-        )
+    variable = offline_variable()
+    if variable is not None:
+        raise HubOfflineError(f"{_offline_message(variable)}. --dry-run works offline")
 
 
 def _token_found(token: str | None) -> bool:
@@ -403,7 +415,7 @@ def remote_error(
 
     for ex in _chain(e):
         if isinstance(ex, OfflineModeIsEnabled):
-            return HubOfflineError("HF_HUB_OFFLINE is set, so nothing can be pushed; unset it for this command")
+            return HubOfflineError(_offline_message(offline_variable()))
         if isinstance(ex, LocalTokenNotFoundError):
             return AuthError(f"no Hugging Face token found; {LOGIN}")
         if isinstance(ex, HfHubHTTPError):
