@@ -17,7 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -46,6 +46,11 @@ DCP_CLASSES = {
     "_StorageInfo",
     "_StoragePrefix",
     "_HFStorageInfo",
+    # Megatron-Core keeps the ranks' save plans in `.metadata` (Metadata.all_local_plans): inert records, never used
+    "SavePlan",
+    "WriteItem",
+    "WriteItemType",
+    "TensorWriteData",
 }
 
 
@@ -85,6 +90,7 @@ class DcpMetadata:
     key_paths: dict[str, tuple[str | int, ...]]  # FQN -> path in the nested state dict (planner_data)
     version: str | None
     file_ends: dict[str, int]  # file -> the end of its last stored item (model, optimizer and bytes alike)
+    byte_storage: dict[str, StoredChunk] = field(default_factory=dict)  # where each non-tensor entry's bytes are
 
 
 class _Pickled:
@@ -219,8 +225,9 @@ class _Checker:
         ends: dict[str, int] = {}
         for item in stored.values():
             ends[item.relative_path] = max(ends.get(item.relative_path, 0), item.offset + item.length)
+        byte_storage = {fqn: stored[(fqn, ())] for fqn in byte_entries if (fqn, ()) in stored}
         return DcpMetadata(tensors, byte_entries, self.key_paths(raw.field("planner_data", 1)),
-                           version if isinstance(version, str) else None, ends)  # fmt: skip
+                           version if isinstance(version, str) else None, ends, byte_storage)  # fmt: skip
 
     def storage(self, storage: dict[Any, Any]) -> dict[tuple[str, tuple[int, ...]], StoredChunk]:
         out = {}
