@@ -22,6 +22,7 @@ from ckpttools.model.origin import CheckpointLocation
 
 # Detection order: the first whose LAYOUT claims a tag folder's file names reads it (one line per layout).
 LAYOUTS = (
+    "ckpttools.layouts.megatron",  # Megatron-Core torch_dist: claims no tag folder (found as a folder format)
     "ckpttools.layouts.dcp",  # torch DCP: claims no tag folder (found as a folder format), read-only
     "ckpttools.layouts.pipeline_tp",  # pipeline x TP: layer_NN-model_TT-model_states.pt (before pipeline)
     "ckpttools.layouts.pipeline",  # PipelineModule: layer_NN-model_states.pt
@@ -36,6 +37,7 @@ LAYOUTS = (
 # Folder formats, asked in this order before a DeepSpeed tag folder is looked for (one line per format).
 FOLDER_FORMATS = (
     "ckpttools.layouts.registry:UNIVERSAL",  # ds_to_universal output: <root>/<tag>/zero/<param>/fp32.pt
+    "ckpttools.layouts.megatron",  # Megatron-Core torch_dist: metadata.json + .metadata (before plain DCP)
     "ckpttools.layouts.dcp",  # torch Distributed Checkpoint (FSDP2): .metadata + __R_I.distcp
 )
 

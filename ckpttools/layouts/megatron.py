@@ -1,0 +1,344 @@
+"""Megatron-Core `torch_dist` checkpoints (Megatron-LM, Megatron-Bridge, NeMo 2), read into the neutral model.
+
+Where they are: Megatron-LM's save dir holds `latest_checkpointed_iteration.txt` (the iteration, or `release`) and
+one `iter_NNNNNNN/` folder per save; each is a torch DCP folder (`.metadata`, `__{rank}_{i}.distcp`) marked by
+`metadata.json` (`{"sharded_backend": "torch_dist", ...}`). The user may point at the save dir (the tracker's
+iteration, or `--step`) or at an `iter_*` folder.
+
+What is read: `.metadata` (through the DCP allowlist, Megatron's `all_local_plans` included) and the chunks of the
+model's tensors: every tensor entry except Transformer Engine's `_extra_state`, the `optimizer.*` state (the
+per-bucket default layout and `--dist-ckpt-optim-fully-reshardable`'s per-parameter states alike) and the RNG
+state. The names stay Megatron's (`decoder.layers.self_attention.linear_qkv.weight` `[L, ...]`); the architecture
+adapters (`ckpttools.adapters`) map them. The run's arguments come from the `common_state` object (megatron-core
+>= 0.19: a `torch.save` of the non-sharded entries, stored as bytes inside the DCP) or an older `common.pt`,
+unpickled through the allowlist: the `argparse.Namespace`, Megatron's enums and `signal.Signals` become inert
+records, torch dtypes ckpttools' own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ckpttools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, short
+from ckpttools.io import dtypes, torchfile
+from ckpttools.io.dtypes import DType
+from ckpttools.io.source import list_names, open_stream
+from ckpttools.io.torchfile import PickledObject
+from ckpttools.layouts.base import ReadOnlyLayout
+from ckpttools.layouts.dcp.chunks import ZIP_MAGIC, ChunkFiles, WindowedSource, chunk_tensor, tensor_segments
+from ckpttools.layouts.dcp.metadata import DcpMetadata, StoredChunk, TensorEntry
+from ckpttools.layouts.dcp.read import read_metadata
+from ckpttools.model.checkpoint import Checkpoint, OptimizerState, Param, TensorSource
+from ckpttools.model.origin import CheckpointLocation, TagFiles
+from ckpttools.model.parallel import ParallelLayout
+
+KIND = "megatron"
+TITLE = "Megatron-Core torch_dist"
+TRACKER = "latest_checkpointed_iteration.txt"
+BACKEND_FILE = "metadata.json"
+COMMON_FILE = "common.pt"  # megatron-core < 0.19: the non-sharded entries in a torch.save file of their own
+ITER_RE = re.compile(r"^iter_(?P<n>\d+)$")
+COMMON_STATE = "common_state"
+NOT_WEIGHTS = re.compile(r"(^|\.)_extra_state(/|$)|^optimizer(\.|/)|^rng_state(/|$)|^common_state(/|$)")
+MAX_COMMON_BYTES = 64 << 20  # args, iteration, scheduler: kilobytes
+
+
+def is_megatron_folder(path: Path) -> bool:
+    """A torch_dist folder: `.metadata` beside `metadata.json` naming the torch_dist backend."""
+    return (path / ".metadata").is_file() and backend(path) == "torch_dist"
+
+
+def backend(path: Path) -> str | None:
+    """`sharded_backend` of a Megatron `metadata.json`, or None (absent, unreadable, not Megatron's)."""
+    try:
+        data = json.loads((path / BACKEND_FILE).read_text())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data.get("sharded_backend") if isinstance(data, dict) else None
+
+
+def find_megatron(path: Path, step: int | None = None) -> tuple[Path, Path, str] | None:
+    """(iteration folder, save dir, tag) that `path` is or holds; None when it is no Megatron checkpoint."""
+    if not path.is_dir():
+        return None
+    if is_megatron_folder(path):
+        saved_in = path.parent if ITER_RE.match(path.name) else path
+        return path, saved_in, path.name
+    iters = {int(m["n"]): c for c in sorted(path.iterdir()) if (m := ITER_RE.match(c.name)) and is_megatron_folder(c)}
+    if not iters:
+        return None
+    if step is None:
+        step = _tracked(path, iters)
+    if step not in iters:
+        raise CheckpointNotFoundError(
+            f"{path} has no iteration {step} (iterations: {', '.join(map(str, sorted(iters)))})"
+        )
+    return iters[step], path, iters[step].name
+
+
+def _tracked(path: Path, iters: dict[int, Path]) -> int:
+    """The iteration Megatron-LM would load: the tracker file's, else the newest folder."""
+    try:
+        text = (path / TRACKER).read_text().strip()
+    except OSError:
+        return max(iters)
+    if not text.isdigit():
+        raise CheckpointNotFoundError(
+            f"{path / TRACKER} says {short(text, 40)!s}, not an iteration; pass --step with one of "
+            f"{', '.join(map(str, sorted(iters)))}"
+        )
+    if int(text) not in iters:
+        raise CheckpointNotFoundError(
+            f"{path / TRACKER} names iteration {int(text)}, but {path} has no such iter_* folder (it has "
+            f"{', '.join(map(str, sorted(iters)))}); the save did not finish or was not copied: pass --step"
+        )
+    return int(text)
+
+
+def is_weight(fqn: str) -> bool:
+    """A model weight: not Transformer Engine's FP8 metadata, optimizer state, RNG state or the common state."""
+    return NOT_WEIGHTS.search(fqn) is None
+
+
+def read_megatron(folder: Path, saved_in: Path, tag: str) -> Checkpoint:
+    """Open an iteration folder: the model's tensors by Megatron's names, the run's args in `layout.details`."""
+    names = list_names(folder)
+    meta = read_metadata(folder)
+    model = {fqn: entry for fqn, entry in meta.tensors.items() if is_weight(fqn)}
+    if not model:
+        raise CorruptCheckpointError(f"{folder} holds no model tensors (only optimizer or extra state)")
+    files = ChunkFiles(folder, set(names))
+    try:
+        files.check_sizes(meta.file_ends)
+        sources = {name: _source(files, name, entry) for name, entry in model.items()}
+        args, common_problem = _common(files, folder, meta)
+    finally:
+        files.close()
+    return _checkpoint(folder, saved_in, tag, names, meta, sources, args, common_problem)
+
+
+def _source(files: ChunkFiles, name: str, entry: TensorEntry) -> TensorSource:
+    tensors = [chunk_tensor(files, entry, chunk) for chunk in entry.chunks]
+    return TensorSource(name, entry.size, entry.dtype, tensor_segments(entry, tensors), "trainable")
+
+
+# --- The run's arguments --------------------------------------------------------------------------------------
+
+
+class _Enum(PickledObject):
+    """A Megatron enum member or `signal.Signals` as pickled: its value only."""
+
+    def __repr__(self) -> str:
+        return f"{self.qualname}({', '.join(map(repr, self.args))})"
+
+
+def _inert(module: str, name: str) -> type:
+    base = _Enum if name != "Namespace" else PickledObject
+    return type(name, (base,), {"qualname": f"{module}.{name}"})
+
+
+FIXED_GLOBALS = (("argparse", "Namespace"), ("signal", "Signals"))
+
+
+class _ArgsGlobals(dict[tuple[str, str], Any]):
+    """The names the common state may pickle: argparse.Namespace, Megatron's own (enums, config records) and
+    signal.Signals, each as an inert stand-in built here; nothing is imported from those modules."""
+
+    def __init__(self) -> None:
+        super().__init__({key: _inert(*key) for key in FIXED_GLOBALS})  # never empty: readers test it for truth
+
+    def __missing__(self, key: tuple[str, str]) -> Any:
+        module, name = key
+        if module.split(".")[0] == "megatron":
+            self[key] = _inert(module, name)
+            return self[key]
+        raise KeyError(key)
+
+    def __contains__(self, key: object) -> bool:
+        if not isinstance(key, tuple) or len(key) != 2:
+            return False
+        return key in FIXED_GLOBALS or str(key[0]).split(".")[0] == "megatron"
+
+
+def _common(files: ChunkFiles, folder: Path, meta: DcpMetadata) -> tuple[dict[str, Any] | None, str]:
+    """The run's args as plain values, and why they could not be read ("" when they were, or were not saved)."""
+    stored = next((s for fqn, s in sorted(meta.byte_storage.items()) if fqn.startswith(f"{COMMON_STATE}/")), None)
+    try:
+        if stored is not None:
+            common = _load_common_bytes(files, folder, stored)
+        elif (folder / COMMON_FILE).is_file():
+            common = torchfile.load_pickle(folder / COMMON_FILE, extra_globals=_ArgsGlobals())
+        else:
+            return None, ""
+    except CkptError as e:
+        return None, str(e)
+    if isinstance(common, list) and len(common) == 1:
+        common = common[0]  # ShardedObject data is saved as [data]
+    args = common.get("args") if isinstance(common, dict) else None
+    if not isinstance(args, PickledObject):
+        return None, ""
+    return {k: plain(v) for k, v in vars(args).items() if k != "args"}, ""
+
+
+def _load_common_bytes(files: ChunkFiles, folder: Path, stored: StoredChunk) -> Any:
+    """Unpickle the torch.save bytes of the common state object (allowlist + the args' stand-ins)."""
+    where = folder / stored.relative_path
+    if stored.length > MAX_COMMON_BYTES:
+        raise CorruptCheckpointError(f"{where}: the common state is {stored.length} bytes: not Megatron's")
+    part = WindowedSource(files.source(stored, COMMON_STATE), stored.offset, stored.length)
+    if part.head[:4] != ZIP_MAGIC:
+        raise CorruptCheckpointError(f"{where}: the common state is not a torch.save record")
+    try:
+        with contextlib.closing(part), open_stream(part) as fh:
+            data, records, _ = torchfile._read_zip(where, fh)
+    except CkptError:
+        raise
+    except Exception as e:  # zipfile raises many kinds on damaged input
+        raise CorruptCheckpointError(f"{where}: the common state is damaged ({type(e).__name__})") from e
+    unpickler = torchfile._AllowlistUnpickler(data, records, where, extra_globals=_ArgsGlobals())
+    try:
+        return unpickler.load()
+    except CkptError:
+        raise
+    except Exception as e:
+        raise CorruptCheckpointError(f"{where}: cannot read the common state ({type(e).__name__})") from e
+
+
+def plain(value: Any) -> Any:
+    """An args value as JSON: dtypes by name, enum members as `Enum(value)`, records as dicts."""
+    if isinstance(value, DType):
+        return value.name
+    if isinstance(value, _Enum):
+        return repr(value)
+    if isinstance(value, PickledObject):
+        return {k: plain(v) for k, v in vars(value).items() if k != "args"}
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return short(value, 80)
+
+
+# --- The neutral model ----------------------------------------------------------------------------------------
+
+OPTIMIZER_PREFIX = "optimizer."
+
+
+def _checkpoint(
+    folder: Path, saved_in: Path, tag: str, names: Sequence[str], meta: DcpMetadata,
+    sources: dict[str, TensorSource], args: dict[str, Any] | None, common_problem: str,
+) -> Checkpoint:  # fmt: skip
+    floating = [s.dtype for s in sources.values() if s.dtype.is_floating_point]
+    train_dtype = max(set(floating), key=floating.count) if floating else dtypes.FLOAT32
+    params = [Param(name, name, src.shape, 0, 0, src, {}) for name, src in sources.items()]
+    optim = [fqn for fqn in [*meta.tensors, *meta.byte_entries] if fqn.startswith(OPTIMIZER_PREFIX)]
+    optim_bytes = sum(
+        e.dtype.itemsize * _numel(e.size) for fqn, e in meta.tensors.items() if fqn.startswith(OPTIMIZER_PREFIX)
+    )
+    a = args or {}
+    tp = int(a.get("tensor_model_parallel_size") or _vocab_shards(meta))
+    pp = int(a.get("pipeline_model_parallel_size") or 1)
+    ep = int(a.get("expert_model_parallel_size") or 1)
+    world = 1 + max((int(m[1]) for n in names if (m := re.match(r"^__(\d+)_\d+\.distcp$", n))), default=0)
+    dp = int(a.get("data_parallel_size") or max(1, world // (tp * pp)))
+    details: dict[str, Any] = {
+        "format": TITLE, "world_size": world, "iteration": a.get("iteration") or _iteration(tag),
+        "dcp_version": meta.version, "args": args, "args_problem": common_problem,
+        "optimizer_entries": len(optim), "optimizer_layout": _optimizer_layout(optim),
+    }  # fmt: skip
+    files = TagFiles({}, {}, "", False, layout=KIND, names=tuple(names))
+    side = [n for n in ("config.json",) if (saved_in / n).is_file()]
+    loc = CheckpointLocation(saved_in, tag, folder, files, None, side)
+    optimizer = OptimizerState([], {}, {}, saved=bool(optim), stored_bytes=optim_bytes if optim else 0)
+    return Checkpoint(
+        location=loc, zero_stage=0, dp_world_size=dp, train_dtype=train_dtype, optimizer_kind="", ds_version="",
+        global_steps=details["iteration"], keys=list(sources), params=params, optimizer=optimizer, bit16={},
+        buffers={}, shared_params={}, frozen_excluded=False,
+        layout=ParallelLayout(kind=KIND, dp=dp, tp=tp, pp=pp, ep=ep, details=details),
+    )  # fmt: skip
+
+
+def _vocab_shards(meta: DcpMetadata) -> int:
+    """Without args: TP from the vocabulary-parallel embedding's row blocks (one per TP rank)."""
+    entry = meta.tensors.get("embedding.word_embeddings.weight")
+    return len({c.offsets[0] for c in entry.chunks}) if entry is not None else 1
+
+
+def _numel(size: tuple[int, ...]) -> int:
+    n = 1
+    for s in size:
+        n *= s
+    return n
+
+
+def _iteration(tag: str) -> int | None:
+    m = ITER_RE.match(tag)
+    return int(m["n"]) if m else None
+
+
+def _optimizer_layout(entries: list[str]) -> str | None:
+    if not entries:
+        return None
+    if any(e.startswith("optimizer.state.") for e in entries):
+        return "per-parameter (fully reshardable)"
+    return "per-bucket (distributed optimizer)" if any(".distributed." in e for e in entries) else "per-parameter"
+
+
+class MegatronLayout(ReadOnlyLayout):
+    """Megatron-Core `torch_dist` folders: read only (Megatron reshards on load)."""
+
+    kind = KIND
+    title = TITLE
+
+    def claims(self, names: Sequence[str]) -> bool:
+        return False  # found as a folder format (FOLDER), never as a DeepSpeed tag folder
+
+    def read(self, loc: CheckpointLocation) -> Checkpoint:
+        return read_megatron(loc.tag_dir, loc.root, loc.tag)
+
+    def describe(self, parallel: dict[str, Any]) -> list[str]:
+        args = parallel.get("args")
+        saved = f"{parallel.get('world_size', '?')} ranks ({TITLE}, iteration {parallel.get('iteration')})"
+        lines = [f"saved by       {saved}"]
+        if args:
+            lines.append(f"run arguments  {len(args)} (common_state): hidden {args.get('hidden_size')}, layers "
+                         f"{args.get('num_layers')}, vocab {args.get('padded_vocab_size')} padded")  # fmt: skip
+        else:
+            why = parallel.get("args_problem") or "a plain dist_checkpointing.save holds none"
+            lines.append(f"run arguments  none ({why}): consolidate needs --config")
+        layout = parallel.get("optimizer_layout")
+        lines.append(f"optimizer      {layout + ', ' if layout else ''}{parallel.get('optimizer_entries', 0)} entries, "
+                     "not read")  # fmt: skip
+        return lines
+
+
+class MegatronFolderFormat:
+    def recognizes(self, path: Path) -> bool:
+        try:
+            return find_megatron(path) is not None
+        except CheckpointNotFoundError:
+            return True  # it is one; `open` says what is missing
+
+    def open(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> Checkpoint:
+        return read_megatron(*self._find(path, step))
+
+    def root(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> tuple[Path, str]:
+        _, saved_in, name = self._find(path, step)
+        return saved_in, name
+
+    def _find(self, path: Path, step: int | None) -> tuple[Path, Path, str]:
+        found = find_megatron(path, step)
+        if found is None:
+            raise CheckpointNotFoundError(f"{path} holds no Megatron torch_dist folder (metadata.json + .metadata)")
+        return found
+
+
+LAYOUT = MegatronLayout()
+FOLDER = MegatronFolderFormat()
