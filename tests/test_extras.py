@@ -20,7 +20,7 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from ckpttools import consolidate
+from ckpttools import consolidate, open_checkpoint
 from ckpttools.extras import EXTRA_FOR_COMMAND, EXTRA_FOR_MODULE, describe_missing, missing_module
 
 from .conftest import FIXTURES, tree_digest
@@ -212,3 +212,47 @@ def test_check_keys_without_torch_names_the_extra_in_one_line(base_python, tmp_p
     proc = ckpt_base(base_python, "consolidate", TRAINER, "--out", tmp_path / "k", "--check-keys")
     _one_line_naming(proc, "verify")
     assert not (tmp_path / "k").exists()
+
+
+def module_base(python: Path, module: str, *args: object) -> subprocess.CompletedProcess[str]:
+    """Run `python -m MODULE ARGS` in the base environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON") and k != "VIRTUAL_ENV"}
+    return subprocess.run(
+        [python, "-m", module, *map(str, args)], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+
+
+def test_the_drop_ins_run_without_torch(base_python, tmp_path):
+    """zero_to_fp32 (its default .bin), zero_to_torch and ds_to_universal on the base install, as the README says:
+    their torch files come from ckpt's own writer, and torch.load reads back what DeepSpeed's functions give."""
+    import torch
+
+    from ckpttools.compat.ds_to_universal import convert_to_universal
+    from ckpttools.compat.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    want = get_fp32_state_dict_from_zero_checkpoint(ZERO2)  # torch.equal to DeepSpeed's (test_zero_to_fp32.py)
+    kept = set(open_checkpoint(ZERO2).kept_fp32)  # buffers the bf16 run kept in fp32: zero_to_torch keeps them
+    for module, args, dtype in (("ckpttools.zero_to_fp32", [], torch.float32),
+                                ("ckpttools.zero_to_torch", ["--dtype", "bf16"], torch.bfloat16)):  # fmt: skip
+        out = tmp_path / module.rpartition(".")[2]
+        proc = module_base(base_python, module, ZERO2, out, *args)
+        assert proc.returncode == 0, proc.stderr
+        got = torch.load(out / "pytorch_model.bin", weights_only=True)
+        assert list(got) == list(want)
+        for key, value in want.items():
+            cast = value.to(dtype) if value.is_floating_point() and key not in kept else value
+            assert got[key].dtype == cast.dtype and torch.equal(got[key], cast), (module, key)
+        assert got["head.weight"].untyped_storage().data_ptr() == got["emb.weight"].untyped_storage().data_ptr()
+
+    tag = next(ZERO2.glob("global_step*"))
+    proc = module_base(base_python, "ckpttools.ds_to_universal", "--input_folder", tag, "--output_folder",
+                       tmp_path / "u" / "universal")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    convert_to_universal(tag, tmp_path / "full" / "universal")  # with torch importable: the same tensors
+    base, full = tmp_path / "u" / "universal", tmp_path / "full" / "universal"
+    files = sorted(p.relative_to(full) for p in full.rglob("*.pt"))
+    assert files and files == sorted(p.relative_to(base) for p in base.rglob("*.pt"))
+    for rel in files:
+        a, b = torch.load(base / rel, weights_only=False), torch.load(full / rel, weights_only=False)
+        if isinstance(b, dict) and "param" in b:
+            assert torch.equal(a["param"], b["param"]), rel

@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 
 from ckpttools.compat import zero_to_fp32 as ours
 from ckpttools.compat.zero_to_fp32 import GatheredTensor, cli
+from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.io.staging import MANIFEST
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, tree_digest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ds = pytest.importorskip("deepspeed.utils.zero_to_fp32")
@@ -207,7 +208,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert "does not exist" in _one_error_line(capsys.readouterr().err)
     assert cli([str(_src("z2_dp2_bf16")), str(tmp_path / "o"), "--max_shard_size", "12"]) == 2
     assert "--max_shard_size" in _one_error_line(capsys.readouterr().err)
-    assert cli([str(_src("z2_dp2_bf16")), str(tmp_path / "o"), "--tag", "global_step9"]) == 1
+    assert cli([str(_src("z2_dp2_bf16")), str(tmp_path / "o"), "--tag", "global_step9"]) == 2  # a usage error
     assert "global_step9" in _one_error_line(capsys.readouterr().err)
     (tmp_path / "afile").write_text("x")
     assert cli([str(_src("z2_dp2_bf16")), str(tmp_path / "afile")]) == 1
@@ -304,3 +305,66 @@ def test_layouts_deepspeeds_script_refuses_convert_to_the_full_fp32_masters(name
     got, want = load_file(tmp_path / "ours" / "model.safetensors"), load_file(tmp_path / "ckpt" / "model.safetensors")
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     assert all(t.dtype == torch.float32 for k, t in got.items() if t.is_floating_point())
+
+
+# FSDP2 saves in every form ckpt reads them: torch DCP (run folder, step folder), HF safetensors shards, accelerate's
+# DCP folders and per-rank files, a PEFT run, a TP x DP run
+FSDP2_INPUTS = ["fsdp2_dcp_dp2_fp32/checkpoint", "fsdp2_dcp_dp2_fp32/checkpoint/step-2",
+                "fsdp2_hf_safetensors/checkpoint", "accelerate_fsdp2_sharded/checkpoint",
+                "accelerate_fsdp2_rankfiles/checkpoint", "fsdp2_peft_dcp/checkpoint",
+                "fsdp2_tp2_dp2/checkpoint"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", FSDP2_INPUTS)
+def test_the_three_drop_ins_refuse_fsdp2_input_alike(name, tmp_path, capsys):
+    """Not an IndexError, not a quiet conversion, not "elastic ZeRO-1/2": the same line from all three."""
+    from ckpttools.compat import ds_to_universal, zero_to_torch
+
+    src = str(FIXTURES / name)
+    runs = {
+        "zero_to_fp32": lambda: cli([src, str(tmp_path / "a")]),
+        "zero_to_torch": lambda: zero_to_torch.cli([src, str(tmp_path / "b"), "--dtype", "bf16"]),
+        "ds_to_universal": lambda: ds_to_universal.cli(["--input_folder", src, "--output_folder", str(tmp_path / "c")]),
+    }
+    lines = set()
+    for script, run in runs.items():
+        assert run() == 1, script
+        line = _one_error_line(capsys.readouterr().err)
+        assert "not a DeepSpeed checkpoint" in line and f"run `ckpt consolidate {src}` instead" in line, line
+        lines.add(line)
+    assert len(lines) == 1, lines
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(UnsupportedCheckpointError, match="not a DeepSpeed checkpoint"):  # the functions too
+        ours.get_fp32_state_dict_from_zero_checkpoint(src)
+
+
+def test_the_checkpoint_itself_is_never_the_output(tmp_path, capsys):
+    """DeepSpeed's script writes pytorch_model.bin into the checkpoint it is given as output_dir; this refuses."""
+    src = shutil.copytree(_src("trainer_z2_bf16"), tmp_path / "checkpoint-4")
+    before = tree_digest(src)
+    tag = next(p for p in src.iterdir() if p.name.startswith("global_step"))
+    for out in (src, tag, tag / "fp32", src.parent / "checkpoint-4" / "." / ""):
+        assert cli([str(src), str(out)]) == 1, out
+        assert "the checkpoint's own folder" in _one_error_line(capsys.readouterr().err)
+    assert cli([str(src.parent), str(src)]) == 1  # a Trainer output_dir given, its checkpoint-N as output
+    _one_error_line(capsys.readouterr().err)
+    assert tree_digest(src) == before
+    # DeepSpeed's own example, `python zero_to_fp32.py . output_dir/`: a new folder beside the checkpoint's files
+    assert cli([str(src), str(src / "output_dir")]) == 0
+    assert (src / "output_dir" / "pytorch_model.bin").is_file()
+
+
+def test_bin_is_what_torch_save_writes(tmp_path, capsys):
+    """The .bin shards come from ckpt's own writer (no torch needed): torch.save of what torch.load reads back from
+    them gives the same data.pkl and storages, byte for byte, ties included."""
+    for name, args in (("z2_dp2_bf16", []), ("z3_dp3_bf16", ["--max_shard_size", "1KB"])):
+        assert cli([str(_src(name)), str(tmp_path / name), *args]) == 0
+        for path in (tmp_path / name).glob("*.bin"):
+            torch.save(torch.load(path, weights_only=True), tmp_path / "again.bin")
+            ours_zip, torch_zip = zipfile.ZipFile(path), zipfile.ZipFile(tmp_path / "again.bin")
+            names = [n.removeprefix(Path(n).parts[0]) for n in ours_zip.namelist()]
+            assert names == [n.removeprefix(Path(n).parts[0]) for n in torch_zip.namelist()], path
+            for a, b in zip(ours_zip.namelist(), torch_zip.namelist(), strict=True):
+                if not a.endswith("serialization_id"):  # random in every file
+                    assert ours_zip.read(a) == torch_zip.read(b), (path, a)
+    capsys.readouterr()

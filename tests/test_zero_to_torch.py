@@ -216,7 +216,7 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     assert e.value.code == 2 and "int8" in _one_error_line(capsys.readouterr().err)
     assert cli([src, str(tmp_path / "o"), "--dtype", "bf16", "--max_shard_size", "12"]) == 2
     assert "--max_shard_size" in _one_error_line(capsys.readouterr().err)
-    assert cli([src, str(tmp_path / "o"), "--dtype", "bf16", "--tag", "global_step9"]) == 1
+    assert cli([src, str(tmp_path / "o"), "--dtype", "bf16", "--tag", "global_step9"]) == 2  # a usage error
     assert "global_step9" in _one_error_line(capsys.readouterr().err)
     with pytest.raises(ours.UsageError, match="Choose one of: bf16, bfloat16"):
         ours.convert_zero_checkpoint_to_state_dict(src, tmp_path / "o", dtype=torch.int8)

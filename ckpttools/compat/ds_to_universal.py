@@ -43,15 +43,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ckpttools.compat.zero_to_fp32 import _Parser, run_cli
+from ckpttools.compat.zero_to_fp32 import _Parser, open_deepspeed, run_cli
 from ckpttools.errors import CorruptCheckpointError, OutputError, UnsupportedCheckpointError, UsageError
-from ckpttools.io.safetensors_writer import read_tensor
+from ckpttools.io import dtypes
 from ckpttools.io.staging import staged_folder, why_not_replaceable, write_text_atomically
 from ckpttools.io.torchfile import RecordReader
-from ckpttools.io.torchwriter import ProgressFn, write_torch_files
+from ckpttools.io.torchwriter import ProgressFn, whole_tensor, write_torch_files
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.locate import check_tag_name
-from ckpttools.layouts.registry import open_checkpoint
 from ckpttools.layouts.universal import LATEST, STEP
 from ckpttools.model.checkpoint import MASTER, Checkpoint, TensorSource, strip_prefixes
 from ckpttools.ops.reshard import files_bytes, universal_tag_files
@@ -124,7 +123,7 @@ def convert_to_universal(
     on_progress: ProgressFn | None = None,
 ) -> UniversalResult:
     """Write the universal checkpoint of `input_folder` at `output_folder`, `latest_universal` beside it."""
-    ckpt = open_checkpoint(Path(input_folder))
+    ckpt = open_deepspeed(input_folder)
     if ckpt.source_format == "universal":
         raise UsageError(f"{input_folder} is already a universal checkpoint")
     if ckpt.optimizer.param_groups is None:
@@ -150,13 +149,10 @@ def convert_to_universal(
         with staged_folder(out, overwrite=replace, needed_bytes=needed, notes=notes) as tmp:
             for rel in [*files, *(rel for rel, _ in extra)]:
                 (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-            write_torch_files([(tmp / rel, obj) for rel, obj in files.items()], reader, on_start=on_start,
-                              on_progress=on_progress)  # fmt: skip
-            if extra:
-                import torch
-
-                for rel, src in extra:
-                    torch.save({"param": read_tensor(src, reader).float()}, tmp / rel)
+            # DeepSpeed saves {"param": value.float()} for these: the module's values cast to float32
+            module_fp32 = [(rel, {"param": whole_tensor(src, src.shape, dtypes.FLOAT32)}) for rel, src in extra]
+            write_torch_files([(tmp / rel, obj) for rel, obj in [*files.items(), *module_fp32]], reader,
+                              on_start=on_start, on_progress=on_progress)  # fmt: skip
             reader.finish()  # CRC-32 of every record read, before the folder is renamed into place
     latest = out.parent / LATEST
     write_text_atomically(latest, out.name)

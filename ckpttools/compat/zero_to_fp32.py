@@ -19,7 +19,10 @@ Where DeepSpeed fails, this works:
 - BF16_Optimizer checkpoints (DeepSpeed: "is not a zero checkpoint"), universal checkpoints, a Trainer
   `output_dir` or a tag folder given as CHECKPOINT_DIR.
 
-Memory stays bounded for safetensors output (tensors are streamed); `.bin` holds one shard, as torch.save must.
+Memory stays bounded: tensors are streamed into both formats, the `.bin` files by ckpt's own torch.save writer
+(io/torchwriter.py: the pickle torch.save writes, without torch), so the base install runs this. A checkpoint of
+another format (torch DCP / FSDP2) is refused in one line naming `ckpt consolidate`, and OUTPUT_DIR may not be the
+checkpoint's own folder (DeepSpeed's script writes there).
 Every record read is checked against its CRC-32 before anything is moved into OUTPUT_DIR, and the ZeRO-1/2
 module weights are compared with the fp32 masters first, so a damaged or mixed-up checkpoint fails with one
 line instead of being written. Files are written into a private temporary folder inside OUTPUT_DIR and each
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shlex
 import sys
 import threading
 import weakref
@@ -43,14 +47,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ckpttools.errors import OutputError, UsageError
+from ckpttools.errors import OutputError, UnsupportedCheckpointError, UsageError
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
 from ckpttools.io.safetensors_writer import OutputTensor, ProgressFn, read_tensor, write_safetensors
 from ckpttools.io.staging import check_files_replaceable, staged_files
 from ckpttools.io.torchfile import RecordReader
+from ckpttools.io.torchwriter import NewTensor, whole_tensor, write_torch_files
 from ckpttools.layouts.crosscheck import check_module_copies
-from ckpttools.layouts.registry import open_checkpoint
+from ckpttools.layouts.registry import UNIVERSAL, folder_format_of, layouts, open_checkpoint
 from ckpttools.model.checkpoint import Checkpoint, TensorSource, strip_prefixes
 from ckpttools.ops import hf
 
@@ -129,8 +134,28 @@ def _dropped_frozen(ckpt: Checkpoint, exclude_frozen_parameters: bool) -> list[s
 def _open(
     checkpoint_dir: Any, tag: str | None, exclude_frozen_parameters: bool
 ) -> tuple[Checkpoint, OrderedDict[str, _Entry]]:
-    ckpt = open_checkpoint(Path(checkpoint_dir), tag=tag)
+    ckpt = open_deepspeed(checkpoint_dir, tag=tag)
     return ckpt, _plan(ckpt, exclude_frozen_parameters)
+
+
+def open_deepspeed(checkpoint_dir: Any, *, tag: str | None = None) -> Checkpoint:
+    """The checkpoint at `checkpoint_dir`, refused when it is not a DeepSpeed one (the drop-ins' input).
+
+    DeepSpeed's scripts read DeepSpeed checkpoints only; a folder of another format ckpt reads (torch DCP / FSDP2)
+    would otherwise fail somewhere inside with a misleading message, or be converted as if it were one. The one
+    line says what it is and what reads it. Checked before anything but the folder's names and small files is read.
+    """
+    path = Path(checkpoint_dir)
+    fmt = folder_format_of(path)
+    if fmt is not None and fmt is not UNIVERSAL:  # DeepSpeed's universal folders are DeepSpeed's; the rest is not
+        # the layout living beside the folder format names it (torch DCP: "torch Distributed Checkpoint (FSDP2)")
+        title = next((lay.title for lay in layouts() if type(lay).__module__ == type(fmt).__module__), "")
+        what = f"is a {title}, not a DeepSpeed checkpoint" if title else "is not a DeepSpeed checkpoint"
+        raise UnsupportedCheckpointError(
+            f"{path} {what}: DeepSpeed's scripts and these drop-ins read DeepSpeed checkpoints only; run "
+            f"`ckpt consolidate {shlex.quote(str(path))}` instead"
+        )
+    return open_checkpoint(path, tag=tag)
 
 
 # --- Lazy tensors ------------------------------------------------------------------------------------------
@@ -373,8 +398,6 @@ def _convert(
     on_progress: ProgressFn | None = None,
 ) -> _Written:
     ckpt, entries = _open(checkpoint_dir, tag, exclude_frozen_parameters)
-    weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-    split = _split(entries, weights_name, max_shard_size)
     notes = []
     dropped = [n for n in _dropped_frozen(ckpt, exclude_frozen_parameters) if n not in entries]  # said if so only
     if dropped:
@@ -388,6 +411,32 @@ def _convert(
         notes.append(
             f"tied weights ({', '.join(tied[:3])}) are stored as their own copies: safetensors cannot alias tensors"
         )
+    return write_entries(
+        ckpt, entries, Path(checkpoint_dir), Path(output_dir), max_shard_size, safe_serialization, notes,
+        debug=debug, on_start=on_start, on_progress=on_progress,
+    )  # fmt: skip
+
+
+def write_entries(
+    ckpt: Checkpoint,
+    entries: Mapping[str, _Entry],
+    checkpoint_dir: Path,
+    output_dir: Path,
+    max_shard_size: int | str | None,
+    safe_serialization: bool,
+    notes: list[str],
+    *,
+    debug: Callable[[str], None] | None = None,
+    on_start: ProgressFn | None = None,
+    on_progress: ProgressFn | None = None,
+) -> _Written:
+    """Write the state dict `entries` into `output_dir` as DeepSpeed's converters do (zero_to_fp32, zero_to_torch).
+
+    `.bin` shards are written by ckpt's own torch.save writer (no torch needed, tensors streamed); tied names are
+    one tensor within a shard, as torch.save stores the one tensor object DeepSpeed maps them to.
+    """
+    weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
+    split = _split(entries, weights_name, max_shard_size)
     if debug:
         debug(f"zero stage {ckpt.zero_stage}, dp {ckpt.dp_world_size}, tag {ckpt.location.tag}")
         for name, e in entries.items():
@@ -396,13 +445,7 @@ def _convert(
                 f"-> {split.tensor_to_filename[name]}"
             )
     check_module_copies(ckpt)  # before anything is written
-    out = Path(output_dir).absolute()
-    if out.is_symlink() and not out.exists():
-        raise OutputError(
-            f"output_dir {out} is a symlink to {out.resolve()}, which does not exist; nothing was written"
-        )
-    if os.path.lexists(out) and not out.is_dir():
-        raise OutputError(f"output_dir {out} exists and is not a folder")
+    out = _output_dir(output_dir, ckpt, checkpoint_dir)
     files = list(split.filename_to_tensors)
     index_name = f"{weights_name}.index.json"
     check_files_replaceable(out, files + ([index_name] if split.is_sharded else []))  # DeepSpeed's would replace them
@@ -419,38 +462,56 @@ def _convert(
         if on_start:
             on_start(written_bytes)
         with RecordReader() as reader:
-            for fname, names in split.filename_to_tensors.items():
-                if safe_serialization:
+            if safe_serialization:
+                for fname, names in split.filename_to_tensors.items():
                     group = [OutputTensor(n, entries[n].source, entries[n].file_dtype) for n in names]
                     write_safetensors(tmp / fname, group, reader, metadata={"format": "pt"}, on_progress=on_progress)
-                else:
-                    _write_bin(tmp / fname, names, entries, reader, on_progress)
+            else:
+                bins = [(tmp / fname, _bin_state(names, entries)) for fname, names in split.filename_to_tensors.items()]
+                write_torch_files(bins, reader, on_progress=on_progress)
             reader.finish()  # CRC-32 of every record read: nothing is moved into place before this passes
         if split.is_sharded:  # DeepSpeed's index: huggingface_hub's metadata (total_size only)
             files.append(hf.write_index_json(tmp, index_name, split.metadata, split.tensor_to_filename))
     return _Written(out, files, len(entries), sum(e.file_nbytes for e in unique.values()), notes)
 
 
-def _write_bin(
-    path: Path,
-    names: Sequence[str],
-    entries: Mapping[str, _Entry],
-    reader: RecordReader,
-    on_progress: ProgressFn | None,
-) -> None:
-    """A torch.save shard as DeepSpeed writes it: tied names are one tensor, stored once."""
-    import torch
+def _output_dir(output_dir: Path, ckpt: Checkpoint, checkpoint_dir: Path) -> Path:
+    """The absolute output folder, refused when it is the checkpoint itself or lies among its rank files.
 
-    made: dict[int, Any] = {}
+    DeepSpeed's script writes wherever it is told, the checkpoint folder included; here the input is never
+    written into: not the folder given, not the checkpoint root (holding `latest`), not the tag folder or a
+    folder inside it. A new folder inside the checkpoint root (`python zero_to_fp32.py . output_dir/`, DeepSpeed's
+    own example) adds files beside the checkpoint's without touching them, so it stays allowed.
+    """
+    out = output_dir.absolute()
+    if out.is_symlink() and not out.exists():
+        raise OutputError(
+            f"output_dir {out} is a symlink to {out.resolve()}, which does not exist; nothing was written"
+        )
+    if os.path.lexists(out) and not out.is_dir():
+        raise OutputError(f"output_dir {out} exists and is not a folder")
+    resolved = out.resolve()
+    tag_dir = ckpt.location.tag_dir.resolve()
+    inputs = {checkpoint_dir.resolve(), ckpt.location.root.resolve(), tag_dir}
+    if resolved in inputs or tag_dir in resolved.parents:
+        raise OutputError(
+            f"output_dir {out} is the checkpoint's own folder: the drop-ins never write into their input "
+            "(DeepSpeed's script would); choose a new folder, such as one beside the checkpoint"
+        )
+    return out
+
+
+def _bin_state(names: Sequence[str], entries: Mapping[str, _Entry]) -> dict[str, NewTensor]:
+    """One `.bin` shard's state dict as DeepSpeed's torch.save gets it, tensors still to be read: tied names are the
+    same tensor object, so the file stores it once and torch.load gives them one storage."""
+    made: dict[int, NewTensor] = {}
     state = {}
     for name in names:
         e = entries[name]
         if id(e) not in made:
-            made[id(e)] = read_tensor(e.source, reader, e.file_dtype)
-            if on_progress:
-                on_progress(e.file_nbytes)
+            made[id(e)] = whole_tensor(e.source, e.source.shape, e.file_dtype)
         state[name] = made[id(e)]
-    torch.save(state, path)
+    return state
 
 
 # --- The command line --------------------------------------------------------------------------------------

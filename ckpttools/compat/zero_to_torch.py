@@ -21,7 +21,7 @@ As the zero_to_fp32 drop-in (`ckpttools.compat.zero_to_fp32`), this also works w
 weights with `--safe_serialization` (stored as copies), BF16_Optimizer, universal, pipeline, AutoTP and MoE
 checkpoints (the whole model, as `ckpt consolidate` writes it), a Trainer `output_dir` or a tag folder; every
 record read is CRC-checked and the ZeRO-1/2 module copies are compared with the masters before anything is moved
-into OUTPUT_DIR; safetensors output is streamed; other files in OUTPUT_DIR are left alone.
+into OUTPUT_DIR; both formats are streamed, without torch; other files in OUTPUT_DIR are left alone.
 """
 
 from __future__ import annotations
@@ -42,20 +42,15 @@ from ckpttools.compat.zero_to_fp32 import (
     _Entry,
     _open,
     _Parser,
-    _split,
-    _write_bin,
     _Written,
     run_drop_in,
+    write_entries,
 )
-from ckpttools.errors import OutputError, UsageError
+from ckpttools.errors import UsageError
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
-from ckpttools.io.safetensors_writer import OutputTensor, ProgressFn, write_safetensors
-from ckpttools.io.staging import check_files_replaceable, staged_files
-from ckpttools.io.torchfile import RecordReader
-from ckpttools.layouts.crosscheck import check_module_copies
+from ckpttools.io.safetensors_writer import ProgressFn
 from ckpttools.model.checkpoint import Checkpoint, strip_prefixes
-from ckpttools.ops import hf
 
 __all__ = ["OUTPUT_DTYPE_NAMES", "cli", "convert_zero_checkpoint_to_state_dict"]
 
@@ -171,49 +166,11 @@ def _convert(
     out_dtype = resolve_dtype(dtype)
     ckpt, fp32_entries = _open(checkpoint_dir, tag, exclude_frozen_parameters)
     entries, kept = _cast_plan(ckpt, fp32_entries, out_dtype)
-    weights_name = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-    split = _split(entries, weights_name, max_shard_size)
     notes = _notes(ckpt, entries, kept, exclude_frozen_parameters, safe_serialization)
-    if debug:
-        debug(f"zero stage {ckpt.zero_stage}, dp {ckpt.dp_world_size}, tag {ckpt.location.tag}")
-        for name, e in entries.items():
-            debug(
-                f"{name}: {list(e.source.shape)} {e.file_dtype.name} ({e.source.kind}) "
-                f"-> {split.tensor_to_filename[name]}"
-            )
-    check_module_copies(ckpt)  # before anything is written
-    out = Path(output_dir).absolute()
-    if out.is_symlink() and not out.exists():
-        raise OutputError(
-            f"output_dir {out} is a symlink to {out.resolve()}, which does not exist; nothing was written"
-        )
-    if os.path.lexists(out) and not out.is_dir():
-        raise OutputError(f"output_dir {out} exists and is not a folder")
-    files = list(split.filename_to_tensors)
-    index_name = f"{weights_name}.index.json"
-    check_files_replaceable(out, files + ([index_name] if split.is_sharded else []))  # DeepSpeed's would replace them
-    unique = {id(e): e for e in entries.values()}
-    shards = split.filename_to_tensors.values()
-    if safe_serialization:  # every name is its own tensor
-        written_bytes = sum(entries[n].file_nbytes for names in shards for n in names)
-    else:  # tied names are one tensor within a shard
-        written_bytes = sum(
-            e.file_nbytes for names in shards for e in {id(entries[n]): entries[n] for n in names}.values()
-        )
-    with staged_files(out, needed_bytes=written_bytes, notes=notes, last=(index_name, weights_name)) as tmp:
-        if on_start:
-            on_start(written_bytes)
-        with RecordReader() as reader:
-            for fname, names in split.filename_to_tensors.items():
-                if safe_serialization:
-                    group = [OutputTensor(n, entries[n].source, entries[n].file_dtype) for n in names]
-                    write_safetensors(tmp / fname, group, reader, metadata={"format": "pt"}, on_progress=on_progress)
-                else:
-                    _write_bin(tmp / fname, names, entries, reader, on_progress)
-            reader.finish()  # CRC-32 of every record read: nothing is moved into place before this passes
-        if split.is_sharded:
-            files.append(hf.write_index_json(tmp, index_name, split.metadata, split.tensor_to_filename))
-    return _Written(out, files, len(entries), sum(e.file_nbytes for e in unique.values()), notes)
+    return write_entries(
+        ckpt, entries, Path(checkpoint_dir), Path(output_dir), max_shard_size, safe_serialization, notes,
+        debug=debug, on_start=on_start, on_progress=on_progress,
+    )  # fmt: skip
 
 
 # --- The command line --------------------------------------------------------------------------------------
