@@ -68,6 +68,7 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_rankfile.py": (UNIT,),
     "test_registry.py": (UNIT,),
     "test_safetensors_writer.py": (UNIT,),
+    "test_reduce.py": (UNIT,),
     "test_source.py": (UNIT,),
     "test_stages.py": (UNIT,),
     "test_threads.py": (UNIT,),
@@ -97,6 +98,8 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_verify_counts.py": (),
     "test_dcp.py": (),  # FSDP2 / torch DCP input, against torch's dcp_to_torch_save and accelerate
     "test_remote.py": (),  # s3:// and hf:// sources against local servers started by the tests
+    "test_diff.py": (),  # ckpt diff over fixtures of every format, against torch on loaded tensors
+    "test_stats.py": (),  # ckpt stats, against torch on loaded tensors; a NaN planted in an Adam moment
     # against DeepSpeed's own converters and loaders
     "test_ds_to_universal.py": (DEEPSPEED,),
     "test_reshard.py": (DEEPSPEED,),

@@ -39,6 +39,7 @@ import click  # after the signal handler
 
 from ckpttools._version import __version__
 from ckpttools.cli._common import EPILOG, CkptGroup
+from ckpttools.cli.compare import diff_cmd, stats_cmd
 from ckpttools.cli.convert import consolidate_cmd, inspect_cmd, reshard_cmd
 from ckpttools.cli.hub import push_cmd, verify_cmd
 
@@ -51,6 +52,6 @@ def main() -> None:
     """Inspect, consolidate and reshard DeepSpeed ZeRO checkpoints."""
 
 
-for _command in (consolidate_cmd, reshard_cmd, inspect_cmd, verify_cmd, push_cmd):
+for _command in (consolidate_cmd, reshard_cmd, inspect_cmd, verify_cmd, push_cmd, diff_cmd, stats_cmd):
     main.add_command(_command)
 del _command

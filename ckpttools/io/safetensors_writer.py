@@ -113,6 +113,41 @@ def _chunk_plan(tensors: Sequence[OutputTensor], chunk_bytes: int) -> Iterator[t
                 yield t, s, start, n
 
 
+def _chunk_owners(tensors: Sequence[OutputTensor], chunk_bytes: int) -> list[int]:
+    """The index in `tensors` of each chunk `_chunk_plan` yields, in the same order."""
+    owners = []
+    for i, t in enumerate(tensors):
+        per = max(1, chunk_bytes // max(t.source.dtype.itemsize, t.dtype.itemsize))
+        owners += [i] * sum(-(-seg.count // per) for seg in t.source.segments)
+    return owners
+
+
+def _chunk_size(tensors: Sequence[OutputTensor], chunk_bytes: int) -> int:
+    """At least one whole element of the widest dtype read or written (8 bytes: int64, float64)."""
+    return max(chunk_bytes, *(max(t.source.dtype.itemsize, t.dtype.itemsize) for t in tensors), 8)
+
+
+def stream_chunks(
+    tensors: Sequence[OutputTensor],
+    reader: RecordReader,
+    *,
+    chunk_bytes: int = CHUNK_BYTES,
+    workers: Workers | None = None,
+) -> Iterator[tuple[int, memoryview]]:
+    """Every tensor's bytes in its output dtype, chunk by chunk and in order, as (index in `tensors`, bytes): the
+    loop `write_safetensors` writes from, for callers that reduce the values instead (`ckpttools.ops.reduce`).
+
+    A background thread reads (and casts) ahead, so two streams consumed side by side read their sources in
+    parallel. A chunk's bytes are valid until the next chunk is asked for; a tensor's chunks split it at no
+    particular element (segment boundaries, `chunk_bytes`); a tensor with no elements yields no chunk.
+    """
+    if not tensors:
+        return
+    chunk_bytes = _chunk_size(tensors, chunk_bytes)
+    yield from zip(_chunk_owners(tensors, chunk_bytes), _ChunkPump(tensors, reader, chunk_bytes, workers),
+                   strict=True)  # fmt: skip
+
+
 def _source_span(seg: Segment, start: int, n: int) -> tuple[Record, int, int]:
     """The bytes of the record that elements [start, start + n) of a segment occupy."""
     item = seg.tensor.dtype.itemsize
@@ -229,8 +264,7 @@ def write_safetensors(
 
     Casts run on `workers` threads (default: this process's share of the cores).
     """
-    # a chunk holds at least one whole element of the widest dtype read or written (8 bytes: int64, float64)
-    chunk_bytes = max(chunk_bytes, *(max(t.source.dtype.itemsize, t.dtype.itemsize) for t in tensors), 8)
+    chunk_bytes = _chunk_size(tensors, chunk_bytes)
     header = safetensors_header(tensors, metadata or {"format": "pt"})
     written = 0
     with open(path, "wb") as fh, Workers(resolve_workers(workers)) as pool:

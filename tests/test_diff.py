@@ -1,0 +1,161 @@
+"""`ckpt diff`: the same model in two formats is identical, what changed is found and located, and the exit code
+says same (0), different (1) or could not compare (2). Every number is checked against torch on loaded tensors."""
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file, save_file
+
+from ckpttools.cli import main
+from ckpttools.ops.consolidate import consolidate
+from ckpttools.ops.diff import diff
+
+from .conftest import FIXTURES
+
+PEFT = ["peft_engine_z2_bf16", "peft_trainer_z2_bf16"]
+
+
+def run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def run_json(*args):
+    result = run(*args, "--json")
+    return result.exit_code, json.loads(result.stdout) if result.stdout.strip() else None, result
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["z3_dp2_bf16", "trainer_z3_gather_bf16"])
+def test_a_zero3_checkpoint_and_its_consolidated_folder_are_identical(name, dtype, tmp_path):
+    ckpt = FIXTURES / name / ("out/checkpoint-2" if name.startswith("trainer") else "checkpoint")
+    consolidate(ckpt, tmp_path / "model", dtype=dtype)
+    code, d, _ = run_json("diff", ckpt, tmp_path / "model")  # dtype taken from the folder
+    assert code == 0, d
+    assert d["same"] and d["counts"]["identical"] == d["a"]["num_tensors"] and d["tensors"] == []
+    assert d["a"]["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    code, d, _ = run_json("diff", tmp_path / "model", ckpt)  # either way round
+    assert code == 0 and d["same"]
+
+
+def test_a_dcp_folder_and_accelerates_merge_are_identical():
+    name = FIXTURES / "accelerate_fsdp2_sharded"
+    code, d, _ = run_json("diff", name / "checkpoint", name / "reference" / "model.safetensors")
+    assert code == 0
+    assert d["counts"]["identical"] == 21 and d["same"]
+
+
+@pytest.mark.parametrize("name", PEFT)
+def test_a_peft_merge_against_its_base_reports_exactly_the_changed_tensors(name):
+    base, merged = FIXTURES / name / "base", FIXTURES / name / "reference" / "merged_fp32.safetensors"
+    code, d, _ = run_json("diff", base, merged)
+    theirs, ours = load_file(base / "model.safetensors"), load_file(merged)
+    changed = {k for k in theirs if not torch.equal(theirs[k], ours[k])}
+    assert changed  # the merge changed the adapted weights
+    assert code == 1 and not d["same"]
+    assert {t["name"] for t in d["tensors"] if t["status"] == "changed"} == changed
+    assert d["counts"]["identical"] == len(ours) - len(changed)  # lm_head.weight: compared with the tied wte
+    for t in d["tensors"]:
+        a, b = theirs[t["name"]].double(), ours[t["name"]].double()
+        assert t["differing"] == int((a != b).sum())
+        assert t["max_abs_diff"] == pytest.approx(float((a - b).abs().max()), rel=1e-12)
+        rel = float((b - a).norm() / a.norm())  # inf where A is all zeros (JSON says "inf")
+        assert t["rel_l2"] == ("inf" if math.isinf(rel) else pytest.approx(rel, rel=1e-9))
+
+
+def test_one_flipped_element_is_found_and_located(tmp_path):
+    src = FIXTURES / "peft_engine_z2_bf16" / "base"
+    shutil.copytree(src, tmp_path / "b")
+    state = load_file(src / "model.safetensors")
+    name = "transformer.h.1.mlp.c_proj.weight"
+    state[name][17, 3] = -state[name][17, 3]
+    save_file(state, tmp_path / "b" / "model.safetensors", metadata={"format": "pt"})
+    code, d, _ = run_json("diff", src, tmp_path / "b")
+    assert code == 1
+    (t,) = d["tensors"]
+    a = load_file(src / "model.safetensors")[name]
+    assert (t["name"], t["status"], t["differing"], t["first"]) == (name, "changed", 1, [17, 3])
+    assert t["first_values"] == [float(a[17, 3]), -float(a[17, 3])]
+    assert t["max_abs_diff"] == pytest.approx(2 * abs(float(a[17, 3])))
+    human = run("diff", src, tmp_path / "b")
+    assert human.exit_code == 1
+    assert "transformer.h.1" in human.stdout and "mlp.c_proj.weight" in human.stdout and "[17, 3]" in human.stdout
+
+
+def test_tolerances_nan_shapes_dtypes_and_names(tmp_path):
+    base = {"w": torch.randn(5, 4), "n": torch.tensor([1.0, float("nan"), 2.0]), "z": torch.zeros(3),
+            "s": torch.ones(2, 3), "d": torch.ones(4), "only_a": torch.ones(1), "i": torch.arange(6)}  # fmt: skip
+    other = {k: v.clone() for k, v in base.items() if k != "only_a"}
+    other["w"][2, 1] += 1e-6
+    other["z"][1] = -0.0  # equal values, other bits
+    other["s"] = torch.ones(3, 2)
+    other["d"] = torch.ones(4, dtype=torch.bfloat16)
+    other["only_b"] = torch.zeros(2)
+    save_file(base, tmp_path / "a.safetensors")
+    save_file(other, tmp_path / "b.safetensors")
+    r = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    status = {t.name: t.status for t in r.tensors}
+    assert status == {"w": "changed", "n": "identical", "z": "equal", "s": "shape", "d": "dtype",
+                      "only_a": "only_in_a", "i": "identical", "only_b": "only_in_b"}  # fmt: skip
+    w = next(t for t in r.tensors if t.name == "w")
+    assert w.first == [2, 1] and w.differing == 1
+    d = next(t for t in r.tensors if t.name == "d")
+    assert d.differing == 0  # the values are equal; the dtype is not
+    loose = diff(tmp_path / "a.safetensors", tmp_path / "b.safetensors", atol=1e-5)
+    assert next(t for t in loose.tensors if t.name == "w").status == "equal"
+
+
+def test_nan_against_a_number_differs_with_an_infinite_distance(tmp_path):
+    save_file({"x": torch.tensor([1.0, 2.0, 3.0])}, tmp_path / "a.safetensors")
+    save_file({"x": torch.tensor([1.0, float("nan"), 3.0])}, tmp_path / "b.safetensors")
+    code, d, _ = run_json("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors")
+    assert code == 1
+    (t,) = d["tensors"]
+    assert t["differing"] == 1 and t["first"] == [1] and t["max_abs_diff"] == "inf"
+    assert t["first_values"][0] == 2.0 and math.isnan(float(t["first_values"][1]))
+
+
+def test_within_tolerance_is_the_same(tmp_path):
+    save_file({"x": torch.tensor([1.0, 2.0])}, tmp_path / "a.safetensors")
+    save_file({"x": torch.tensor([1.0, 2.0001])}, tmp_path / "b.safetensors")
+    assert run("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors").exit_code == 1
+    result = run("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors", "--rtol", "1e-4")
+    assert result.exit_code == 0 and "equal within" in result.stdout
+
+
+def test_a_damaged_rank_file_cannot_be_compared_exit_2(tmp_path):
+    """A flipped byte fails its CRC-32: "could not compare" (2), never "different" (1)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "z2_dp2_bf16" / "checkpoint", ckpt)
+    from ckpttools.layouts.registry import open_checkpoint
+
+    segment = open_checkpoint(ckpt).params[-1].fp32.segments[-1]  # a byte of an fp32 master partition
+    record, rank = segment.tensor.record, segment.tensor.record.path
+    data = bytearray(rank.read_bytes())
+    data[record.offset + record.nbytes - 3] ^= 0x10
+    rank.write_bytes(data)
+    result = run("diff", FIXTURES / "z2_dp2_bf16" / "checkpoint", ckpt)
+    assert result.exit_code == 2, result.output
+    assert "CRC-32" in result.stderr and result.stderr.startswith("Error: ")
+
+
+def test_usage_and_missing_paths_exit_2(tmp_path):
+    assert run("diff", tmp_path / "nothing", FIXTURES / "z2_dp2_bf16" / "checkpoint").exit_code == 2
+    assert run("diff", "a", "b", "--atol", "-1").exit_code == 2
+    assert run("diff", "a").exit_code == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run("diff", empty, FIXTURES / "z2_dp2_bf16" / "checkpoint")
+    assert result.exit_code == 2 and result.stderr.startswith("Error: ")
+
+
+def test_two_training_checkpoints_compare_their_fp32_masters(tmp_path):
+    """ZeRO-2 and ZeRO-3 runs of the same toy model differ; the same run read twice does not."""
+    z2 = FIXTURES / "z2_dp2_bf16" / "checkpoint"
+    assert run("diff", z2, z2).exit_code == 0
+    code, d, _ = run_json("diff", z2, FIXTURES / "z3_dp2_bf16" / "checkpoint")
+    assert d["a"]["dtype"] == "float32" and d["b"]["dtype"] == "float32"
+    assert code == (0 if d["same"] else 1)
