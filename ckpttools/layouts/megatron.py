@@ -18,6 +18,7 @@ records, torch dtypes ckpttools' own.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -256,7 +257,9 @@ def _checkpoint(
     files = TagFiles({}, {}, "", False, layout=KIND, names=tuple(names))
     side = [n for n in ("config.json",) if (saved_in / n).is_file()]
     loc = CheckpointLocation(saved_in, tag, folder, files, None, side)
-    optimizer = OptimizerState([], {}, {}, saved=bool(optim), stored_bytes=optim_bytes if optim else 0)
+    described = {"saved": bool(optim), "stored_bytes": optim_bytes if optim else 0}  # fields of newer models only
+    known = {f.name for f in dataclasses.fields(OptimizerState)}
+    optimizer = OptimizerState([], {}, {}, **{k: v for k, v in described.items() if k in known})
     return Checkpoint(
         location=loc, zero_stage=0, dp_world_size=dp, train_dtype=train_dtype, optimizer_kind="", ds_version="",
         global_steps=details["iteration"], keys=list(sources), params=params, optimizer=optimizer, bit16={},

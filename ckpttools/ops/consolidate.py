@@ -14,7 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from ckpttools import extras
+from ckpttools import adapters, extras
 from ckpttools.errors import CkptError, UsageError, short
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
@@ -335,14 +335,28 @@ def _plan_output(
     ckpt: Checkpoint, dtype: DType, to: str, max_shard_size: int | str, config: Path | str | None
 ) -> _Output:
     model_config = hf.find_config(ckpt.location.root, config)  # read once, refused before writing
+    ckpt, model_config, adapter_notes = _adapted(ckpt, model_config)  # trainer names -> Hugging Face's (adapters)
     tensors, omitted = plan_tensors(ckpt, dtype, hf_folder=model_config is not None,
                                     config=model_config.config if model_config else {})  # fmt: skip
     shards = plan_shards(tensors, to, max_shard_size)
     notes: list[str] = [] if model_config is not None or not _is_accelerate(ckpt) else [_NO_CONFIG_NOTE]
+    notes = adapter_notes + notes
     if ckpt.frozen_excluded:
         notes.append("this checkpoint holds only trainable (e.g. LoRA) weights: base weights are absent, as saved")
     total = sum(t.nbytes for t in tensors)
     return _Output(ckpt, dtype, to, model_config, tensors, omitted, shards, total, notes)
+
+
+def _adapted(ckpt: Checkpoint, model_config: hf.ModelConfig | None
+             ) -> tuple[Checkpoint, hf.ModelConfig | None, list[str]]:  # fmt: skip
+    """The checkpoint under Hugging Face names when an architecture adapter claims it (Megatron-Core, ...), with
+    the config.json it loads with (--config's, else generated from the run's arguments); else as it is."""
+    mapped = adapters.adapt(ckpt, model_config.config if model_config is not None else None)
+    if mapped is None:
+        return ckpt, model_config, []
+    if model_config is None:  # generated: no file of its own, and no companion files beside it
+        return mapped.checkpoint, hf.ModelConfig(ckpt.location.root, mapped.config, [], False), mapped.notes
+    return mapped.checkpoint, replace(model_config, config=mapped.config), mapped.notes
 
 
 _NO_CONFIG_NOTE = (
