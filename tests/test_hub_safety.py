@@ -247,6 +247,36 @@ def test_auth_failures_exit_4_before_any_consolidation(online, tmpdir_env, no_co
     assert elapsed < 5  # informative only: what matters is that nothing heavy ran (no_consolidation)
 
 
+@pytest.mark.parametrize("case", ["no token", "bad token", "read-only token", "public repo", "sound"])
+def test_dry_run_checks_the_token_and_rights_as_the_push_does_creating_nothing(online, model_folder, case):
+    kwargs, token = {"token": TOKEN, "role": "read" if case == "read-only token" else "write"}, TOKEN
+    token = {"no token": None, "bad token": "hf_wrong"}.get(case, TOKEN)
+    with LocalHub(**kwargs) as hub:
+        if case == "public repo":
+            assert push(hub, model_folder, "--repo", "org/dry", "--public").exit_code == 0
+        before = len(hub.log)
+        res = push(hub, model_folder, "--repo", "org/dry", "--dry-run", "--json", token=token)
+        sent = [r for r in hub.log[before:] if r["method"] != "GET"]
+        assert sent == [], sent  # whoami and repo_info only: nothing created, nothing sent
+        assert ("org/dry" in hub.repos) == (case == "public repo")
+    if case in ("no token", "bad token", "read-only token"):
+        assert res.exit_code == 4, res.output  # as the push itself: logging in is what helps
+        assert res.stderr.startswith("Error: ") and "hf auth login" in res.stderr
+    elif case == "public repo":
+        assert res.exit_code == 2 and "already exists and is public; pass --public" in res.stderr, res.output
+    else:
+        assert res.exit_code == 0, res.output
+        notes = json.loads(res.stdout)["notes"]
+        assert any("the token of local-user may write org/dry" in n and "nothing was created" in n for n in notes)
+
+
+def test_offline_dry_run_says_the_token_was_not_checked(model_folder):
+    res = push(None, model_folder, "--repo", "org/dry", "--dry-run", "--json")  # conftest: HF_HUB_OFFLINE=1
+    assert res.exit_code == 0, res.output
+    assert any("HF_HUB_OFFLINE is set: the token and the right to write org/dry were not checked" in n
+               for n in json.loads(res.stdout)["notes"])  # fmt: skip
+
+
 def test_write_refused_at_creation_is_exit_4(online, model_folder):
     with LocalHub(token=TOKEN, writable=("org",)) as hub:  # whoami lists no orgs: the Hub's 403 decides
         res = push(hub, model_folder, "--repo", "other/m")
@@ -267,7 +297,7 @@ def test_existing_public_repo_is_refused_before_consolidation(online, tmpdir_env
 
         HfApi(endpoint=hub.url, token=TOKEN).create_repo("org/pub", private=False)
         res = push(hub, CHECKPOINT, "--repo", "org/pub")
-        _one_error_line(res, 2, "already exists and is public", "--public")
+        assert res.exit_code == 2 and "already exists and is public; pass --public" in res.stderr, res.output
     assert list(tmpdir_env.iterdir()) == []
 
 

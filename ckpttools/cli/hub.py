@@ -65,7 +65,9 @@ Only the files a model repo holds are uploaded, at any depth: weights and their
 index, config.json, generation_config.json, tokenizer and chat template files,
 README.md, adapter files, processor configs. --include adds more (patterns as
 for `hf upload`); training state, global_step*/, checkpoint-*/, zero/ and
-other ckpt outputs are never uploaded. --dry-run lists the files and sizes.
+other ckpt outputs are never uploaded. --dry-run lists the files and sizes,
+and checks the token and the right to write as a push does (exit 4 as the
+push would), creating and sending nothing; offline, a note says it did not.
 
 \b
 The token comes from --token, HF_TOKEN or `hf auth login` (never printed); it
@@ -154,7 +156,9 @@ def _human_verify(r: VerifyReport) -> str:
 @click.option("--commit-message", "--commit_message", help="Commit title (default: names the model and step).")
 @click.option("--endpoint", metavar="URL", help="Hub URL (default: HF_ENDPOINT, else https://huggingface.co).")
 @click.option("--token", help="Hub token (default: HF_TOKEN or the stored `hf auth login`).")
-@click.option("--dry-run", is_flag=True, help="Verify and list the files and sizes that would be sent; send nothing.")
+@click.option("--dry-run", is_flag=True,
+              help="Verify, check the token and the right to write the repo (read-only calls; skipped with a note "
+              "when HF_HUB_OFFLINE is set), list the files and sizes that would be sent; send nothing.")  # fmt: skip
 @click.option("--include", multiple=True, metavar="PATTERN",
               help="Also upload files matching PATTERN (as `hf upload --include`; repeatable).")  # fmt: skip
 @click.option("--exclude", multiple=True, metavar="PATTERN",

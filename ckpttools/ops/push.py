@@ -488,7 +488,7 @@ def _scrub(message: str, token: str | None) -> str:
 
 
 @contextmanager
-def _remote_errors(**context: Any) -> Iterator[None]:
+def _remote_errors(*, dry_run: bool = False, **context: Any) -> Iterator[None]:
     try:
         yield
     except CkptError:
@@ -498,6 +498,8 @@ def _remote_errors(**context: Any) -> Iterator[None]:
         if err is None:
             raise
         hint = COMMIT_STATE_HINTS.get(getattr(e, COMMIT_STATE, ""))
+        if dry_run and type(err) is RemoteError:
+            hint = "a dry run checks the token and the repo on the Hub; with HF_HUB_OFFLINE=1 it skips them"
         if hint:
             err = type(err)(f"{err}; {hint}")
         err.args = (_scrub(str(err), context.get("token")),)  # a token must never reach a log
@@ -548,6 +550,13 @@ def check_access(api: Any, repo_id: str, *, private: bool | None, revision: str 
                 raise  # an open pull request to add to: it must exist
             head = None  # a branch, created from main when the push starts
     return Access(user, True, repo.private, head)
+
+
+def _access_note(access: Access, repo_id: str, endpoint: str) -> str:
+    """What a dry run found on the Hub, for its notes."""
+    where = f"{repo_id} exists ({'private' if access.private else 'public'})" if access.exists else (
+        f"{repo_id} does not exist yet (the push would create it)")  # fmt: skip
+    return f"checked on {endpoint}: the token of {access.user} may write {repo_id}; {where}; nothing was created"
 
 
 def _check_token_rights(info: dict[str, Any], user: str, repo_id: str) -> None:
@@ -715,7 +724,8 @@ def push(
         revision: branch to push to (created from main when missing), or "refs/pr/N" to add to an open PR.
         create_pr: open a pull request against main instead of committing to it.
         endpoint, token: passed to HfApi; the token is otherwise found the way huggingface_hub finds it.
-        dry_run: verify and list what would be sent; send nothing (works offline, checks no token).
+        dry_run: verify and list what would be sent; send nothing. Online, the token and the right to write the
+            repo are checked as for a push (read-only calls: whoami, repo_info); offline, a note says they were not.
         force: push even when verification finds problems (they are recorded in the result).
         source: the ZeRO checkpoint `path` was consolidated from, for the card's provenance (read, not compared).
         dtype, max_shard_size, tag, step, best: how to consolidate when `path` is a checkpoint.
@@ -736,16 +746,23 @@ def push(
     path = Path(path)
     _check_options(path, repo_id, create_pr, revision, base_model)
     access = None
+    notes: list[str] = []
+    offline = offline_variable()
     if not dry_run:
         check_online()
+    if offline is None:  # a dry run checks what the push would check first, creating and sending nothing
         if api is None:
             from huggingface_hub import HfApi
 
             api = HfApi(endpoint=endpoint, token=token, library_name="ckpttools", library_version=__version__)
         context = {"endpoint": api.endpoint, "repo_id": repo_id, "revision": revision or "main", "token": token}
-        with _remote_errors(**context):
+        with _remote_errors(**context, dry_run=dry_run):
             access = check_access(api, repo_id, private=private, revision=revision)
-    notes: list[str] = []
+        if dry_run:
+            notes.append(_access_note(access, repo_id, api.endpoint))
+    else:
+        notes.append(f"{offline} is set: the token and the right to write {repo_id} were not checked (unset it for "
+                     "a dry run that checks them)")  # fmt: skip
     with ExitStack() as stack:
         opts = {"dtype": dtype, "max_shard_size": max_shard_size, "tag": tag, "step": step, "best": best,
                 "config": config}  # fmt: skip
@@ -771,6 +788,8 @@ def push(
                        include, exclude, base_model, sink.sha256)  # fmt: skip
         result.endpoint = (api.endpoint if api is not None else None) or endpoint or _default_endpoint()
         if dry_run or access is None:
+            if access is not None and access.exists and access.private is not None:
+                result.visibility = "private" if access.private else "public"  # an existing repo keeps its own
             return result
         context = {"endpoint": api.endpoint, "repo_id": repo_id, "revision": result.revision, "token": token}
         with _remote_errors(**context):
@@ -1116,7 +1135,7 @@ def stream_checkpoint(path: Path, scratch: Path, opts: dict[str, Any], sink: _Si
     from ckpttools.layouts.crosscheck import check_module_copies
     from ckpttools.layouts.registry import open_checkpoint
     from ckpttools.ops import peft
-    from ckpttools.ops.consolidate import DTYPES, _plan_output, source_summary
+    from ckpttools.ops.consolidate import DTYPES, _KeyCheck, _plan_output, source_summary
 
     ckpt = open_checkpoint(path, tag=opts.get("tag"), step=opts.get("step"), best=bool(opts.get("best")))
     if peft.is_peft(ckpt):
@@ -1151,7 +1170,7 @@ def stream_checkpoint(path: Path, scratch: Path, opts: dict[str, Any], sink: _Si
             _hollow(file)
             if on_shard is not None:
                 on_shard(folder)
-        keycheck = output.key_check(False)
+        keycheck = _KeyCheck(None, output.tensors)  # none here: verify_folder checks the keys of the whole folder
         output.finish_folder(folder, keycheck, reader, check_existing=True)
         reader.finish()  # CRC-32 of every record read; raises before anything is committed
     n = len(output.shards)
