@@ -149,6 +149,8 @@ def _weights_side(path: Path, files: list[Path]) -> Side:
                 f"{location_name(file)}: not a weights file ckpt reads (.safetensors, or a torch.save state dict)"
             )
         tensors += [OutputTensor(s.name, s, s.dtype) for s in found]
+    # no model order is stored (safetensors headers are sorted by name): layers.10 after layers.9
+    tensors.sort(key=lambda t: natural_key(t.name))
     names = [t.name for t in tensors]
     if len(set(names)) != len(names):
         twice = sorted({n for n in names if names.count(n) > 1})

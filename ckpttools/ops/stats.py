@@ -47,15 +47,18 @@ class StatsResult:
     notes: list[str] = field(default_factory=list)
 
     def layers(self) -> list[dict[str, Any]]:
-        """Per layer and kind of tensor, in model order: elements, NaN / ±Inf, L2 norm, RMS, largest |value|."""
+        """Per layer (in model order) and kind of tensor (weight first, then the optimizer's states): elements,
+        NaN / ±Inf, L2 norm, RMS, largest |value|."""
         merged: dict[tuple[str, str], Moments] = {}
         tensors: dict[tuple[str, str], int] = {}
         for t in self.tensors:
             key = (t.layer, t.what)
             merged.setdefault(key, Moments()).merge(t.moments)
             tensors[key] = tensors.get(key, 0) + 1
+        layer_order = {layer: i for i, layer in enumerate(dict.fromkeys(t.layer for t in self.tensors))}
+        what_order = {what: i for i, what in enumerate(dict.fromkeys(t.what for t in self.tensors))}
         out = []
-        for (layer, what), m in merged.items():
+        for (layer, what), m in sorted(merged.items(), key=lambda kv: (layer_order[kv[0][0]], what_order[kv[0][1]])):
             d = m.to_dict()
             max_abs = max(abs(d["min"]), abs(d["max"])) if d["min"] is not None else None
             out.append({"layer": layer, "what": what, "tensors": tensors[(layer, what)], "count": d["count"],

@@ -1,0 +1,91 @@
+"""The streaming reduction loop (ops/reduce.py) and the non-finite count (io/values.py), piece by piece."""
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from ckpttools.io import dtypes, values
+from ckpttools.io.torchfile import RecordReader
+from ckpttools.ops import reduce
+
+from .conftest import FIXTURES
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_count_nonfinite_equals_torch(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5000, generator=g).to(dtype)
+    x[torch.randint(0, 5000, (40,), generator=g)] = float("nan")
+    x[torch.randint(0, 5000, (7,), generator=g)] = float("inf")
+    x[torch.randint(0, 5000, (9,), generator=g)] = float("-inf")
+    dt = dtypes.from_torch(dtype)
+    raw = values.raw(x.view(torch.uint8).numpy().tobytes(), dt)
+    counts = values.count_nonfinite(raw, dt)
+    expected = (int(x.isnan().sum()), int(x.isposinf().sum()), int(x.isneginf().sum()))
+    assert (counts.nan, counts.posinf, counts.neginf) == expected
+    assert values.count_nonfinite(values.raw(torch.ones(9, dtype=dtype).view(torch.uint8).numpy(), dt), dt).total == 0
+
+
+def test_bf16_numbers_widen_exactly():
+    x = torch.randn(1000).to(torch.bfloat16)
+    raw = values.raw(x.view(torch.uint8).numpy().tobytes(), dtypes.BFLOAT16)
+    assert torch.equal(torch.from_numpy(values.numbers(raw, dtypes.BFLOAT16).copy()), x.float())
+
+
+def test_the_stream_hands_out_every_element_once_in_order_in_small_chunks():
+    side = reduce.open_side(FIXTURES / "z3_dp2_bf16" / "checkpoint")  # ZeRO-3: tensors split across two ranks
+    ref = load_file(FIXTURES / "z3_dp2_bf16" / "reference" / "zero_to_fp32.safetensors")
+    got: dict[int, list] = {}
+    with RecordReader() as reader:
+        for piece in reduce.stream(side.tensors, reader, chunk_bytes=24):  # 6 fp32 elements a chunk
+            assert piece.start == sum(len(p) for p in got.get(piece.index, []))
+            got.setdefault(piece.index, []).append(piece.raw.copy())
+    for i, t in enumerate(side.tensors):
+        if t.name in ref and ref[t.name].dtype == torch.float32:
+            flat = torch.cat([torch.from_numpy(p) for p in got[i]]) if t.source.numel() else torch.zeros(0)
+            assert torch.equal(flat.view(ref[t.name].shape), ref[t.name]), t.name
+
+
+def test_streams_cut_at_different_places_are_compared_element_by_element(tmp_path):
+    """A (two ZeRO-3 partitions per tensor) and B (one file) split their chunks at different elements."""
+    a = reduce.open_side(FIXTURES / "z3_dp2_bf16" / "checkpoint")
+    ref = {t.name: load_file(FIXTURES / "z3_dp2_bf16" / "reference" / "zero_to_fp32.safetensors").get(t.name)
+           for t in a.tensors}  # fmt: skip
+    flipped = {k: v.clone() for k, v in ref.items() if v is not None and v.dtype == torch.float32}
+    before = float(flipped["fc1.weight"][7, 5])
+    flipped["fc1.weight"][7, 5] += 1
+    moved = float(flipped["fc1.weight"][7, 5]) - before  # 1, as fp32 rounds it
+    save_file(flipped, tmp_path / "b.safetensors")
+    b = reduce.open_side(tmp_path / "b.safetensors").by_name()
+    pairs = [(t, b[t.name]) for t in a.tensors if t.name in b]
+    comparisons = [reduce.Comparison() for _ in pairs]
+    with RecordReader() as ra, RecordReader() as rb:
+        reduce.compare_streams([p[0] for p in pairs], [p[1] for p in pairs], ra, rb, comparisons, chunk_bytes=28)
+    for (t, _), c in zip(pairs, comparisons, strict=True):
+        if t.name == "fc1.weight":
+            assert (c.identical, c.differing, c.first, c.max_abs_diff) == (False, 1, 7 * 8 + 5, moved)
+        else:
+            assert c.identical and c.differing == 0, t.name
+
+
+def test_nonfinite_over_a_stream_names_the_tensors(tmp_path):
+    x = torch.ones(100, dtype=torch.bfloat16)
+    x[3] = float("nan")
+    save_file({"a": torch.zeros(4), "b": x, "c": torch.tensor([float("-inf"), 1.0])}, tmp_path / "w.safetensors")
+    counter = reduce.nonfinite(reduce.open_side(tmp_path / "w.safetensors").tensors)
+    assert {k: v.to_dict() for k, v in counter.found.items()} == {
+        "b": {"nan": 1, "posinf": 0, "neginf": 0},
+        "c": {"nan": 0, "posinf": 0, "neginf": 1},
+    }
+    assert counter.describe() == "b (1 NaN), c (1 -Inf)"
+
+
+@pytest.mark.parametrize(("name", "layer"), [
+    ("model.layers.12.self_attn.q_proj.weight", "model.layers.12"),
+    ("transformer.h.0.attn.c_attn.weight", "transformer.h.0"),
+    ("model.embed_tokens.weight", "model.embed_tokens"),
+    ("lm_head.weight", "lm_head"),
+    ("scale", "scale"),
+])  # fmt: skip
+def test_layer_of(name, layer):
+    assert reduce.layer_of(name) == layer
