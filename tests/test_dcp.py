@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ckpttools import consolidate
@@ -72,10 +73,18 @@ def test_stored_dtype_output_is_bit_identical_to_the_reference(name, tmp_path):
     stored = next(iter(ref.values())).dtype
     dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[stored]
     ours = _consolidate(name, tmp_path / "out", dtype=dtype)
-    assert set(ours) == set(ref)
+    tied = _tied(name)
+    assert set(ours) == set(ref) - set(tied)  # a tied weight once, under its owner's name (save_pretrained's way)
     for key, expected in ref.items():
-        assert ours[key].dtype == expected.dtype, key
-        assert torch.equal(ours[key], expected), key
+        stored = ours[tied.get(key, key)]
+        assert stored.dtype == expected.dtype, key
+        assert torch.equal(stored, expected), key
+
+
+def _tied(name: str) -> dict[str, str]:
+    """The fixture's tied weights (alias -> owner): those of a model built with tie_word_embeddings."""
+    config = json.loads((_checkpoint(name) / "config.json").read_text()) if _config(name) is None else {}
+    return {"lm_head.weight": "model.embed_tokens.weight"} if config.get("tie_word_embeddings") else {}
 
 
 @pytest.mark.parametrize("name", WEIGHTS)
@@ -83,6 +92,7 @@ def test_fp32_and_16bit_outputs_are_the_stored_weights_cast(name, tmp_path):
     ref = _reference(name)
     for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         ours = _consolidate(name, tmp_path / dtype, dtype=dtype)
+        ours.update({alias: ours[owner] for alias, owner in _tied(name).items()})
         for key, expected in ref.items():
             kept = expected.dtype == torch.float32 and torch_dtype != torch.float32 and _mixed(ref)
             want = expected if kept else expected.to(torch_dtype)
@@ -144,7 +154,8 @@ def test_inspect_reports_world_size_tensors_and_optimizer_keys():
     for state in info["optimizer_states"]:
         assert state in flat
     assert "exp_avg" in info["optimizer_states"]
-    assert info["num_parameters"] == sum(t.numel() for t in _reference(name).values())
+    tied = _tied(name)
+    assert info["num_parameters"] == sum(t.numel() for k, t in _reference(name).items() if k not in tied)
 
 
 def test_cli_inspect_and_verify(tmp_path):
@@ -362,3 +373,80 @@ def test_push_publishes_the_consolidated_model_and_no_training_state(tmp_path, m
     ours = load(files["model.safetensors"])
     for key, expected in _reference(name).items():
         assert torch.equal(ours[key], expected), key
+
+
+TIED = [n for n in PLAIN if _tied(n)]
+
+
+@pytest.mark.parametrize("name", TIED)
+def test_a_tied_embedding_is_reported_stored_once_and_counted_as_from_pretrained_counts(name, tmp_path):
+    """issue 35 item 3: FSDP2 stores a tied embedding under both names; one Parameter, one count everywhere."""
+    from transformers import AutoModelForCausalLM
+
+    from ckpttools.ops.inspect import inspect_checkpoint
+    from ckpttools.ops.verify import verify_folder
+
+    info = inspect_checkpoint(_checkpoint(name))
+    assert info["tied"] == _tied(name)
+    assert (info["num_frozen"], info["frozen_parameters"]) == (0, 0)  # the alias is no frozen weight
+    result = consolidate(_checkpoint(name), tmp_path / "out")
+    with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    report = verify_folder(tmp_path / "out", against=_checkpoint(name))
+    assert report.ok, report.problems
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    counts = {info["num_parameters"], info["trainable_parameters"], result.num_parameters, report.num_parameters}
+    assert counts == {model.num_parameters()}
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()  # re-tied on load
+    live = load_file(FIXTURES / name / "reference" / "live_full_state.safetensors")
+    assert torch.equal(model.lm_head.weight, live["lm_head.weight"])
+
+
+@pytest.mark.parametrize("name", [n for n in WEIGHTS + RANK_FILES if not _tied(n)])
+def test_an_untied_model_keeps_every_tensor(name, tmp_path):
+    """A tie is recorded only where the tensors are one Parameter: untied lm_head and embeddings stay two tensors."""
+    ckpt = open_checkpoint(_checkpoint(name))
+    assert ckpt.shared_params == {}
+    result = consolidate(_checkpoint(name), tmp_path / "out", config=_config(name))
+    assert "lm_head.weight" in _load_folder(tmp_path / "out")
+    assert result.num_parameters == sum(t.numel() for t in _load_folder(tmp_path / "out").values())
+
+
+def test_a_tie_needs_equal_bytes(monkeypatch):
+    """Names and optimizer state alone do not make a tie: tensors whose bytes differ are never tied."""
+    from ckpttools.layouts.dcp import ties
+
+    monkeypatch.setattr(ties, "same_bytes", lambda a, b: False)
+    ckpt = open_checkpoint(_checkpoint(TIED[0]))
+    assert ckpt.shared_params == {} and "lm_head.weight" in ckpt.bit16
+
+
+@pytest.mark.parametrize("name", ACCELERATE + RANK_FILES)
+def test_accelerate_saves_hint_config_and_report_the_optimizer_beside_the_model(name, tmp_path):
+    """issue 35 item 8: no config.json -> the --config hint; the optimizer state in optimizer_0/ (or its rank files)
+    is reported with its keys and the bytes of the live optimizer's state, from metadata alone."""
+    from ckpttools.ops.inspect import inspect_checkpoint
+
+    result = consolidate(_checkpoint(name), tmp_path / "out")
+    assert any("pass --config" in n for n in result.notes), result.notes
+    info = inspect_checkpoint(_checkpoint(name))
+    live = load_file(FIXTURES / name / "reference" / "live_full_optim.safetensors")
+    assert info["optimizer_saved"] is True
+    assert set(info["optimizer_states"]) == {k.rsplit(".", 1)[1] for k in live}
+    assert info["optimizer_state_bytes"] == sum(t.numel() * t.element_size() for t in live.values())
+    r = subprocess.run([sys.executable, "-m", "ckpttools.cli", "inspect", str(_checkpoint(name))],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("optim states"))
+    assert "exp_avg" in line and "none" not in line and "optimizer_0" in line
+
+
+@pytest.mark.parametrize("name", HF_SHARDS)
+def test_a_save_without_optimizer_state_says_so(name):
+    from ckpttools.ops.inspect import inspect_checkpoint
+
+    info = inspect_checkpoint(_checkpoint(name))
+    assert (info["optimizer_saved"], info["optimizer_states"], info["optimizer_state_bytes"]) == (False, [], 0)
+    r = subprocess.run([sys.executable, "-m", "ckpttools.cli", "inspect", str(_checkpoint(name))],
+                       capture_output=True, text=True)  # fmt: skip
+    assert "optim states   none saved" in r.stdout, r.stdout

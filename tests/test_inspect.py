@@ -32,7 +32,8 @@ def test_counts_are_the_runs(name):
     assert info["optimizer_states"] == ["exp_avg", "exp_avg_sq"]
     assert info["fp32_master_bytes"] == 4 * info["trainable_parameters"]
     assert info["parallel"]["dp"] == meta["dp"] and info["tags"] == ["global_step2"]
-    assert info["trainer_state"] == {} and info["gathered_16bit_weights"] == []
+    assert info["trainer_state"] is None and info["gathered_16bit_weights"] == []
+    assert info["optimizer_saved"] is True and info["optimizer_state_bytes"] > 0
     json.dumps(info)  # plain JSON values only
 
 
@@ -90,3 +91,29 @@ def test_a_damaged_trainer_state_does_not_stop_inspect(tmp_path):
     shutil.copytree(FIXTURES / "trainer_z2_bf16" / "out" / "checkpoint-2", folder)
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": 2, "log_history": 5}))
     assert inspect_checkpoint(folder)["trainer_state"]["last_loss"] is None
+
+
+DCP = ["fsdp2_dcp_dp2_fp32", "fsdp2_dcp_dp3_bf16", "accelerate_fsdp2_sharded", "accelerate_fsdp2_rankfiles",
+       "fsdp2_hf_safetensors"]  # fmt: skip
+DOCS = (FIXTURES.parent / "docs" / "json.md").read_text()
+
+
+@pytest.mark.parametrize("name", DCP + ENGINE)
+def test_every_field_is_documented_and_empty_means_null(name):
+    """issue 35: no undocumented field (checkpoint_kind, trainer_output_dir, parallel.kind dcp and its facts); what a
+    writer does not record is null, not "" or {}; a 16-bit FSDP2 save holds no fp32 master."""
+    info = inspect_checkpoint(FIXTURES / name / "checkpoint")
+    inspect_rows = [line for line in DOCS.splitlines() if line.startswith(("| inspect |", "| `"))]
+    for key in info:
+        assert any(f"`{key}`" in row for row in inspect_rows), key
+    parallel_row = next(row for row in inspect_rows if "`parallel`" in row)
+    for key, value in info["parallel"].items():
+        assert f"`{key}`" in parallel_row or key in ("stages", "experts"), key
+        if key == "kind":
+            assert f"`{value}`" in parallel_row
+    assert info["trainer_state"] is None
+    assert "" not in (info["ds_version"], info["optimizer"]) and info["tags"]
+    if fixture_meta(name).get("kind") == "fsdp2":
+        assert info["ds_version"] is None and info["optimizer"] is None and info["zero_stage"] is None
+        stored_fp32 = fixture_meta(name).get("dtype") == "fp32"
+        assert (info["fp32_master_bytes"] > 0) == stored_fp32, info["fp32_master_bytes"]

@@ -109,3 +109,26 @@ def test_a_trainer_output_dir_with_an_unusable_newest_checkpoint_advises_step(tm
     assert _json(run("consolidate", out, "--step", "1", "--out", tmp_path / "o", "--json"))["files"]
     res = run("verify", tmp_path / "o", "--against", out)
     assert res.exit_code == 1 and "--step" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("name", ["fsdp2_dcp_dp2_fp32", "accelerate_fsdp2_sharded", "z2_dp2_bf16"])
+def test_verify_on_a_training_checkpoint_says_to_consolidate_first(name):
+    """issue 35: not "no floating weights in no weight file", but what the folder is and what to run."""
+    res = run("verify", FIXTURES / name / "checkpoint")
+    assert res.exit_code == 2, res.output
+    assert "training checkpoint" in res.stderr and "ckpt consolidate" in res.stderr
+    assert "no weight file" not in res.output and "Traceback" not in res.output
+
+
+def test_total_size_is_the_tensor_bytes_the_index_records(tmp_path):
+    """docs/json.md: total_size counts the tensors' bytes, as an HF index's metadata.total_size does."""
+    out = tmp_path / "out"
+    made = _json(run("consolidate", FIXTURES / "z2_dp2_bf16" / "checkpoint", "--out", out, "--max-shard-size", "2KB",
+                     "--json"))  # fmt: skip
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    checked = _json(run("verify", out, "--json"))
+    stored = 0
+    for f in out.glob("*.safetensors"):
+        with safe_open(f, framework="pt") as st:
+            stored += sum(st.get_tensor(k).nbytes for k in st.keys())  # noqa: SIM118
+    assert made["total_size"] == checked["total_size"] == index["metadata"]["total_size"] == stored

@@ -267,12 +267,29 @@ def _run_line(d: dict[str, Any]) -> str:
     )
 
 
+def _optim_states(d: dict[str, Any]) -> str:
+    """The optimizer state the checkpoint holds: its keys and size, none yet (before the first step), or none."""
+    if d.get("optimizer_saved") is False:
+        return "none saved (the checkpoint holds the model only)"
+    where = f" in {d['optimizer_files']}" if d.get("optimizer_files") else ""
+    keys = ", ".join(d.get("optimizer_states") or [])
+    size = d.get("optimizer_state_bytes")
+    if not keys:
+        return f"present{where}, not described" if size is None else f"none yet (saved before the first step){where}"
+    return f"{keys} ({human_size(size)}{where})" if size is not None else f"{keys}{where}"
+
+
+def _rounded(value: Any, digits: int) -> Any:
+    """A float as people read it (epoch 0.91, not 0.9090909090909091; the JSON keeps every digit)."""
+    return round(value, digits) if isinstance(value, float) else value
+
+
 def _human_inspect(d: dict[str, Any]) -> str:
     ts = d["trainer_state"]
     lines = [
         f"checkpoint     {d['path']} (tag {d['tag']}; tags here: {', '.join(d['tags'])})",
         f"layout         {_run_line(d)}",
-        f"optim states   {', '.join(d.get('optimizer_states') or []) or 'none yet (saved before the first step)'}",
+        f"optim states   {_optim_states(d)}",
         (
             f"parameters     {d['trainable_parameters'] + d['frozen_parameters']:,} "
             f"({d['trainable_parameters']:,} trainable in {d['num_trainable']} tensors, "

@@ -73,6 +73,13 @@ class OptimizerState:
     common: dict[str, Any]  # loss scaler, clip_grad, zero_stage, param_groups (hyper-parameters), ...
     file_meta: dict[str, Any]  # the rank file around it (ds_config, ds_version)
     elastic: bool = False
+    # Sources whose parameters carry no state tensors (torch DCP: optimizer chunks are never opened) describe it here,
+    # from their metadata alone. DeepSpeed saves always hold optimizer state, described by `Param.states`.
+    saved: bool = True  # False: the save holds no optimizer state at all (a model-only save)
+    stored_keys: list[str] = field(default_factory=list)  # state keys (exp_avg, ...) from metadata
+    stored_bytes: int | None = None  # bytes of the state tensors from metadata; None: not described apart
+    where: str = ""  # files beside the model's holding it (accelerate's optimizer_0/); "" in the same files
+    problem: str = ""  # why its description could not be read (the model is read all the same)
 
     @property
     def param_groups(self) -> list[dict[str, Any]] | None:
@@ -134,6 +141,20 @@ class Checkpoint:
         for p in self.params:
             seen.update(dict.fromkeys(p.states))
         return list(seen)
+
+    @property
+    def optimizer_state_keys(self) -> list[str]:
+        """The optimizer's state keys, from the parameters' states or, where those are not read, the metadata."""
+        return self.state_keys or list(self.optimizer.stored_keys)
+
+    @property
+    def optimizer_state_bytes(self) -> int | None:
+        """Bytes of the optimizer's state tensors (moments, step counters); None when present but not described."""
+        if not self.optimizer.saved:
+            return 0
+        if self.optimizer.stored_bytes is not None or self.optimizer.problem:
+            return self.optimizer.stored_bytes
+        return sum(s.numel() * s.dtype.itemsize for p in self.params for s in p.states.values())
 
     @property
     def kept_fp32(self) -> list[str]:

@@ -30,6 +30,7 @@ class CheckpointLocation:
     files: TagFiles
     output_dir: Path | None = None  # the Trainer output_dir when PATH was one
     side_files: list[str] = field(default_factory=list)
+    tags: list[str] | None = None  # the checkpoints beside this one that --tag/--step choose among (None: not listed)
 
     @property
     def is_trainer_folder(self) -> bool:

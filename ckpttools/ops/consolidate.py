@@ -366,9 +366,11 @@ _NO_CONFIG_NOTE = (
 
 
 def _is_accelerate(ckpt: Checkpoint) -> bool:
-    """accelerate's save_state: tag `pytorch_model`, RNG states as `random_states_N.pkl` (never loaded)."""
+    """accelerate's save_state: tag `pytorch_model`, RNG states as `random_states_N.pkl` (never loaded); its FSDP
+    saves: tag `pytorch_model_fsdp_N` (the DCP folder or per-rank files; the Trainer's copy holds config.json)."""
     loc = ckpt.location
-    return loc.tag == "pytorch_model" and any(loc.root.glob("random_states_*.pkl"))
+    fsdp = loc.tag.startswith("pytorch_model_fsdp_")
+    return fsdp or (loc.tag == "pytorch_model" and any(loc.root.glob("random_states_*.pkl")))
 
 
 def _param_count(tensors: list[OutputTensor], ckpt: Checkpoint) -> int:
@@ -385,7 +387,7 @@ def source_summary(ckpt: Checkpoint) -> dict[str, Any]:
         "zero_stage": ckpt.zero_stage if deepspeed else None,
         "dp_world_size": ckpt.dp_world_size,
         "train_dtype": ckpt.train_dtype.name,
-        "ds_version": ckpt.ds_version,
+        "ds_version": ckpt.ds_version or None,  # null: not written by DeepSpeed
         "global_steps": ckpt.global_steps,
     }
 

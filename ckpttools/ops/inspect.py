@@ -14,13 +14,14 @@ from ckpttools.ops import hf
 from ckpttools.ops.consolidate import DTYPES, plan_tensors, source_summary
 
 
-def _trainer_state(root: Path) -> dict[str, Any]:
+def _trainer_state(root: Path) -> dict[str, Any] | None:
+    """What trainer_state.json says; None without one (or one that cannot be read)."""
     try:
         state = json.loads((root / "trainer_state.json").read_text())
     except (OSError, ValueError, RecursionError):
-        return {}
+        return None
     if not isinstance(state, dict):
-        return {}
+        return None
     history = state.get("log_history")
     entries = history if isinstance(history, list) else []
     losses = [e["loss"] for e in entries if isinstance(e, dict) and "loss" in e]
@@ -44,12 +45,15 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         tensors, _ = plan_tensors(ckpt, dtype, hf_folder=config is not None, config=config or {})
         sizes[dtype.name] = sum(t.nbytes for t in tensors)  # float32/bfloat16/float16, as every --json spells it
         elements = sum(t.source.numel() for t in tensors)  # what consolidate writes and verify counts
-    tags = sorted(p.name for p in loc.root.iterdir() if p.is_dir() and any(p.glob("*_model_states.pt")))
+    tags = loc.tags if loc.tags is not None else _deepspeed_tags(loc.root)
     existing = hf.existing_weight_files(loc.root)
     return {
         **source_summary(ckpt),
-        "optimizer": ckpt.optimizer_kind,
-        "optimizer_states": ckpt.state_keys or ckpt.layout.details.get("optimizer_states", []),
+        "optimizer": ckpt.optimizer_kind or None,  # DeepSpeed's optimizer wrapper; null for other writers
+        "optimizer_saved": ckpt.optimizer.saved,
+        "optimizer_states": ckpt.optimizer_state_keys,
+        "optimizer_state_bytes": ckpt.optimizer_state_bytes,
+        "optimizer_files": ckpt.optimizer.where or None,
         "format": ckpt.source_format,
         "parallel": ckpt.layout.as_dict(),
         "tags": tags,
@@ -66,8 +70,13 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "hf_files": loc.side_files,
         "trainer_state": _trainer_state(loc.root),
         "output_bytes": sizes,
-        "fp32_master_bytes": sum(s.numel() for s in trainable) * dtypes.FLOAT32.itemsize,
+        # fp32 masters as stored: DeepSpeed always keeps them; a 16-bit FSDP2 save holds none
+        "fp32_master_bytes": sum(s.numel() for s in trainable if s.dtype is dtypes.FLOAT32) * dtypes.FLOAT32.itemsize,
     }
+
+
+def _deepspeed_tags(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*_model_states.pt")))
 
 
 def inspect_checkpoint(path: Path | str, **kwargs: Any) -> dict[str, Any]:

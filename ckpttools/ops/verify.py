@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError
+from ckpttools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, UsageError
 from ckpttools.io import dtypes
 from ckpttools.ops import hf
 
@@ -592,6 +592,22 @@ def _peft_meta_state(base: Path | str, folder: Path) -> dict[str, tuple[int, ...
 # --- entry point ---------------------------------------------------------------------------------------
 
 
+def _refuse_training_checkpoint(folder: Path) -> None:
+    """A training checkpoint (DeepSpeed, FSDP2/DCP) without a weight file is not what verify checks: say what to run."""
+    if any((folder / n).is_file() for n in WEIGHT_NAMES):
+        return
+    from ckpttools.layouts.registry import checkpoint_root
+
+    try:
+        checkpoint_root(folder)
+    except CkptError:
+        return  # not a checkpoint either: the missing weight file is the problem reported
+    raise UsageError(
+        f"{folder} is a training checkpoint, not a model folder: verify checks what consolidate writes; run "
+        f"`ckpt consolidate {folder} --out DIR`, then `ckpt verify DIR --against {folder}`"
+    )
+
+
 def verify_folder(
     folder: Path | str,
     *,
@@ -633,6 +649,7 @@ def verify_folder(
         return report
     if base is not None:
         report.notes.append("--base applies to PEFT adapter folders; this one has no adapter_config.json")
+    _refuse_training_checkpoint(folder)
     tensors = collect_tensors(folder, report)
     if report.files:
         indexed = any((folder / n).is_file() for n in (SAFE_INDEX, BIN_INDEX))

@@ -13,7 +13,6 @@ under `app`), otherwise every tensor outside the optimizer, scheduler and loader
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -23,29 +22,25 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, short
 from ckpttools.io import dtypes
-from ckpttools.io.source import list_names, open_source, read_full
+from ckpttools.io.source import list_names
 from ckpttools.layouts.base import ReadOnlyLayout
 from ckpttools.layouts.dcp.chunks import ChunkFiles, chunk_tensor, tensor_segments
 from ckpttools.layouts.dcp.hf_shards import is_dcp_shard, read_hf_shards
-from ckpttools.layouts.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, DcpMetadata, TensorEntry, parse_metadata
+from ckpttools.layouts.dcp.metadata import METADATA_FILE, DcpMetadata, TensorEntry
+from ckpttools.layouts.dcp.optim import MODEL_FOLDER_RE, NON_MODEL_ROOTS, optimizer_facts, read_metadata
 from ckpttools.layouts.dcp.rankfiles import RANK_FILE_RE as RANK_BIN_RE
 from ckpttools.layouts.dcp.rankfiles import rank_files, read_rank_files
+from ckpttools.layouts.dcp.ties import tied_weights
 from ckpttools.layouts.locate import HF_SIDE_FILES
-from ckpttools.model.checkpoint import Checkpoint, OptimizerState, Param, TensorSource, strip_prefixes
+from ckpttools.model.checkpoint import Checkpoint, Param, TensorSource, strip_prefixes
 from ckpttools.model.origin import CheckpointLocation, TagFiles
 from ckpttools.model.parallel import ParallelLayout
 
 KIND = "dcp"
 RANK_FILE_RE = re.compile(r"^__(?P<rank>\d+)_(?P<i>\d+)\.distcp$")
 HF_SHARD_RE = re.compile(r"^shard-(?P<rank>\d+)-model-\d+-of-\d+\.safetensors$")  # rank + 1, from 00001
-MODEL_FOLDER_RE = re.compile(r"^pytorch_model_fsdp_(?P<n>\d+)$")  # accelerate / Trainer SHARDED_STATE_DICT
 STEP_FOLDER_RE = re.compile(r"^(?:step|checkpoint|global_step|iter|epoch)[-_]?(?P<n>\d+)$")
 MODEL_ROOTS = ("model", "module", "models")
-NON_MODEL_ROOTS = frozenset({
-    "optim", "optimizer", "optimizers", "optim_state", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
-    "dataloader", "data_loader", "train_state", "trainer_state", "rng", "rng_state", "rng_states", "extra_state",
-    "state", "param_groups",  # a flattened optimizer (torchtitan: state.<fqn>.exp_avg, param_groups.<fqn>.lr)
-})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -112,18 +107,6 @@ def _holds_model_folder(path: Path) -> bool:
     return any(
         (MODEL_FOLDER_RE.match(c.name) and is_dcp_folder(c)) or RANK_BIN_RE.match(c.name) for c in path.iterdir()
     )
-
-
-def read_metadata(folder: Path) -> DcpMetadata:
-    path = folder / METADATA_FILE
-    with contextlib.closing(open_source(path)) as source:
-        size = source.size()
-        if size > MAX_METADATA_BYTES:
-            raise CorruptCheckpointError(f"{path} is {size} bytes: too large for DCP metadata")
-        data = bytearray(size)
-        if read_full(source, 0, memoryview(data)) != size:
-            raise CorruptCheckpointError(f"{path} is truncated; re-copy it")
-    return parse_metadata(bytes(data), str(path))
 
 
 def read_dcp(found: DcpFolder) -> Checkpoint:
@@ -199,16 +182,6 @@ def peft_model_names(names: list[str]) -> dict[str, str]:
     return out
 
 
-def optimizer_state_keys(meta: DcpMetadata) -> list[str]:
-    """The optimizer's state keys (exp_avg, exp_avg_sq, step, momentum_buffer, ...), from key paths alone."""
-    seen: dict[str, None] = {}
-    for fqn in [*meta.tensors, *meta.byte_entries]:
-        path = meta.key_paths.get(fqn) or tuple(fqn.split("."))
-        if len(path) >= 4 and str(path[0]) in NON_MODEL_ROOTS | {"optim"} and "state" in map(str, path[:2]):
-            seen[str(path[-1])] = None
-    return list(seen)
-
-
 OPEN_THREADS = 16  # chunk headers are small reads spread over the files: overlap their latency (cold storage)
 
 
@@ -236,10 +209,13 @@ def _checkpoint(
     world = max(ranks) + 1 if ranks else 1
     floating = [s.dtype for s in sources.values() if s.dtype.is_floating_point]
     train_dtype = max(set(floating), key=floating.count) if floating else dtypes.FLOAT32
-    states = optimizer_state_keys(meta) if meta else []
-    trained = _optimized_names(meta) if meta and states else set(sources)
+    optim = optimizer_facts(found.folder, found.root, found.tag, meta)
+    ties = tied_weights(sources, optim.trained)
+    trained = optim.trained if optim.keys else set(sources)
     params, bit16 = [], {}
     for name, src in sources.items():
+        if name in ties:
+            continue  # a tied weight's second name: its owner's tensor (shared_params), stored once in an HF folder
         if src.dtype is dtypes.FLOAT32 and train_dtype is not dtypes.FLOAT32:
             # kept fp32 in a 16-bit model on purpose (a buffer, a router bias): 16-bit output keeps it so
             bit16[name] = TensorSource(name, src.shape, src.dtype, src.segments, "buffer")
@@ -249,36 +225,31 @@ def _checkpoint(
             bit16[name] = TensorSource(name, src.shape, src.dtype, src.segments, "frozen")
     side = [n for n in ("config.json", *HF_SIDE_FILES) if (found.root / n).is_file()]
     files = TagFiles({}, {}, "", False, layout=KIND, names=tuple(names))
-    loc = CheckpointLocation(found.root, found.tag, found.folder, files, found.output_dir, side)
+    loc = CheckpointLocation(found.root, found.tag, found.folder, files, found.output_dir, side, _tags(found, names))
     form = "torch DCP" if meta else _form(names)
-    details: dict[str, Any] = {"format": form, "world_size": world, "optimizer_states": states}
+    details: dict[str, Any] = {"format": form, "world_size": world}
     if meta and meta.version:
         details["dcp_version"] = meta.version
     step = STEP_FOLDER_RE.match(found.folder.name) or STEP_FOLDER_RE.match(found.root.name)
     return Checkpoint(
         location=loc, zero_stage=0, dp_world_size=world, train_dtype=train_dtype, optimizer_kind="",
         ds_version="", global_steps=int(step["n"]) if step else None, keys=list(sources), params=params,
-        optimizer=OptimizerState([], {}, {}), bit16=bit16, buffers={}, shared_params={}, frozen_excluded=False,
+        optimizer=optim.state(), bit16=bit16, buffers={}, shared_params=ties, frozen_excluded=False,
         layout=ParallelLayout(kind=KIND, dp=world, details=details),
     )  # fmt: skip
+
+
+def _tags(found: DcpFolder, names: Sequence[str]) -> list[str]:
+    """The DCP saves beside this one (step-N, pytorch_model_fsdp_N, per-rank models): what --step/--tag choose."""
+    if found.folder == found.root:
+        return sorted(rank_files(list(names))) or [found.tag]
+    return _children(found.root, STEP_FOLDER_RE) + _children(found.root, MODEL_FOLDER_RE) or [found.tag]
 
 
 def _form(names: Sequence[str]) -> str:
     if any(RANK_BIN_RE.match(n) for n in names):
         return "per-rank DTensor files (accelerate use_dcp=False)"
     return "torch DCP (Hugging Face safetensors shards)"
-
-
-def _optimized_names(meta: DcpMetadata) -> set[str]:
-    """Names (as in the model) of the tensors the optimizer holds state for: the trained parameters."""
-    out = set()
-    for fqn in meta.tensors:
-        path = meta.key_paths.get(fqn) or tuple(fqn.split("."))
-        if len(path) >= 4 and str(path[1]) == "state":
-            out.add(strip_prefixes(str(path[2])))
-        elif len(path) >= 3 and str(path[0]) == "state":
-            out.add(strip_prefixes(".".join(str(p) for p in path[1:-1])))
-    return out
 
 
 class DcpLayout(ReadOnlyLayout):
