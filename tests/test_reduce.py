@@ -89,3 +89,20 @@ def test_nonfinite_over_a_stream_names_the_tensors(tmp_path):
 ])  # fmt: skip
 def test_layer_of(name, layer):
     assert reduce.layer_of(name) == layer
+
+
+def test_the_writer_counts_nonfinite_values_from_the_bytes_it_writes(tmp_path):
+    from ckpttools.io.safetensors_writer import write_safetensors
+
+    x = torch.randn(300, 7)
+    x[5, 1], x[200, 6], x[17, 0] = float("nan"), float("inf"), float("nan")
+    save_file({"clean": torch.ones(9), "x": x}, tmp_path / "in.safetensors")
+    side = reduce.open_side(tmp_path / "in.safetensors")
+    counter = values.NonFiniteCounter()
+    bf16 = reduce.cast_to(side, dtypes.BFLOAT16).tensors  # counted after the cast, as written
+    with RecordReader() as reader:
+        write_safetensors(tmp_path / "out.safetensors", bf16, reader, chunk_bytes=64, nonfinite=counter)
+        write_safetensors(tmp_path / "plain.safetensors", bf16, reader, chunk_bytes=64)
+    assert {k: v.to_dict() for k, v in counter.found.items()} == {"x": {"nan": 2, "posinf": 1, "neginf": 0}}
+    assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
+    assert torch.equal(load_file(tmp_path / "out.safetensors")["x"].view(torch.int16), x.bfloat16().view(torch.int16))

@@ -23,6 +23,7 @@ from ckpttools.io.segments import ElementSource, Segment
 from ckpttools.io.staging import WriteBehind
 from ckpttools.io.threads import Workers, resolve_workers
 from ckpttools.io.torchfile import ReadAhead, Record, RecordReader
+from ckpttools.io.values import NonFiniteCounter
 
 CHUNK_BYTES = 16 << 20
 BUFFERS_IN_FLIGHT = 3
@@ -259,20 +260,26 @@ def write_safetensors(
     chunk_bytes: int = CHUNK_BYTES,
     on_progress: ProgressFn | None = None,
     workers: int | None = None,
+    nonfinite: NonFiniteCounter | None = None,
 ) -> int:
     """Write `tensors` into one safetensors file, streaming from the checkpoint. Returns bytes written.
 
-    Casts run on `workers` threads (default: this process's share of the cores).
+    Casts run on `workers` threads (default: this process's share of the cores). With `nonfinite`, the NaN and Inf
+    of every tensor are counted into it from the very bytes written (no second read).
     """
     chunk_bytes = _chunk_size(tensors, chunk_bytes)
     header = safetensors_header(tensors, metadata or {"format": "pt"})
+    owners = _chunk_owners(tensors, chunk_bytes) if nonfinite is not None else []
     written = 0
     with open(path, "wb") as fh, Workers(resolve_workers(workers)) as pool:
         behind = WriteBehind(fh)
         fh.write(header)
         written += len(header)
-        for chunk in _ChunkPump(tensors, reader, chunk_bytes, pool):
+        for i, chunk in enumerate(_ChunkPump(tensors, reader, chunk_bytes, pool)):
             fh.write(chunk)
+            if nonfinite is not None:
+                t = tensors[owners[i]]
+                nonfinite.add(t.name, t.dtype, chunk)
             behind.wrote()
             written += len(chunk)
             if on_progress:
