@@ -97,6 +97,7 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_verify_adapter.py": (),
     "test_verify_counts.py": (),
     "test_dcp.py": (),  # FSDP2 / torch DCP input, against torch's dcp_to_torch_save and accelerate
+    "test_megatron.py": (),  # Megatron-Core torch_dist mapped to HF names, against Megatron's own forward
     "test_remote.py": (),  # s3:// and hf:// sources against local servers started by the tests
     "test_diff.py": (),  # ckpt diff over fixtures of every format, against torch on loaded tensors
     "test_stats.py": (),  # ckpt stats, against torch on loaded tensors; a NaN planted in an Adam moment

@@ -1,0 +1,170 @@
+"""Megatron-Core `torch_dist` input mapped to Hugging Face names, against Megatron's own forward.
+
+The fixtures (fixtures/megatron_*) were saved by megatron-core 0.19.2 itself (fixtures/build/fixture_megatron.py,
+tensor-parallel 2 over gloo on CPU); each carries the logits of the Megatron model's forward on a fixed input. The
+oracle is behaviour: the model transformers builds from `ckpt consolidate`'s output gives the same logits (fp32,
+<= 1e-5). Negative controls (a naive QKV split, gate/up swapped) must fail the same comparison. megatron-core is not
+needed here: only the committed folders are read.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpttools import consolidate
+from ckpttools.adapters import ConfigNeededError, MappingError, adapt, megatron_gpt
+from ckpttools.adapters.segments import grouped_rows, split_rows
+from ckpttools.layouts.dcp.metadata import parse_metadata
+from ckpttools.layouts.megatron import is_weight
+from ckpttools.layouts.registry import open_checkpoint
+
+from .conftest import FIXTURES
+
+LLAMA, NOARGS, QWEN3 = "megatron_tp2_llama", "megatron_tp2_llama_noargs", "megatron_tp2_qwen3"
+TOLERANCE = 1e-5
+
+
+def _run(name: str) -> Path:
+    return FIXTURES / name / "checkpoint"
+
+
+def _logits_error(out: Path, name: str) -> float:
+    """Largest |HF logits - Megatron logits| over the fixture's input (the padded vocabulary columns left out)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ref = load_file(FIXTURES / name / "reference" / "logits.safetensors")
+    with torch.no_grad():
+        logits = model(ref["input_ids"]).logits
+    return float((logits - ref["logits"][..., : logits.shape[-1]]).abs().max())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckpttools.cli", *args], capture_output=True, text=True)
+
+
+def test_metadata_with_megatron_save_plans_is_read() -> None:
+    path = _run(LLAMA) / "iter_0000002" / ".metadata"
+    meta = parse_metadata(path.read_bytes(), str(path))  # holds all_local_plans (SavePlan, WriteItem, ...)
+    assert "decoder.layers.self_attention.linear_qkv.weight" in meta.tensors
+    assert any(fqn.startswith("common_state/") for fqn in meta.byte_storage)
+
+
+def test_reads_the_tracked_iteration_with_the_runs_args() -> None:
+    ckpt = open_checkpoint(_run(LLAMA))
+    assert ckpt.layout.kind == "megatron"
+    assert (ckpt.layout.tp, ckpt.layout.dp) == (2, 1)
+    assert ckpt.location.tag == "iter_0000002" and ckpt.global_steps == 2
+    assert not [k for k in ckpt.keys if "_extra_state" in k or k.startswith("common_state")]
+    assert ckpt.masters["decoder.layers.self_attention.linear_qkv.weight"].shape == (2, 64, 32)
+    args = ckpt.layout.details["args"]
+    assert (args["hidden_size"], args["num_query_groups"], args["padded_vocab_size"]) == (32, 2, 64)
+    assert args["params_dtype"] == "float32" and args["exit_signal"] == "signal.Signals(15)"  # inert records
+
+
+def test_which_keys_are_weights() -> None:
+    assert is_weight("decoder.layers.mlp.linear_fc1.weight")
+    for fqn in ("decoder.layers.mlp.linear_fc1._extra_state/shard_0_2", "common_state/shard_0_1",
+                "rng_state/shard_0.0_1", "optimizer.state.exp_avg.decoder.final_layernorm.weight",
+                "optimizer.distributed.dp_group_idx_0.gbuf_idx_0.dtype_0.param"):  # fmt: skip
+        assert not is_weight(fqn), fqn
+
+
+def test_inspect_tells_megatron_from_fsdp2() -> None:
+    r = _cli("inspect", str(_run(LLAMA)))
+    assert r.returncode == 0, r.stderr
+    assert "Megatron-Core torch_dist" in r.stdout and "FSDP2" not in r.stdout
+    assert "TP 2" in r.stdout
+
+
+@pytest.mark.parametrize(("name", "arch"), [(LLAMA, "LlamaForCausalLM"), (QWEN3, "Qwen3ForCausalLM")])
+def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str) -> None:
+    result = consolidate(_run(name), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [arch] and config["vocab_size"] == 61  # padded 64 -> the run's 61
+    assert any("generated from the run's arguments" in n for n in result.notes)
+    assert _logits_error(tmp_path / "hf", name) <= TOLERANCE
+
+
+def test_without_args_needs_config(tmp_path: Path) -> None:
+    r = _cli("consolidate", str(_run(NOARGS)), "--out", str(tmp_path / "hf"))
+    assert r.returncode == 1 and r.stderr.count("\n") <= 3, r.stderr
+    assert "--config" in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_without_args_with_config(tmp_path: Path) -> None:
+    consolidate(_run(LLAMA), tmp_path / "ref")
+    consolidate(_run(NOARGS), tmp_path / "hf", config=tmp_path / "ref" / "config.json")
+    assert _logits_error(tmp_path / "hf", NOARGS) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "tensor"),
+    [("intermediate_size", 40, "decoder.layers.mlp.linear_fc1.weight"),
+     ("num_key_value_heads", 4, "decoder.layers.self_attention.linear_qkv.weight"),
+     ("num_hidden_layers", 3, "decoder.layers."),
+     ("vocab_size", 65, "embedding.word_embeddings.weight")],
+)  # fmt: skip
+def test_a_config_not_the_runs_is_refused_naming_the_tensor(
+    tmp_path: Path, field: str, value: int, tensor: str
+) -> None:
+    consolidate(_run(LLAMA), tmp_path / "ref")
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    (tmp_path / "wrong").mkdir()
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps({**config, field: value}))
+    r = _cli("consolidate", str(_run(LLAMA)), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "wrong"))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("Error: ") and tensor in last, r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def _naive_qkv(src: Any, names: tuple[str, ...], d: Any) -> list[Any]:
+    """q, k, v as three consecutive blocks (ignoring Megatron's per-group interleave)."""
+    return split_rows(src, (d.heads * d.head_dim, d.groups * d.head_dim, d.groups * d.head_dim), names)
+
+
+def _swapped_halves(src: Any, names: tuple[str, ...], d: Any) -> list[Any]:
+    return megatron_gpt.halves(src, (names[1], names[0]), d)
+
+
+@pytest.mark.parametrize(
+    ("key", "op"), [("self_attention.linear_qkv.weight", _naive_qkv), ("mlp.linear_fc1.weight", _swapped_halves)]
+)
+def test_negative_controls_fail_the_comparison(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, key: str, op: Any
+) -> None:
+    targets, _ = megatron_gpt.LAYER[key]
+    monkeypatch.setitem(megatron_gpt.LAYER, key, (targets, op))
+    consolidate(_run(LLAMA), tmp_path / "hf")
+    assert _logits_error(tmp_path / "hf", LLAMA) > 1e-2  # the comparison catches a wrong mapping
+
+
+def test_the_adapter_reads_no_bytes_and_keeps_segments() -> None:
+    mapped = adapt(open_checkpoint(_run(LLAMA)), None)
+    assert mapped is not None and mapped.adapter == "megatron-core -> LlamaForCausalLM"
+    sources = {s.name: s for s in mapped.checkpoint.sources(mapped.checkpoint.train_dtype)}
+    q = sources["model.layers.1.self_attn.q_proj.weight"]
+    assert q.shape == (32, 32) and sum(seg.count for seg in q.segments) == 32 * 32
+    assert "lm_head.weight" in sources and sources["lm_head.weight"].shape == (61, 32)
+
+
+def test_pieces_that_do_not_tile_are_refused() -> None:
+    src = open_checkpoint(_run(LLAMA)).masters["decoder.final_layernorm.weight"]
+    with pytest.raises(MappingError, match=r"decoder\.final_layernorm\.weight"):
+        split_rows(src, (16, 15), ("a", "b"))
+    with pytest.raises(MappingError, match=r"decoder\.final_layernorm\.weight"):
+        grouped_rows(src, 3, (5, 5), ("a", "b"))
+
+
+def test_no_args_no_config_raises() -> None:
+    with pytest.raises(ConfigNeededError, match="--config"):
+        adapt(open_checkpoint(_run(NOARGS)), None)
