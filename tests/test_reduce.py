@@ -105,4 +105,6 @@ def test_the_writer_counts_nonfinite_values_from_the_bytes_it_writes(tmp_path):
         write_safetensors(tmp_path / "plain.safetensors", bf16, reader, chunk_bytes=64)
     assert {k: v.to_dict() for k, v in counter.found.items()} == {"x": {"nan": 2, "posinf": 1, "neginf": 0}}
     assert (tmp_path / "out.safetensors").read_bytes() == (tmp_path / "plain.safetensors").read_bytes()
-    assert torch.equal(load_file(tmp_path / "out.safetensors")["x"].view(torch.int16), x.bfloat16().view(torch.int16))
+    written, expected = load_file(tmp_path / "out.safetensors")["x"], x.bfloat16()
+    assert torch.equal(written.isnan(), expected.isnan())  # NaN bits: ckpt writes 0x7FC0, torch's vector cast 0xFFFF
+    assert torch.equal(written[~written.isnan()], expected[~expected.isnan()])
