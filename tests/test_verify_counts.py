@@ -132,3 +132,6 @@ def test_total_size_is_the_tensor_bytes_the_index_records(tmp_path):
         with safe_open(f, framework="pt") as st:
             stored += sum(st.get_tensor(k).nbytes for k in st.keys())  # noqa: SIM118
     assert made["total_size"] == checked["total_size"] == index["metadata"]["total_size"] == stored
+    docs = (FIXTURES.parent / "docs" / "json.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `total_size`"))
+    assert "bytes of the tensors stored" in row  # not "of the weight files", which are a header larger
