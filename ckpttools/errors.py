@@ -40,6 +40,11 @@ class UsageError(CkptError):
     exit_code = 2
 
 
+class SelectionError(UsageError, CheckpointNotFoundError):
+    """--step, --best or --tag chose a checkpoint PATH does not hold, or cannot choose among (PATH names one
+    checkpoint): a usage error (exit 2), and still a CheckpointNotFoundError for callers of the library."""
+
+
 class VerificationError(CkptError):
     """A consolidated folder failed a check (missing keys, bad header, tensors differing from the shards)."""
 

@@ -80,6 +80,7 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     # the commands on the fixture matrix, in this process or as `ckpt` subprocesses
     "test_cli.py": (),
     "test_cli_boundary.py": (),
+    "test_json_errors.py": (),  # --json on failure: one error object on stdout, every command
     "test_consolidate.py": (),
     "test_docs.py": (),
     "test_extras.py": (),

@@ -144,8 +144,11 @@ BAD = {
     "pipeline": (_break_pipeline, "into a pipeline checkpoint"),
     "moe": (_break_moe, "MoE"),
     "nvme": (_break_nvme, "NVMe"),
-    "no latest": (_break_latest, "no `latest` file; pass --tag"),
-    "unknown tag": (_break_unknown_tag, "tag 'global_step99' has no folder"),
+    "no latest": (
+        _break_latest,
+        "no `latest` file naming the tag to read; pass --tag with one of its tags (global_step",
+    ),
+    "unknown tag": (_break_unknown_tag, "names tag 'global_step99', which has no folder"),
     "escaping tag": (_break_escaping_tag, "not a plain folder name"),
     "unsafe pickle": (_break_unsafe_pickle, "refusing to unpickle"),
 }
@@ -163,8 +166,12 @@ def test_bad_checkpoint_gets_one_line_exit_1_and_nothing_written(case, z3, tmp_p
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
-def test_missing_path(tmp_path):
-    _assert_one_line_error(run("consolidate", tmp_path / "nope"), "does not exist")
+def test_a_missing_path_is_a_usage_error_as_a_missing_config_is(tmp_path):
+    """Issue 35: a missing PATH exited 1 where a missing --config exits 2; both are click's usage error now."""
+    for args in (["consolidate", tmp_path / "nope"], ["inspect", tmp_path / "nope"],
+                 ["consolidate", FIXTURES / Z2 / "checkpoint", "--config", tmp_path / "nope"]):  # fmt: skip
+        res = run(*args)
+        assert res.exit_code == 2 and "does not exist" in res.stderr and "Traceback" not in res.output, res.output
 
 
 def test_an_out_under_a_file_is_refused_before_any_work_naming_it(z3, tmp_path):
@@ -212,7 +219,8 @@ def test_reshard_cli_json_and_bad_sizes(tmp_path):
     res = run("reshard", FIXTURES / Z2 / "checkpoint", "--dp", "3", "--out", tmp_path / "rs", "--json")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert data["dp_from"] == 2 and data["dp_to"] == 3 and len(data["files"]) == 4
+    assert data["dp_from"] == 2 and data["dp_to"] == 3 and data["files"][-1] == "latest"
+    assert len([f for f in data["files"] if f.startswith(f"{data['tag']}/")]) == 4
     _assert_one_line_error(run("reshard", FIXTURES / Z2 / "checkpoint", "--dp", "0"), "at least 1", code=2)
     same = run("reshard", FIXTURES / Z2 / "checkpoint", "--dp", "2")
     assert same.exit_code == 0 and "already at DP 2" in same.stderr and "Nothing written" in same.stdout
@@ -340,3 +348,98 @@ def test_a_signal_python_wrapped_in_another_error_is_still_an_interrupt(capsys):
     assert capsys.readouterr().err.splitlines() == [
         "Error: interrupted while the Hub committed; the commit may have landed"
     ]
+
+
+# --------------------------------------------------------------------------------------------------
+# Issue 35: selections honoured or refused, help naming every input, reshard's files, small wording
+# --------------------------------------------------------------------------------------------------
+
+TRAINER = FIXTURES / "trainer_z2_bf16" / "out"
+DCP_RUN = FIXTURES / "fsdp2_dcp_dp2_fp32" / "checkpoint"
+
+
+def _help(*command):
+    res = run(*command, "--help")
+    assert res.exit_code == 0, res.output
+    return " ".join(res.stdout.split())
+
+
+def test_help_names_every_input_read_not_only_deepspeed():
+    root = _help()
+    assert "DeepSpeed ZeRO checkpoints." not in root
+    for kind in ("DeepSpeed ZeRO", "universal", "FSDP2 / torch DCP", "Trainer", "accelerate", "Lightning", "s3://",
+                 "hf://"):  # fmt: skip
+        assert kind in root, kind
+    for command in ("consolidate", "inspect"):
+        text = _help(command)
+        assert "ZeRO checkpoint" not in text.replace("DeepSpeed ZeRO checkpoint", ""), text
+        for kind in ("FSDP2 / torch DCP folder", "step-N/", "Trainer checkpoint-N/", "Lightning", "s3://"):
+            assert kind in text, (command, kind)
+        assert "checkpoint-STEP or step-STEP" in text and "pytorch_model_fsdp_N" in text
+        assert "the content of `latest`" not in text
+    assert "FSDP2 / torch DCP checkpoints are refused" in _help("reshard")
+
+
+def test_errors_an_fsdp2_user_meets_name_what_was_looked_for(tmp_path):
+    res = run("inspect", DCP_RUN / "config.json")
+    assert res.exit_code == 1 and "the one holding `latest`" not in res.stderr
+    assert "torch DCP/FSDP2 folder (`.metadata`" in res.stderr and "DeepSpeed save_dir" in res.stderr, res.stderr
+    res = run("inspect", tmp_path)
+    assert "is not a DeepSpeed checkpoint" not in res.stderr and "torch DCP/FSDP2" in res.stderr, res.stderr
+    plain = FIXTURES / "fsdp2_hf_safetensors" / "reference" / "consolidated"
+    res = run("consolidate", plain, "--out", tmp_path / "o")
+    assert res.exit_code == 1 and "no sharded checkpoint (no DeepSpeed" in res.stderr, res.stderr
+    assert "no torch DCP `.metadata`" in res.stderr and "no DeepSpeed shards" not in res.stderr
+
+
+def test_a_negative_step_is_a_usage_error_while_parsing():
+    """--step -1 said "has no checkpoint--1"."""
+    res = run("inspect", TRAINER, "--step", "-1")
+    assert res.exit_code == 2 and "checkpoint--1" not in res.output
+    assert "Invalid value for '--step'" in res.stderr and "-1 is not in the range x>=0" in res.stderr, res.stderr
+
+
+def test_a_bad_tag_names_the_tags_there_and_a_step_path_does_not_hold_is_exit_2(tmp_path):
+    res = run("inspect", FIXTURES / Z2 / "checkpoint", "--tag", "nope")
+    _assert_one_line_error(res, "has no tag folder 'nope'; its tags: global_step2", code=2)
+    assert "pass --tag" not in res.stderr
+    res = run("consolidate", DCP_RUN / "step-2", "--step", "9", "--out", tmp_path / "o")
+    _assert_one_line_error(res, f"pass {DCP_RUN} --step 9, or leave --step out", code=2)
+    _assert_one_line_error(run("inspect", DCP_RUN, "--best"), "no trainer_state.json naming a best checkpoint", code=2)
+    res = run("inspect", TRAINER, "--best", "--step", "1")
+    _assert_one_line_error(res, "--best and --step 1 both choose the checkpoint to read; give one of them", code=2)
+    assert not (tmp_path / "o").exists()
+
+
+def test_verify_against_refuses_a_step_its_checkpoint_is_not(tmp_path):
+    made = tmp_path / "m"
+    assert run("consolidate", TRAINER / "checkpoint-2", "--out", made, "-q").exit_code == 0
+    res = run("verify", made, "--against", TRAINER / "checkpoint-2", "--step", "1")
+    _assert_one_line_error(res, "--step 1 cannot apply", code=2)
+    assert run("verify", made, "--against", TRAINER, "--step", "2", "-q").exit_code == 0
+
+
+@pytest.mark.parametrize("target", [["--universal"], ["--dp", "3"], ["--dp", "1"]])
+def test_reshard_json_lists_every_file_it_wrote(target, tmp_path):
+    """`files` listed the 3 rank files of the 13 written; latest_universal, trainer_state.json, RNG files were left
+    out."""
+    out = tmp_path / "o"
+    res = run("reshard", TRAINER / "checkpoint-2", *target, "--out", out, "--json", "-q")
+    assert res.exit_code == 0, res.output
+    files = json.loads(res.stdout)["files"]
+    on_disk = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert sorted(files) == [f for f in on_disk if f != ".ckpt-manifest.json"] and len(files) == len(set(files))
+    assert {"trainer_state.json", "scheduler.pt", "config.json"} <= set(files)
+    assert ("latest_universal" if target == ["--universal"] else "latest") in files
+    assert any(f.startswith("rng_state") for f in files)
+
+
+def test_inspect_prints_the_epoch_rounded_and_keeps_it_whole_in_json(tmp_path):
+    ckpt = tmp_path / "checkpoint-1"
+    shutil.copytree(TRAINER / "checkpoint-1", ckpt)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["epoch"] = 10 / 11  # what a Trainer records 10 steps into an 11-step epoch
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    text = run("inspect", ckpt).stdout
+    assert "epoch 0.91," in text and "0.9090909090909091" not in text, text
+    assert json.loads(run("inspect", ckpt, "--json").stdout)["trainer_state"]["epoch"] == 10 / 11

@@ -49,7 +49,11 @@ __all__ = ["main"]
 @click.group(cls=CkptGroup, epilog=EPILOG, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckpt")
 def main() -> None:
-    """Inspect, consolidate and reshard DeepSpeed ZeRO checkpoints."""
+    """Inspect, consolidate, reshard, verify and publish sharded training checkpoints.
+
+    Reads DeepSpeed ZeRO 0-3 and universal checkpoints, FSDP2 / torch DCP folders, and the Hugging Face
+    Trainer, accelerate and Lightning folders around them, local or at s3://, gs://, az://, hf:// URLs.
+    """
 
 
 for _command in (consolidate_cmd, reshard_cmd, inspect_cmd, verify_cmd, push_cmd, diff_cmd, stats_cmd):

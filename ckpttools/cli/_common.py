@@ -82,6 +82,54 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
+class _JsonRun:
+    """--json for the run under way: whether its command line asked for it, and whether its one object is out.
+
+    With --json, stdout carries exactly one JSON object whatever happens: the result, or on failure (also a
+    usage error click raises while parsing, a signal) `{"error": {"message", "exit_code", "problems"}}`
+    (docs/json.md). The `Error:` lines still go to stderr.
+    """
+
+    wanted = False
+    printed = False
+
+
+_JSON = _JsonRun()
+
+
+def _asks_for_json(args: Iterable[str]) -> bool:
+    """Whether a command line asks for JSON, read before (or though) its parsing fails: `--json` before `--`."""
+    for arg in args:
+        if arg == "--":
+            return False
+        if arg == "--json":
+            return True
+    return False
+
+
+def echo_json_error(message: str, exit_code: int, problems: Iterable[str] = ()) -> None:
+    """The failure as the run's one JSON object on stdout, when --json was asked for and nothing is out yet."""
+    if _JSON.wanted and not _JSON.printed:
+        error = {"message": _one_line(message), "exit_code": exit_code, "problems": list(problems)}
+        echo_json({"error": error})
+
+
+class _Said:
+    """The lines a failure printed (problems first, the message last): the JSON error object repeats them."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self.lines: list[str] = []
+        self._say = say
+
+    def __call__(self, message: str) -> None:
+        self.lines.append(message)
+        self._say(message)
+
+    def as_json(self, code: int) -> None:
+        if self.lines:
+            echo_json_error(self.lines[-1], code, self.lines[:-1])
+
+
 class CkptGroup(click.Group):
     """The one place where exceptions become a message and an exit code.
 
@@ -92,6 +140,16 @@ class CkptGroup(click.Group):
     exception, exit 1. click's own exceptions (usage errors, `ctx.exit`) pass through to click. With
     CKPT_DEBUG set, everything but a signal is re-raised for the traceback.
     """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        """Note whether the command line asks for --json first: a failure from here on, a usage error of click's
+        included, is then the run's JSON object too."""
+        _JSON.wanted, _JSON.printed = _asks_for_json(args), False
+        try:
+            return super().parse_args(ctx, args)
+        except click.ClickException as e:
+            echo_json_error(e.format_message(), e.exit_code)
+            raise
 
     def invoke(self, ctx: click.Context) -> Any:
         result: list[Any] = []
@@ -110,7 +168,10 @@ class CkptGroup(click.Group):
         teardown, which can abort; nothing is left to run by then. Elsewhere (CliRunner, a program calling
         main), click's own main."""
         if not signals.installed():
-            return super().main(*args, **kwargs)
+            try:
+                return super().main(*args, **kwargs)
+            finally:  # a program running several commands (CliRunner): the next one asks for itself
+                _JSON.wanted = _JSON.printed = False
         published_before = len(_published_outputs())
         try:
             super().main(*args, **kwargs)
@@ -120,7 +181,9 @@ class CkptGroup(click.Group):
         except Exception as e:  # raised outside the command's body (click itself): still one line, no traceback
             if _debug():
                 raise
-            code = _report_failure(e, False, echo_error, None)
+            said = _Said(echo_error)
+            code = _report_failure(e, False, said, None)
+            said.as_json(code)
         code = code if isinstance(code, int) else (0 if code is None else 1)
         signum = signals.received()
         if signum is not None and not signals.reported():  # came before the command's body or after it ended
@@ -146,12 +209,18 @@ def _interrupted(signum: int | None, published_before: int, *, silent: bool) -> 
     if published:
         if not silent:
             outs = ", ".join(map(str, published))
-            click.echo(f"Interrupted after publishing {outs}; the output is complete.", err=True)
+            _say_interrupted(f"Interrupted after publishing {outs}; the output is complete.", 0)
         return 0
+    code = signals.exit_code(signum) if signum is not None else signals.exit_code(signal.SIGINT)
     if not silent:
         what = f" ({signals.signal_name(signum)})" if signum is not None else ""
-        click.echo(f"Interrupted{what}; nothing was published.", err=True)
-    return signals.exit_code(signum) if signum is not None else signals.exit_code(signal.SIGINT)
+        _say_interrupted(f"Interrupted{what}; nothing was published.", code)
+    return code
+
+
+def _say_interrupted(line: str, code: int) -> None:
+    click.echo(line, err=True)
+    echo_json_error(line, code)
 
 
 def _was_interrupted(error: BaseException) -> int | bool | None:
@@ -189,6 +258,7 @@ def run_guarded(
     silent: bool = False,
     silent_interrupt: bool = False,
     command: Callable[[], str | None] | None = None,
+    as_json: bool | None = None,
 ) -> int:
     """Run a command body; the one place exceptions become a message and an exit code (see CkptGroup).
 
@@ -196,15 +266,23 @@ def run_guarded(
     SIGHUP raise `signals.Interrupted` inside the body, so staged outputs are removed. `silent`: the same
     exit code, nothing printed (the ranks other than 0 of a run on many processes); `silent_interrupt`: the
     same for a signal only. `command`: the subcommand's name, for the pip extra a missing module needs.
+    `as_json`: the command line asked for --json (None: as the run this body is part of said), so a failure
+    is also the run's one JSON object on stdout (`echo_json_error`), unless the result was printed already.
     """
+    if as_json is not None:
+        _JSON.wanted, _JSON.printed = as_json, False
     show = debug or _debug()
-    say = (lambda message: None) if silent else echo_error
+    said = _Said((lambda message: None) if silent else echo_error)
     published_before = len(_published_outputs())
     try:
         with signals.handling():
             body()
             signals.raise_if_received()  # a signal whose exception was swallowed (a finalizer) still ends the run
-    except (click.ClickException, click.exceptions.Exit, click.Abort):
+    except click.ClickException as e:  # a usage error click found: click prints it (and the usage) on stderr
+        if not silent:
+            echo_json_error(e.format_message(), e.exit_code)
+        raise
+    except (click.exceptions.Exit, click.Abort):
         raise
     except BaseException as e:  # every exception becomes one line and a code (_report_failure)
         interrupted = _was_interrupted(e)
@@ -212,7 +290,9 @@ def run_guarded(
             return _interrupted(interrupted or None, published_before, silent=silent or silent_interrupt)
         if not isinstance(e, Exception):  # SystemExit and the like: not ours to turn into a message
             raise
-        return _report_failure(e, show, say, command)
+        code = _report_failure(e, show, said, command)
+        said.as_json(code)
+        return code
     return 0
 
 
@@ -355,11 +435,12 @@ _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class CheckpointPathType(click.Path):
-    """A local path, or the URL of a remote checkpoint (s3://, gs://, az://, hf://: io/remote.py), which is
-    mounted as a local folder of its small files whose rank files are read by byte range."""
+    """A local path that exists (a missing one is a usage error, as click's own for --config), or the URL of a
+    remote checkpoint (s3://, gs://, az://, hf://: io/remote.py), which is mounted as a local folder of its small
+    files whose rank files are read by byte range."""
 
     def __init__(self) -> None:
-        super().__init__(path_type=Path)
+        super().__init__(exists=True, path_type=Path)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, str) and _URL.match(value) and not value.lower().startswith("file://"):
@@ -402,9 +483,30 @@ def needs_out(path: Path, out: Path | None) -> None:
 CHECKPOINT_PATH = CheckpointPathType()
 OUTPUT_PATH = OutputPathType()
 checkpoint_path = click.argument("path", type=CHECKPOINT_PATH)
-tag_option = click.option("--tag", help="Tag folder to read (default: the content of `latest`).")
-step_option = click.option("--step", type=int, help="With a Trainer output_dir: use checkpoint-STEP (default: newest).")
-best_option = click.option("--best", is_flag=True, help="With a Trainer output_dir: use best_model_checkpoint.")
+INPUTS = (
+    "PATH may be a DeepSpeed ZeRO checkpoint (a save_dir holding `latest`, a tag folder, a universal checkpoint), "
+    "a Trainer checkpoint-N/ or output_dir, an accelerate save_state or Lightning folder, an FSDP2 / torch DCP "
+    "folder (`.metadata` + *.distcp, HF safetensors shards, accelerate's per-rank files) or a run folder of its "
+    "step-N/ folders, or the URL of any of these (s3://, gs://, az://, hf://)."
+)
+STEP = click.IntRange(min=0)
+tag_option = click.option(
+    "--tag",
+    help="DeepSpeed: the tag folder to read (default: the one `latest` names); accelerate FSDP: the model folder "
+    "(pytorch_model_fsdp_N). Refused where PATH has no tags to choose from.",
+)
+step_option = click.option(
+    "--step",
+    type=STEP,
+    help="With a run's output folder: read its checkpoint-STEP or step-STEP folder (default: the newest). Refused "
+    "when PATH is one checkpoint of another step.",
+)
+best_option = click.option(
+    "--best",
+    is_flag=True,
+    help="With a Trainer output_dir: read the best_model_checkpoint its trainer_state.json names. Refused "
+    "elsewhere, and with --step.",
+)
 json_option = click.option("--json", "as_json", is_flag=True, help="Print one JSON object on stdout.")
 quiet_option = click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
 workers_option = click.option(
@@ -516,6 +618,7 @@ def human_size(n: int) -> str:
 def echo_json(data: dict[str, Any]) -> None:
     """The result as one JSON object on stdout (--json)."""
     click.echo(_remote_names(json.dumps(data, indent=None, default=str)))
+    _JSON.printed = True
 
 
 def emit(data: dict[str, Any], as_json: bool, human: Callable[[dict[str, Any]], str]) -> None:

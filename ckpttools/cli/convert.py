@@ -13,6 +13,7 @@ import click
 from ckpttools.cli._common import (
     DTYPE,
     EPILOG,
+    INPUTS,
     OUTPUT_PATH,
     SIZE,
     checkpoint_path,
@@ -100,7 +101,9 @@ def consolidate_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Write consolidated weights from a ZeRO checkpoint as a folder from_pretrained loads.
+    """Write a sharded training checkpoint's weights as a folder from_pretrained loads.
+
+    {inputs}
 
     A PEFT (LoRA) run gives the adapter folder PEFT's save_pretrained writes; with --merge, the full
     model with the adapters merged into the base weights. With --distributed under torchrun the ranks
@@ -174,7 +177,7 @@ def reshard_cmd(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Rewrite a ZeRO checkpoint for a different number of data-parallel ranks or another ZeRO stage.
+    """Rewrite a DeepSpeed ZeRO checkpoint for a different number of data-parallel ranks or another ZeRO stage.
 
     With --dp M the result loads with DeepSpeed's plain load_checkpoint (and Trainer's
     resume_from_checkpoint) at M ranks, with the same DeepSpeed config. With --stage S (and
@@ -184,7 +187,10 @@ def reshard_cmd(
     becomes native shards again. With --distributed under torchrun the ranks share the rank files (or
     universal parameter folders), balanced by bytes, into one folder they all see; only rank 0 prints.
 
-    PATH may be remote (s3://, gs://, az://, hf://), read by byte range; give --out.
+    PATH is a DeepSpeed checkpoint (native or universal; a Trainer, accelerate or Lightning folder around
+    one), local or remote (s3://, gs://, az://, hf://, read by byte range; give --out). FSDP2 / torch DCP
+    checkpoints are refused (torch's dcp.load reshards them itself at the world size that loads them;
+    consolidate gives a model folder).
     """
     from ckpttools.ops.reshard import reshard
 
@@ -229,10 +235,11 @@ def _dp_name(dp: int | None) -> str:
 @checkpoint_selection
 @json_option
 def inspect_cmd(path: Path, tag: str | None, step: int | None, best: bool, as_json: bool) -> None:
-    """Describe a ZeRO checkpoint: stage, DP size, dtype, sizes, ties, Trainer state.
+    """Describe a sharded training checkpoint: layout, ranks, dtype, sizes, ties, optimizer, Trainer state.
 
-    PATH may be remote (s3://, gs://, az://, hf://): its listing and small files are read, the rank files'
-    pickles by byte range.
+    {inputs}
+
+    A remote PATH's listing and small files are read, the rank files' pickles by byte range.
     """
     from ckpttools.ops.inspect import inspect_checkpoint
 
@@ -304,8 +311,14 @@ def _human_inspect(d: dict[str, Any]) -> str:
     lines += _layout_lines(d.get("parallel") or {})
     if ts:
         lines.append(
-            f"trainer        step {ts.get('global_step')}, epoch {ts.get('epoch')}, last loss {ts.get('last_loss')}"
+            f"trainer        step {ts.get('global_step')}, epoch {_rounded(ts.get('epoch'), 2)}, "
+            f"last loss {_rounded(ts.get('last_loss'), 4)}"
         )
     if d["frozen_excluded"]:
         lines.append("note           saved without frozen params: base-model weights are absent (LoRA/PEFT)")
     return "\n".join(lines)
+
+
+for _command in (consolidate_cmd, inspect_cmd):  # the inputs read, in one place (cli._common.INPUTS)
+    _command.help = (_command.help or "").replace("{inputs}", INPUTS)
+del _command

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from ckpttools.errors import (
     CheckpointNotFoundError,
     CkptError,
+    SelectionError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
     short,
@@ -28,6 +29,12 @@ PIPE_LAYER_RE = re.compile(r"^layer_(?P<layer>\d+)(-model_(?P<mp>\d+))?-model_st
 EXPERT_RE = re.compile(r"^(layer_(?P<layer>\d+)_)?expert_(?P<expert>\d+)_mp_rank_(?P<mp>\d+)_model_states\.pt$")
 EXPERT_OPTIM_RE = re.compile(r"^expp_rank_(?P<ep>\d+)_mp_rank_(?P<mp>\d+)_optim_states\.pt$")
 CHECKPOINT_DIR_RE = re.compile(r"^checkpoint-(\d+)$")
+# What `ckpt` reads, for the message of a folder that is none of them.
+KNOWN_INPUTS = (
+    "a DeepSpeed save_dir (`latest`, global_stepN/), a Trainer checkpoint-N/ or output_dir, an accelerate or "
+    "Lightning folder, a DeepSpeed universal checkpoint (`latest_universal`), a torch DCP/FSDP2 folder "
+    "(`.metadata` + *.distcp, or a run folder of step-N/ folders)"
+)
 
 WEIGHT_FILES = (
     "model.safetensors",
@@ -163,33 +170,96 @@ def _tag_dirs(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and any(p.glob("*_model_states.pt")))
 
 
+def check_selection(step: int | None, best: bool) -> None:
+    """What --step and --best say on their own: a step is a number >= 0, and only one of them chooses."""
+    if step is not None and step < 0:
+        raise SelectionError(f"--step {step}: a step is a number >= 0 (the N of checkpoint-N or step-N)")
+    if best and step is not None:
+        raise SelectionError(f"--best and --step {step} both choose the checkpoint to read; give one of them")
+
+
+def refuse_selection(
+    path: Path,
+    what: str,
+    *,
+    tag: str | None = None,
+    step: int | None = None,
+    best: bool = False,
+    own_step: int | None = None,
+    tags: Collection[str] | None = None,
+) -> None:
+    """PATH names one checkpoint (`what`): --step or --best choosing another is a usage error, never ignored.
+
+    `own_step`: the step PATH's folder name says (checkpoint-N, step-N), which --step may repeat. `tags`: the tags
+    --tag may name here (None: --tag chooses among tags PATH holds, checked where they are read).
+    """
+    if best:
+        raise SelectionError(
+            f"--best cannot apply: {path} is {what}, not a run's output folder whose trainer_state.json names the "
+            "best checkpoint; pass the Trainer output_dir, or leave --best out"
+        )
+    if step is not None and step != own_step:
+        mine = f" (step {own_step})" if own_step is not None else ""
+        named = re.search(r"\d+$", path.name)  # PATH is the checkpoint-N/step-N folder itself: its parent is the run
+        run = str(path.parent) if named and int(named[0]) == own_step else "the run's folder"
+        hint = f"; its tag global_step{step} is chosen with --tag" if (path / f"global_step{step}").is_dir() else ""
+        raise SelectionError(
+            f"--step {step} cannot apply: {path} is {what}{mine}; --step chooses among the checkpoint-N or step-N "
+            f"folders of a run's output folder: pass {run} --step {step}, or leave --step out{hint}"
+        )
+    if tag is not None and tags is not None and tag.strip().strip("/") not in tags:
+        hint = f" (its tag: {', '.join(sorted(tags))})" if tags else ", which has no tags to choose from"
+        raise SelectionError(
+            f"--tag {short(tag)} cannot apply: {path} is {what}{hint}; pass the folder holding the tags, or leave "
+            "--tag out"
+        )
+
+
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint-N folder's name says."""
+    m = CHECKPOINT_DIR_RE.match(path.name)
+    return int(m[1]) if m else None
+
+
+def best_checkpoint(folder: Path, ckpts: dict[int, Path]) -> int:
+    """The step of the `best_model_checkpoint` the newest checkpoint's trainer_state.json records (the Trainer
+    writes the same field into every checkpoint's state; the newest knows the latest best)."""
+    steps = ", ".join(map(str, sorted(ckpts)))
+    state_file = ckpts[max(ckpts)] / "trainer_state.json"
+    if not state_file.is_file():
+        raise SelectionError(
+            f"--best cannot apply: {ckpts[max(ckpts)]} has no trainer_state.json naming a best checkpoint (only the "
+            f"Hugging Face Trainer records one); pass --step N (steps here: {steps}), or leave --best out"
+        )
+    try:
+        state = json.loads(state_file.read_bytes().decode("utf-8-sig"))
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointNotFoundError(f"cannot read {state_file} to find the best checkpoint: {e!s:.100}") from e
+    best_path = state.get("best_model_checkpoint") if isinstance(state, dict) else None
+    if best_path is not None and not isinstance(best_path, str):
+        raise CheckpointNotFoundError(f"{state_file} records best_model_checkpoint {short(best_path, 40)}, not a path")
+    if not best_path:
+        raise SelectionError(
+            f"--best cannot apply: {state_file} records no best_model_checkpoint (the run set no "
+            f"metric_for_best_model); pass --step N (steps here: {steps}), or leave --best out for the newest"
+        )
+    m = CHECKPOINT_DIR_RE.match(Path(best_path).name)
+    if not m or int(m[1]) not in ckpts:
+        raise SelectionError(
+            f"--best: the best checkpoint {best_path} is no longer in {folder} (rotated away?); steps here: {steps}"
+        )
+    return int(m[1])
+
+
 def _pick_trainer_checkpoint(folder: Path, step: int | None, best: bool) -> Path:
     ckpts = _trainer_checkpoints(folder)
     if not ckpts:
         raise CheckpointNotFoundError(f"{folder} has no checkpoint-N folders")
     if best:
-        newest = ckpts[max(ckpts)]
-        state_file = newest / "trainer_state.json"
-        try:
-            state = json.loads(state_file.read_bytes().decode("utf-8-sig"))
-        except (OSError, ValueError, RecursionError) as e:
-            raise CheckpointNotFoundError(f"cannot read {state_file} to find the best checkpoint: {e!s:.100}") from e
-        best_path = state.get("best_model_checkpoint") if isinstance(state, dict) else None
-        if best_path is not None and not isinstance(best_path, str):
-            raise CheckpointNotFoundError(
-                f"{state_file} records best_model_checkpoint {short(best_path, 40)}, not a path"
-            )
-        if not best_path:
-            raise CheckpointNotFoundError(
-                f"{state_file} records no best_model_checkpoint (the run had no metric_for_best_model); use --step"
-            )
-        m = CHECKPOINT_DIR_RE.match(Path(best_path).name)
-        if not m or int(m[1]) not in ckpts:
-            raise CheckpointNotFoundError(f"the best checkpoint {best_path} is no longer in {folder} (rotated away?)")
-        return ckpts[int(m[1])]
+        return ckpts[best_checkpoint(folder, ckpts)]
     if step is not None:
         if step not in ckpts:
-            raise CheckpointNotFoundError(f"{folder} has no checkpoint-{step}; found steps {sorted(ckpts)}")
+            raise SelectionError(f"--step {step}: {folder} has no checkpoint-{step}; found steps {sorted(ckpts)}")
         return ckpts[step]
     return ckpts[max(ckpts)]
 
@@ -234,15 +304,13 @@ def _resolve_root(path: Path, step: int | None, best: bool) -> _Found:
     if not path.exists():
         raise CheckpointNotFoundError(f"{path} does not exist")
     if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path} is a file; pass the checkpoint folder (the one holding `latest`)")
+        raise CheckpointNotFoundError(f"{path} is a file; pass the checkpoint's folder: {KNOWN_INPUTS}")
     for locator in LOCATORS:
         found = locator(path, step, best)
         if found is not None:
             return found
     _refuse_other_folder(path)
-    raise CheckpointNotFoundError(
-        f"{path} is not a DeepSpeed checkpoint: no `latest` file, no global_step*/ folder, no checkpoint-N/ folders"
-    )
+    raise CheckpointNotFoundError(f"{path} is not a checkpoint ckpt reads; it reads {KNOWN_INPUTS}")
 
 
 def _refuse_other_folder(path: Path) -> None:
@@ -254,12 +322,13 @@ def _refuse_other_folder(path: Path) -> None:
     present = [name for name in WEIGHT_FILES if (path / name).is_file()]
     if present:
         raise CkptError(
-            f"{path} already holds plain weights ({', '.join(present)}) and no DeepSpeed shards "
-            "(saved with save_only_model?); it loads with from_pretrained as it is, nothing to consolidate"
+            f"{path} already holds plain weights ({', '.join(present)}) and no sharded checkpoint (no DeepSpeed "
+            "`latest` or rank files, no torch DCP `.metadata`; saved with save_only_model?); it loads with "
+            "from_pretrained as it is, nothing to consolidate"
         )
 
 
-def _resolve_tag(root: Path, tag: str | None, advice: str = "pass --tag") -> str:
+def _resolve_tag(root: Path, tag: str | None, advice: str) -> str:
     if tag is not None:
         return check_tag_name(tag)
     latest = root / "latest"
@@ -268,21 +337,32 @@ def _resolve_tag(root: Path, tag: str | None, advice: str = "pass --tag") -> str
             return check_tag_name(latest.read_text(encoding="utf-8", errors="strict"))
         except UnicodeDecodeError as e:
             raise CheckpointNotFoundError(f"{latest} is not a text file naming a tag; {advice}") from e
-    tags = _tag_dirs(root)
-    raise CheckpointNotFoundError(
-        f"{root} has no `latest` file; {advice} (found: {', '.join(tags) or 'no tag folders'})"
-    )
+    raise CheckpointNotFoundError(f"{root} has no `latest` file naming the tag to read; {advice}")
 
 
 def _advice(root: Path, output_dir: Path | None) -> str:
-    """What helps when the tag cannot be found: --tag in a checkpoint, --step in a Trainer output_dir whose other
-    checkpoint-N folders may be complete."""
-    if output_dir is None:
-        return "pass --tag"
-    others = sorted(step for step, p in _trainer_checkpoints(output_dir).items() if p != root)
-    if not others:
-        return "pass --tag"
-    return f"pass --step to read another checkpoint (steps {', '.join(map(str, others))}), or --tag"
+    """What helps when the tag cannot be found: the tags there are (--tag), and in a Trainer output_dir the other
+    checkpoint-N folders (--step), which may be complete."""
+    tags = _tag_dirs(root)
+    by_tag = f"--tag with one of its tags ({', '.join(tags)})" if tags else ""
+    others = []
+    if output_dir is not None:
+        others = sorted(step for step, p in _trainer_checkpoints(output_dir).items() if p != root)
+    if others:
+        by_step = f"pass --step to read another checkpoint (steps {', '.join(map(str, others))})"
+        return f"{by_step}, or {by_tag}" if by_tag else by_step
+    return f"pass {by_tag}" if by_tag else "it holds no tag folder (global_stepN/) either"
+
+
+def _check_selection_applies(path: Path, root: Path, output_dir: Path | None, implied_tag: str | None,
+                             tag: str | None, step: int | None, best: bool) -> None:  # fmt: skip
+    """--step and --best choose inside a Trainer output_dir, --tag inside a save_dir: given with a PATH that
+    names one checkpoint or one tag folder, they are refused unless they repeat what PATH names."""
+    if output_dir is not None:
+        return
+    what = "a tag folder" if implied_tag is not None else "one checkpoint"
+    tags = [implied_tag] if implied_tag is not None else None
+    refuse_selection(path, what, tag=tag, step=step, best=best, own_step=step_of(root), tags=tags)
 
 
 def find_tag_folder(
@@ -293,17 +373,28 @@ def find_tag_folder(
     Args:
         path: a save_dir, a Trainer `checkpoint-N/`, a Trainer output_dir, a Lightning folder, or a tag folder.
         tag: the tag folder name; defaults to the content of `latest`.
-        step: with a Trainer output_dir, which `checkpoint-N` to take (default: the newest).
+        step: with a Trainer output_dir, which `checkpoint-N` to take (default: the newest); with PATH naming one
+            checkpoint-N, only N.
         best: with a Trainer output_dir, take `best_model_checkpoint` from trainer_state.json.
+
+    Raises:
+        SelectionError (a usage error): --step, --best or --tag that cannot apply to PATH, or name a checkpoint
+            or tag it does not hold.
     """
     path = Path(path)
+    check_selection(step, best)
     root, output_dir, implied_tag = _resolve_root(path, step, best)
+    _check_selection_applies(path, root, output_dir, implied_tag, tag, step, best)
     advice = _advice(root, output_dir)
+    chosen = tag is not None and implied_tag is None  # the user's --tag, not the folder PATH names
     tag = _resolve_tag(root, tag if tag is not None else implied_tag, advice)
     if not (root / tag).is_dir():
         available = _tag_dirs(root)
+        listed = ", ".join(available) or "none"
+        if chosen:
+            raise SelectionError(f"--tag {short(tag)}: {root} has no tag folder {short(tag)}; its tags: {listed}")
         raise CheckpointNotFoundError(
-            f"tag {short(tag)} has no folder in {root} (available: {', '.join(available) or 'none'}); {advice}"
+            f"{root / 'latest'} names tag {short(tag)}, which has no folder in {root} (its tags: {listed}); {advice}"
         )
     side = [name for name in ("config.json", *HF_SIDE_FILES) if (root / name).is_file()]
     return root, tag, output_dir, side

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.layouts.base import FolderFormat, Layout
-from ckpttools.layouts.locate import classify_tag_files, find_tag_folder
+from ckpttools.layouts.locate import check_selection, classify_tag_files, find_tag_folder, refuse_selection
 from ckpttools.layouts.universal import is_universal, read_universal, resolve_root
 from ckpttools.model.checkpoint import Checkpoint
 from ckpttools.model.origin import CheckpointLocation
@@ -49,10 +49,18 @@ class _UniversalFolder:
         return path.is_dir() and is_universal(path)
 
     def open(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> Checkpoint:
-        return read_universal(path, tag=tag)
+        return read_universal(path, tag=self._selected(path, tag, step, best))
 
     def root(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> tuple[Path, str]:
-        return resolve_root(path, tag)
+        return resolve_root(path, self._selected(path, tag, step, best))
+
+    @staticmethod
+    def _selected(path: Path, tag: str | None, step: int | None, best: bool) -> str | None:
+        """--tag chooses among a root's tags; --step and --best, and --tag with a tag folder, cannot apply."""
+        check_selection(step, best)
+        tags = [path.name] if (path / "zero").is_dir() else None  # a tag folder: only its own name
+        refuse_selection(path, "a DeepSpeed universal checkpoint", tag=tag, step=step, best=best, tags=tags)
+        return tag
 
 
 UNIVERSAL = _UniversalFolder()

@@ -75,18 +75,22 @@ RNG_SCHEMES = (
 )
 
 
-def _copy_root_files(root: Path, out: Path, old_dp: int | None, new_dp: int | None, skip: set[str]) -> list[str]:
-    """Everything beside the tag folders comes along; RNG files follow the new ranks."""
+def _copy_root_files(root: Path, out: Path, old_dp: int | None, new_dp: int | None, skip: set[str],
+                     written: list[str]) -> list[str]:  # fmt: skip
+    """Everything beside the tag folders comes along; RNG files follow the new ranks. Appends every file written
+    (relative to `out`) to `written`; returns the notes."""
     rng = {scheme: sorted(p.name for p in root.glob(scheme.glob)) for scheme in RNG_SCHEMES}
     rng_files = {name for names in rng.values() for name in names}
-    for item in root.iterdir():
+    for item in sorted(root.iterdir()):
         if item.name in skip or item.name in rng_files:
             continue
         if item.is_dir():
             if not any(item.glob("*_model_states.pt")):  # tag folders: only the converted one is written
                 shutil.copytree(item, out / item.name)
+                written += sorted(p.relative_to(out).as_posix() for p in (out / item.name).rglob("*") if p.is_file())
         else:
             shutil.copy2(item, out / item.name)
+            written.append(item.name)
     notes = []
     for scheme, names in rng.items():
         if not names:
@@ -94,13 +98,15 @@ def _copy_root_files(root: Path, out: Path, old_dp: int | None, new_dp: int | No
         if old_dp is None or new_dp is None:
             for name in names:
                 shutil.copy2(root / name, out / name)
+                written.append(name)
             notes.append("RNG states copied as they are")
         else:
-            notes.append(_place_rng_states(root, out, old_dp, new_dp, scheme))
+            notes.append(_place_rng_states(root, out, old_dp, new_dp, scheme, written))
     return notes
 
 
-def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int, scheme: _RngScheme) -> str:
+def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int, scheme: _RngScheme, written: list[str]
+                      ) -> str:  # fmt: skip
     """Each process restores its own RNG file; keep what maps over, by rank."""
 
     def name(rank: int, dp: int) -> str:
@@ -113,6 +119,7 @@ def _place_rng_states(root: Path, out: Path, old_dp: int, new_dp: int, scheme: _
     for rank in range(min(old_dp, new_dp)):
         if src := old_file(rank):
             shutil.copy2(src, out / name(rank, new_dp))
+            written.append(name(rank, new_dp))
     if new_dp == 1:
         return f"RNG states: rank 0's kept as {name(0, 1)}; the other ranks' random streams do not carry over"
     if new_dp > old_dp:
@@ -277,8 +284,7 @@ def _write(job: _Job, out_dir: Any, overwrite: bool, progress: _ProgressFns, gro
         _write_files(tmp / tag, {f.name[len(tag) + 1 :]: files[f.name[len(tag) + 1 :]] for f in mine}, reader, progress)
 
     def finish(tmp: Path, reader: RecordReader) -> list[str]:
-        _finish_folder(ckpt, job.dp, job.stage, tmp, job.model_config, result)
-        return []
+        return _finish_folder(ckpt, job.dp, job.stage, tmp, job.model_config, result)
 
     plan = executor.OutputPlan(out, outputs, write, needed, result.notes, finish,
                                check=lambda: check_module_copies(ckpt), records=_records_read(files))  # fmt: skip
@@ -342,8 +348,9 @@ def _finish_folder(
     tmp: Path,
     model_config: hf.ModelConfig | None,
     result: ReshardResult,
-) -> None:
-    """Everything but the tag's rank files: notes, the files beside the tag, config.json and `latest`."""
+) -> list[str]:
+    """Everything but the tag's rank files: notes, the files beside the tag, config.json and `latest`; returns the
+    files written (relative to `tmp`), which the result lists after the rank files."""
     loc = ckpt.location
     if result.zero_stage_from is not None:
         result.notes.append(
@@ -353,13 +360,17 @@ def _finish_folder(
     elif dp is not None and dp == result.dp_from:
         result.notes.append(f"the checkpoint is already at DP {dp}; rewritten as it is, every record checked")
     skip = {loc.tag, "latest", "latest_universal"}
-    result.notes += _copy_root_files(loc.root, tmp, result.dp_from, dp, skip)
+    written: list[str] = []
+    result.notes += _copy_root_files(loc.root, tmp, result.dp_from, dp, skip, written)
     if model_config is not None:
         (tmp / "config.json").write_text(json.dumps(model_config.config, indent=2) + "\n")
-        hf.copy_side_files(model_config.folder, model_config.side_files, tmp)
-    (tmp / ("latest" if dp else "latest_universal")).write_text(loc.tag)
+        written += ["config.json", *hf.copy_side_files(model_config.folder, model_config.side_files, tmp)]
+    latest = "latest" if dp else "latest_universal"
+    (tmp / latest).write_text(loc.tag)
+    written.append(latest)
     if dp is None:
         result.notes.append('load it with "checkpoint": {"load_universal": true} in the DeepSpeed config')
+    return list(dict.fromkeys(written))  # --config replaces a copied config.json: listed once
 
 
 def _records_read(files: dict[str, Any]) -> list[Record]:

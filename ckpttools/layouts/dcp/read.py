@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, short
+from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, SelectionError, short
 from ckpttools.io import dtypes
 from ckpttools.io.source import list_names
 from ckpttools.layouts.base import ReadOnlyLayout
@@ -31,7 +31,7 @@ from ckpttools.layouts.dcp.optim import MODEL_FOLDER_RE, NON_MODEL_ROOTS, optimi
 from ckpttools.layouts.dcp.rankfiles import RANK_FILE_RE as RANK_BIN_RE
 from ckpttools.layouts.dcp.rankfiles import rank_files, read_rank_files
 from ckpttools.layouts.dcp.ties import tied_weights
-from ckpttools.layouts.locate import HF_SIDE_FILES
+from ckpttools.layouts.locate import HF_SIDE_FILES, best_checkpoint, check_selection, refuse_selection
 from ckpttools.model.checkpoint import Checkpoint, Param, TensorSource, strip_prefixes
 from ckpttools.model.origin import CheckpointLocation, TagFiles
 from ckpttools.model.parallel import ParallelLayout
@@ -61,37 +61,57 @@ def is_dcp_folder(path: Path) -> bool:
     return bool(shards) and is_dcp_shard(shards[0])
 
 
-def find_dcp(path: Path, *, tag: str | None = None, step: int | None = None) -> DcpFolder | None:
-    """The DCP folder `path` is, holds, or (a run folder of step folders) the newest one / `step` of; else None."""
+def find_dcp(path: Path, *, tag: str | None = None, step: int | None = None, best: bool = False) -> DcpFolder | None:
+    """The DCP folder `path` is, holds, or (a run folder of step folders) the newest one / `step` / `best` of; else
+    None. A selection that cannot apply to `path` is refused (locate.refuse_selection), never ignored."""
     if not path.is_dir():
         return None
+    check_selection(step, best)
     if is_dcp_folder(path):
         parent = path.parent
         named = MODEL_FOLDER_RE.match(path.name) or STEP_FOLDER_RE.match(path.name)
         owned = named or (parent / "config.json").is_file()
-        return DcpFolder(path, parent, path.name) if owned else DcpFolder(path, path, ".")
+        here = DcpFolder(path, parent, path.name) if owned else DcpFolder(path, path, ".")
+        own_step = _step_in(path.name) if STEP_FOLDER_RE.match(path.name) else _step_in(parent.name)
+        own_tags = [path.name] if MODEL_FOLDER_RE.match(path.name) else []
+        refuse_selection(path, "one torch DCP folder", tag=tag, step=step, best=best, own_step=own_step, tags=own_tags)
+        return here
     per_rank = rank_files(sorted(p.name for p in path.iterdir()))
     if per_rank:  # accelerate's use_dcp=False files, in the checkpoint folder itself
+        refuse_selection(path, "one FSDP checkpoint", step=step, best=best, own_step=_step_in(path.name))
         name = tag if tag is not None else min(per_rank)
         if name not in per_rank:
-            raise CheckpointNotFoundError(f"{path} has no FSDP rank files of {name!r} (it has {', '.join(per_rank)})")
+            raise SelectionError(
+                f"--tag {short(name)}: {path} has no FSDP rank files of it (it has {', '.join(per_rank)})"
+            )
         return DcpFolder(path, path, name)
     models = _children(path, MODEL_FOLDER_RE)
     if models:
+        refuse_selection(path, "one FSDP checkpoint", step=step, best=best, own_step=_step_in(path.name))
         name = tag if tag is not None else min(models, key=lambda n: int(MODEL_FOLDER_RE.match(n)["n"]))  # type: ignore[index]
         if name not in models:
-            raise CheckpointNotFoundError(f"{path} has no DCP model folder {name!r} (it has {', '.join(models)})")
+            raise SelectionError(
+                f"--tag {short(name)}: {path} has no DCP model folder of it (it has {', '.join(models)})"
+            )
         return DcpFolder(path / name, path, name)
     steps = {int(STEP_FOLDER_RE.match(n)["n"]): n for n in _children(path, STEP_FOLDER_RE)}  # type: ignore[index]
     if not steps:
         return None
     if step is not None and step not in steps:
-        raise CheckpointNotFoundError(f"{path} has no step {step} (steps: {', '.join(map(str, sorted(steps)))})")
+        raise SelectionError(f"--step {step}: {path} has no step {step} (steps: {', '.join(map(str, sorted(steps)))})")
+    if best:
+        step = best_checkpoint(path, {n: path / name for n, name in steps.items()})
     chosen = path / steps[step if step is not None else max(steps)]
-    found = find_dcp(chosen, tag=tag)
+    found = find_dcp(chosen, tag=tag, step=_step_in(chosen.name))
     if found is not None and found.output_dir is None:
         found = DcpFolder(found.folder, found.root, found.tag, output_dir=path)
     return found
+
+
+def _step_in(name: str) -> int | None:
+    """The step a step-N / checkpoint-N folder's name says."""
+    m = STEP_FOLDER_RE.match(name)
+    return int(m["n"]) if m else None
 
 
 def _children(path: Path, pattern: re.Pattern[str]) -> list[str]:
@@ -277,14 +297,14 @@ class DcpFolderFormat:
             return True  # it is one; `open` says what is missing
 
     def open(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> Checkpoint:
-        return read_dcp(self._find(path, tag, step))
+        return read_dcp(self._find(path, tag, step, best))
 
     def root(self, path: Path, *, tag: str | None, step: int | None, best: bool) -> tuple[Path, str]:
-        found = self._find(path, tag, step)
+        found = self._find(path, tag, step, best)
         return found.root, found.tag
 
-    def _find(self, path: Path, tag: str | None, step: int | None) -> DcpFolder:
-        found = find_dcp(path, tag=tag, step=step)
+    def _find(self, path: Path, tag: str | None, step: int | None, best: bool) -> DcpFolder:
+        found = find_dcp(path, tag=tag, step=step, best=best)
         if found is None:
             raise CheckpointNotFoundError(f"{path} holds no torch DCP folder (.metadata)")
         return found
