@@ -108,3 +108,26 @@ def test_the_writer_counts_nonfinite_values_from_the_bytes_it_writes(tmp_path):
     written, expected = load_file(tmp_path / "out.safetensors")["x"], x.bfloat16()
     assert torch.equal(written.isnan(), expected.isnan())  # NaN bits: ckpt writes 0x7FC0, torch's vector cast 0xFFFF
     assert torch.equal(written[~written.isnan()], expected[~expected.isnan()])
+
+
+def test_chunks_split_over_threads_reduce_to_the_same_numbers():
+    from ckpttools.io.threads import Workers
+
+    g = torch.Generator().manual_seed(2)
+    a = torch.randn(3 << 20, generator=g)
+    a[2_500_000] = float("nan")
+    b = a.clone()
+    b[[2_000_001, 3_000_000]] += 0.5  # both in later parts of the split
+    raw_a, raw_b = a.numpy(), b.numpy()
+    with Workers(4) as pool:
+        serial, split = reduce.Moments(), reduce.Moments()
+        serial.add(raw_a, dtypes.FLOAT32)
+        split.add(raw_a, dtypes.FLOAT32, pool)
+        one, many = reduce.Comparison(), reduce.Comparison()
+        one.add(0, raw_a, dtypes.FLOAT32, raw_b, dtypes.FLOAT32)
+        many.add(0, raw_a, dtypes.FLOAT32, raw_b, dtypes.FLOAT32, pool)
+    s, p = serial.to_dict(), split.to_dict()
+    assert {k: s[k] for k in ("count", "nan", "min", "max")} == {k: p[k] for k in ("count", "nan", "min", "max")}
+    assert p["l2"] == pytest.approx(s["l2"], rel=1e-12) and p["mean"] == pytest.approx(s["mean"], rel=1e-9)
+    assert (many.differing, many.first, many.count, many.identical) == (2, 2_000_001, 3 << 20, False)
+    assert (many.max_abs_diff, many.rel_l2) == (one.max_abs_diff, pytest.approx(one.rel_l2, rel=1e-12))

@@ -25,6 +25,7 @@ from ckpttools.cli._common import (
     quiet_option,
     report,
     run_guarded,
+    workers_option,
 )
 
 TROUBLE = 2  # diff's exit code when it could not compare (GNU diff's)
@@ -75,9 +76,11 @@ def _guarded_diff(body: Any) -> None:
     show_default=True,
     help="Relative tolerance per element: equal when |a - b| <= atol + rtol * |a|.",
 )
+@workers_option
 @json_option
 @quiet_option
-def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, as_json: bool, quiet: bool) -> None:
+def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, workers: int | None, as_json: bool,
+             quiet: bool) -> None:  # fmt: skip
     """Compare two checkpoints tensor by tensor: identical, changed, only in A, only in B.
 
     A and B are anything ckpt reads: DeepSpeed or universal checkpoints, torch DCP folders, Hugging Face
@@ -96,7 +99,7 @@ def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, as_jso
         ctx = click.get_current_context()
         path_a, path_b = (CHECKPOINT_PATH.convert(p, None, ctx) for p in (a, b))  # remote: mounted here, not at parse
         with progress_callbacks("diff", quiet) as progress:
-            result = diff(path_a, path_b, dtype=dtype, atol=atol, rtol=rtol, **progress)
+            result = diff(path_a, path_b, dtype=dtype, atol=atol, rtol=rtol, workers=workers, **progress)
         report(result.to_dict(), as_json, quiet, _human_diff)
         same.append(result.same)
 
@@ -189,11 +192,13 @@ def _differing(r: dict[str, Any]) -> str:
     "by layer, with the layers holding NaN or Inf marked.",
 )
 @click.option("--all", "show_all", is_flag=True, help="List every tensor on the terminal, not only the layers.")
+@workers_option
 @checkpoint_selection
 @json_option
 @quiet_option
-def stats_cmd(path: Path, dtype: str | None, weights_only: bool, plot: Path | None, show_all: bool, tag: str | None,
-              step: int | None, best: bool, as_json: bool, quiet: bool) -> None:  # fmt: skip
+def stats_cmd(path: Path, dtype: str | None, weights_only: bool, plot: Path | None, show_all: bool,
+              workers: int | None, tag: str | None, step: int | None, best: bool, as_json: bool,
+              quiet: bool) -> None:  # fmt: skip
     """Statistics of every tensor: weights and, in a training checkpoint, every optimizer state.
 
     Per tensor, streamed (each byte read once, memory a few chunks): how many NaN, +Inf and -Inf, and the
@@ -206,7 +211,8 @@ def stats_cmd(path: Path, dtype: str | None, weights_only: bool, plot: Path | No
     if plot is not None and plot.suffix.lower() not in (".html", ".htm"):
         raise click.UsageError(f"--plot {plot}: give a .html file (a self-contained page)")
     with progress_callbacks("stats", quiet) as progress:
-        result = stats(path, dtype=dtype, optimizer=not weights_only, tag=tag, step=step, best=best, **progress)
+        result = stats(path, dtype=dtype, optimizer=not weights_only, tag=tag, step=step, best=best, workers=workers,
+                       **progress)  # fmt: skip
     if plot is not None:
         _write_page(plot, plot_html(result))
         result.notes.append(f"wrote {plot}")

@@ -18,6 +18,7 @@ from ckpttools.errors import UsageError
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
 from ckpttools.io.safetensors_writer import OutputTensor
+from ckpttools.io.threads import Workers, resolve_workers
 from ckpttools.io.torchfile import RecordReader
 from ckpttools.ops import reduce
 from ckpttools.ops.reduce import Comparison, Side
@@ -100,6 +101,7 @@ def diff(
     rtol: float = 0.0,
     on_start: Callable[[int], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    workers: int | None = None,
 ) -> DiffResult:
     """Compare two checkpoints tensor by tensor.
 
@@ -110,6 +112,7 @@ def diff(
             other side's weights when it is a weights folder or file, else fp32.
         atol, rtol: an element is equal when |a - b| <= atol + rtol * |a|; 0 and 0 ask for equal values.
         on_start, on_progress: the bytes both sides will stream, then after each compared run of elements.
+        workers: threads comparing each chunk (default: this process's share of the cores, at most 8).
 
     Example:
         >>> result = diff("out/checkpoint-500", "hf://my-org/my-model")
@@ -127,7 +130,7 @@ def diff(
         notes.append(f"--dtype {dtype} picks a training checkpoint's weights; both sides are weight files, "
                      "compared as stored")  # fmt: skip
     verdicts, pairs = _match(side_a, side_b, notes)
-    _compare(pairs, atol, rtol, on_start, on_progress, side_a, side_b)
+    _compare(pairs, atol, rtol, on_start, on_progress, workers)
     return DiffResult(_describe(side_a), _describe(side_b), atol, rtol, verdicts, notes)
 
 
@@ -211,13 +214,13 @@ def _match(a: Side, b: Side, notes: list[str]) -> tuple[list[TensorDiff], list[_
 
 
 def _compare(pairs: list[_Pair], atol: float, rtol: float, on_start: Callable[[int], None] | None,
-             on_progress: Callable[[int], None] | None, side_a: Side, side_b: Side) -> None:  # fmt: skip
+             on_progress: Callable[[int], None] | None, workers: int | None) -> None:  # fmt: skip
     comparisons = [Comparison(atol, rtol) for _ in pairs]
     if on_start:
         on_start(sum(p.a.nbytes + p.b.nbytes for p in pairs))
-    with RecordReader() as reader_a, RecordReader() as reader_b:
+    with RecordReader() as reader_a, RecordReader() as reader_b, Workers(resolve_workers(workers)) as pool:
         reduce.compare_streams([p.a for p in pairs], [p.b for p in pairs], reader_a, reader_b, comparisons,
-                               on_progress=on_progress)  # fmt: skip
+                               on_progress=on_progress, workers=pool)  # fmt: skip
         reader_a.finish()  # every record touched passes its CRC-32, or the comparison is worth nothing
         reader_b.finish()
     for pair, c in zip(pairs, comparisons, strict=True):

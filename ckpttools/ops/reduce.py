@@ -10,6 +10,8 @@ thread ahead, memory O(chunk)) and hands each chunk to the reducers: `Moments` (
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -25,6 +27,7 @@ from ckpttools.io.dtypes import DType
 from ckpttools.io.safetensors_writer import CHUNK_BYTES, OutputTensor, output_dtype, stream_chunks
 from ckpttools.io.segments import Segment
 from ckpttools.io.source import location_name
+from ckpttools.io.threads import Workers
 from ckpttools.io.torchfile import LazyTensor, RecordReader, lazy_tensors, load_pickle
 from ckpttools.io.values import NonFinite, NonFiniteCounter
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
@@ -320,10 +323,21 @@ class Moments:
     def finite(self) -> int:
         return self.count - self.nan - self.posinf - self.neginf
 
-    def add(self, raw: np.ndarray, dtype: DType) -> None:
-        """Take in a chunk of `raw` values (see `values.raw`)."""
+    def add(self, raw: np.ndarray, dtype: DType, workers: Workers | None = None) -> None:
+        """Take in a chunk of `raw` values (see `values.raw`), split over `workers`' threads when given."""
         if dtype.numpy is None or not (dtype.is_floating_point or raw.dtype.kind in "biu"):
             return
+        spans = _spans(len(raw), workers)
+        if len(spans) == 1:
+            self._serial(raw, dtype)
+            return
+        parts = [Moments() for _ in spans]
+        assert workers is not None
+        workers.run([functools.partial(p._serial, raw[a:b], dtype) for p, (a, b) in zip(parts, spans, strict=True)])
+        for p in parts:
+            self.merge(p)
+
+    def _serial(self, raw: np.ndarray, dtype: DType) -> None:
         for a in range(0, len(raw), BLOCK):
             self._block(raw[a : a + BLOCK], dtype)
 
@@ -345,7 +359,7 @@ class Moments:
         self.maximum = max(self.maximum, float(x.max()))
         x64 = x.astype(np.float64)
         self.total += float(x64.sum())
-        self.squares += float(np.dot(x64, x64))
+        self.squares += _sumsq(x64)
 
     def merge(self, other: Moments) -> None:
         self.count += other.count
@@ -402,8 +416,28 @@ class Comparison:
     first: int | None = None  # flat index of the first differing element
     first_values: tuple[float, float] | None = None
 
-    def add(self, start: int, a_raw: np.ndarray, a_dtype: DType, b_raw: np.ndarray, b_dtype: DType) -> None:
-        """Take in elements [start, start + len(a_raw)) of both tensors."""
+    def add(self, start: int, a_raw: np.ndarray, a_dtype: DType, b_raw: np.ndarray, b_dtype: DType,
+            workers: Workers | None = None) -> None:  # fmt: skip
+        """Take in elements [start, start + len(a_raw)) of both tensors, split over `workers`' threads if given."""
+        spans = _spans(len(a_raw), workers)
+        if len(spans) == 1:
+            self._serial(start, a_raw, a_dtype, b_raw, b_dtype)
+            return
+        parts = [Comparison(self.atol, self.rtol) for _ in spans]
+        assert workers is not None
+        workers.run([functools.partial(p._serial, start + a, a_raw[a:b], a_dtype, b_raw[a:b], b_dtype)
+                     for p, (a, b) in zip(parts, spans, strict=True)])  # fmt: skip
+        for p in parts:  # in element order: the first part with a difference holds the first one
+            self.count += p.count
+            self.identical = self.identical and p.identical
+            self.differing += p.differing
+            self.max_abs_diff = max(self.max_abs_diff, p.max_abs_diff)
+            self.diff_squares += p.diff_squares
+            self.a_squares += p.a_squares
+            if self.first is None and p.first is not None:
+                self.first, self.first_values = p.first, p.first_values
+
+    def _serial(self, start: int, a_raw: np.ndarray, a_dtype: DType, b_raw: np.ndarray, b_dtype: DType) -> None:
         self.count += len(a_raw)
         if a_dtype is b_dtype and np.array_equal(_bits(a_raw), _bits(b_raw)):
             self.a_squares += _squares(a_raw, a_dtype)  # ||a|| for rel_l2, should a later chunk differ
@@ -426,8 +460,8 @@ class Comparison:
             delta = np.where(both, np.abs(a - b), 0.0)
             close = equal | (both & (delta <= self.atol + self.rtol * np.abs(a))) if not exact else equal
         fa = np.where(np.isfinite(a), a, 0.0)
-        self.a_squares += float(np.dot(fa, fa))
-        self.diff_squares += float(np.dot(delta, delta))
+        self.a_squares += _sumsq(fa)
+        self.diff_squares += _sumsq(delta)
         if len(delta):
             self.max_abs_diff = max(self.max_abs_diff, float(delta.max()))
         off = ~close
@@ -447,6 +481,16 @@ class Comparison:
         return math.sqrt(self.diff_squares / self.a_squares) if self.a_squares else math.inf
 
 
+MIN_SPLIT = 1 << 20  # elements: below this a chunk is reduced on one thread (handing it out costs more)
+
+
+def _spans(n: int, workers: Workers | None) -> list[tuple[int, int]]:
+    """[a, b) element ranges of a chunk, one per thread of `workers`."""
+    parts = 1 if workers is None else max(1, min(workers.n, n // MIN_SPLIT))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return list(itertools.pairwise(bounds))
+
+
 def _bits(raw: np.ndarray) -> np.ndarray:
     """The elements' bytes as unsigned integers of their size: equal bits, NaN payloads and -0.0 included."""
     size = raw.dtype.itemsize
@@ -454,12 +498,18 @@ def _bits(raw: np.ndarray) -> np.ndarray:
 
 
 def _squares(raw: np.ndarray, dtype: DType) -> float:
+    """Sum of the squares of the finite elements, in float64."""
     total = 0.0
     for s in range(0, len(raw), BLOCK):
         x = values.numbers(raw[s : s + BLOCK], dtype).astype(np.float64)
-        x = x[np.isfinite(x)] if dtype.is_floating_point else x
-        total += float(np.dot(x, x))
+        part = _sumsq(x)
+        total += part if math.isfinite(part) else _sumsq(x[np.isfinite(x)])  # a NaN or Inf here: leave them out
     return total
+
+
+def _sumsq(x: np.ndarray) -> float:
+    """sum(x * x) in one pass without BLAS: np.dot's threads spin against each other on a busy machine."""
+    return float(np.einsum("i,i->", x, x))
 
 
 class _Cursor:
@@ -485,7 +535,8 @@ class _Cursor:
 
 def compare_streams(a: Sequence[OutputTensor], b: Sequence[OutputTensor], reader_a: RecordReader,
                     reader_b: RecordReader, comparisons: Sequence[Comparison], *, chunk_bytes: int = CHUNK_BYTES,
-                    on_progress: Callable[[int], None] | None = None) -> None:  # fmt: skip
+                    on_progress: Callable[[int], None] | None = None, workers: Workers | None = None
+                    ) -> None:  # fmt: skip
     """Compare a[i] with b[i] (same number of elements) into comparisons[i], both streamed at once: two reader
     threads, so two remote sources are fetched in parallel, each byte read once. `on_progress(bytes of both)`
     after each run compared."""
@@ -496,7 +547,7 @@ def compare_streams(a: Sequence[OutputTensor], b: Sequence[OutputTensor], reader
         while done < total:
             xa, xb = ca.available(i), cb.available(i)
             n = min(len(xa), len(xb), total - done)
-            comparisons[i].add(done, xa[:n], ta.dtype, xb[:n], tb.dtype)
+            comparisons[i].add(done, xa[:n], ta.dtype, xb[:n], tb.dtype, workers)
             ca.take(n)
             cb.take(n)
             done += n

@@ -16,6 +16,7 @@ from typing import Any
 from ckpttools.errors import UsageError
 from ckpttools.io import dtypes
 from ckpttools.io.safetensors_writer import OutputTensor
+from ckpttools.io.threads import Workers, resolve_workers
 from ckpttools.io.torchfile import RecordReader
 from ckpttools.ops import reduce
 from ckpttools.ops.reduce import Moments
@@ -100,6 +101,7 @@ def stats(
     best: bool = False,
     on_start: Callable[[int], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    workers: int | None = None,
 ) -> StatsResult:
     """Statistics of every tensor of a checkpoint, streamed (memory O(chunk), each byte read once).
 
@@ -108,6 +110,7 @@ def stats(
         dtype: which weights of a training checkpoint: "fp32" (the masters, default) or "bf16"/"fp16".
         weights, optimizer: include the weights; include every optimizer state of a training checkpoint.
         on_start, on_progress: the bytes to read, then the bytes of each chunk reduced.
+        workers: threads reducing each chunk (default: this process's share of the cores, at most 8).
 
     Example:
         >>> result = stats("out/checkpoint-500")
@@ -134,10 +137,10 @@ def stats(
     tensors = [t for _, t in todo]
     if on_start:
         on_start(sum(t.nbytes for t in tensors))
-    with RecordReader() as reader:
+    with RecordReader() as reader, Workers(resolve_workers(workers)) as pool:
 
         def each(i: int, start: int, raw: Any) -> None:
-            result.tensors[i].moments.add(raw, tensors[i].dtype)
+            result.tensors[i].moments.add(raw, tensors[i].dtype, pool)
             if on_progress:
                 on_progress(raw.nbytes)
 
