@@ -140,3 +140,24 @@ def test_unbuildable_base_is_a_note_not_a_pass(adapter, tmp_path):
     folder = adapter(TRAINER)
     report = verify_folder(folder, base=tmp_path / "missing-base")
     assert report.ok and any("not checked against the base model" in n for n in report.notes)
+
+
+def test_against_compares_the_adapter_with_the_runs_adapter_tensors_bit_for_bit(adapters, tmp_path):
+    root, _ = adapters
+    ckpt = FIXTURES / ENGINE / fixture_meta(ENGINE)["checkpoint"]
+    report = verify_folder(root / ENGINE, against=ckpt)
+    assert report.ok, report.problems
+    assert report.against is not None and any("bit-identical" in c for c in report.checks), report.checks
+    res = run("verify", root / ENGINE, "--against", ckpt, "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["against"], res.output
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(root / ENGINE, tampered)
+    weights = load_file(tampered / "second" / "adapter_model.safetensors")
+    key = min(weights)
+    weights[key] = weights[key] + 1
+    save_file(weights, tampered / "second" / "adapter_model.safetensors", metadata={"format": "pt"})
+    _problems(verify_folder(tampered, against=ckpt), "tensors that differ", f"second/{key}")
+
+    res = run("verify", root / ENGINE, "--against", FIXTURES / "trainer_z2_bf16" / "out")  # not a PEFT run
+    assert res.exit_code == 1 and "not a PEFT (LoRA) run" in res.output, res.output

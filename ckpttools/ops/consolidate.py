@@ -12,10 +12,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ckpttools import adapters, extras
-from ckpttools.errors import CkptError, UsageError, short
+from ckpttools.errors import CkptError, UsageError, VerificationError, short
 from ckpttools.io import dtypes
 from ckpttools.io.dtypes import DType
 from ckpttools.io.safetensors_writer import OutputTensor, ProgressFn, output_dtype, read_tensor
@@ -53,6 +53,7 @@ class ConsolidateOptions:
     check_existing: bool = True
     check_keys: bool = False
     config: Path | str | None = None
+    replace_config: bool = False
     merge: bool = False
     base: Path | str | None = None
 
@@ -71,6 +72,9 @@ class ConsolidateOptions:
             raise UsageError("--merge writes safetensors only (what from_pretrained loads); drop --to pt")
         if self.base is not None and not self.merge:
             raise UsageError("--base is the base model of a --merge; pass --merge too")
+        if self.replace_config and self.config is None:
+            raise UsageError("--replace-config writes --config instead of the checkpoint's own config.json; "
+                             "pass --config too")  # fmt: skip
         _require_libraries(to=self.to, check_keys=self.check_keys, merge=self.merge)
 
 
@@ -130,34 +134,86 @@ def _require_libraries(*, to: str, check_keys: bool, merge: bool) -> None:
 
 
 class _KeyCheck:
-    """Builds the model on the meta device in a child process while the shards are written."""
+    """Builds the model config.json names on the meta device in a child process while the shards are written, and
+    fails the consolidation, before anything is published, when from_pretrained would load the output with missing
+    or unexpected keys (random weights at exit 0 otherwise).
 
-    def __init__(self, folder: Path | None, tensors: list[OutputTensor]) -> None:
-        self.proc = hf.start_key_check(folder, {t.name: t.shape for t in tensors}) if folder else None
+    It runs whenever a config.json is written and transformers is installed (`asked`: `--check-keys`, which also
+    makes a check that cannot run a failure instead of a note). Without transformers there is no child: the base
+    install imports nothing heavy.
+    """
+
+    def __init__(self, config: Path | None, tensors: Sequence[_Shaped], *, asked: bool = False) -> None:
+        self.asked = asked
+        self.proc = hf.start_key_check(config, {t.name: tuple(t.shape) for t in tensors}) if config else None
+
+    @classmethod
+    def start(cls, model_config: hf.ModelConfig | None, tensors: Sequence[_Shaped], *, asked: bool,
+              rank0: bool = True) -> _KeyCheck:  # fmt: skip
+        """A check of `tensors` against `model_config`'s class, when there is a config, this is the rank that
+        writes it, and transformers is installed (`asked` has required it already)."""
+        runs = model_config is not None and rank0 and (asked or not _lacking("torch", "transformers"))
+        return cls(model_config.path if runs and model_config is not None else None, tensors, asked=asked)
 
     def cancel(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
 
-    def problems(self, ckpt: Checkpoint, omitted: dict[str, str], notes: list[str]) -> None:
+    def problems(self, ckpt: Checkpoint, omitted: dict[str, str], notes: list[str], *, all_weights: bool = False
+                 ) -> None:  # fmt: skip
+        """Raise when the keys do not match; `all_weights`: the output must hold the base weights even when the
+        checkpoint lacks them (a merge from --base)."""
         if self.proc is None:
             return
         result = hf.finish_key_check(self.proc)
         if isinstance(result, str):
+            if self.asked:
+                raise VerificationError(f"--check-keys cannot check the keys: {result}")
             notes.append(f"keys not checked against the model: {result}")
             return
-        arch, keys = result
+        arch, keys, guessed = result
         keys.missing = [f"{k} (tied during training, but {arch} does not tie it on load)" if k in omitted else k
                         for k in keys.missing]  # fmt: skip
-        if ckpt.frozen_excluded and keys.missing:
+        partial = ckpt.frozen_excluded and not all_weights
+        if partial and keys.missing:
             notes.append(f"{len(keys.missing)} base-model weights are absent (saved without frozen params)")
-        problems = keys.messages(arch, ignore_missing=ckpt.frozen_excluded)
-        if problems:
-            raise CkptError(
-                f"the consolidated keys do not match {arch} from config.json: {'; '.join(problems)}. "
-                "Is config.json from the same model?"
+        problems = keys.messages(arch, ignore_missing=partial)
+        if problems and guessed and not self.asked:  # no class named: the user may load it with another Auto class
+            notes.append(f"config.json names no architecture, and the keys match neither {guessed} (the classes "
+                         f"AutoModelForCausalLM and AutoModel build for it): {'; '.join(problems)}")  # fmt: skip
+            return
+        if problems and guessed:
+            raise VerificationError(
+                f"--check-keys: config.json names no architecture, and the keys match neither {guessed} (the classes "
+                f"AutoModelForCausalLM and AutoModel build for it): {'; '.join(problems)}. Add `architectures` to "
+                "config.json, or pass --config with the model's own"
             )
+        if problems:
+            raise VerificationError(
+                f"the consolidated keys do not match {arch} from config.json: {'; '.join(problems)}. "
+                "Is config.json from the same model? Nothing was written"
+            )
+
+
+class _Shaped(Protocol):
+    @property
+    def name(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+
+def _lacking(*modules: str) -> list[str]:
+    """Which of `modules` (of ckpttools[verify]) are not installed."""
+    return [m for m in hf.missing_verify_libraries() if m in modules]
+
+
+def _skipped_note(skipped: list[str]) -> list[str]:
+    """One note for every check skipped on a base install (no torch, transformers, safetensors), saying which."""
+    if not skipped:
+        return []
+    note = f"not checked, as ckpttools[verify] is not installed: {'; '.join(skipped)} (pip install 'ckpttools[verify]')"
+    return [note]
 
 
 def consolidate(
@@ -241,13 +297,15 @@ class _Consolidation:
 
         ckpt, out = self._agreed(open_output)
         if opts.merge or peft.is_peft(ckpt):
-            job = _PeftJob(ckpt, out, DTYPES[opts.dtype], opts.max_shard_size, self.on_progress, self.on_start)
+            job = _PeftJob(ckpt, out, DTYPES[opts.dtype], opts.max_shard_size, self.on_progress, self.on_start,
+                           opts.check_keys, opts.replace_config)  # fmt: skip
             plan, result_of = self._agreed(lambda: job.merge(opts.base, opts.config) if opts.merge
-                                           else job.adapters(opts.to))  # fmt: skip
+                                           else job.adapters(opts.to, opts.config))  # fmt: skip
             return self._share(self._executed(plan, result_of))
         output = self._agreed(lambda: _plan_output(ckpt, DTYPES[opts.dtype], opts.to, opts.max_shard_size,
-                                                   opts.config))  # fmt: skip
-        keycheck = output.key_check(opts.check_keys and self.rank0)
+                                                   opts.config, replace_config=opts.replace_config,
+                                                   check_keys=opts.check_keys))  # fmt: skip
+        keycheck = _KeyCheck.start(output.model_config, output.tensors, asked=opts.check_keys, rank0=self.rank0)
         try:
             plan = self._output_plan(output, out, keycheck)
             return self._share(self._executed(plan, lambda files: output.result(out, files, opts.dtype)))
@@ -303,18 +361,23 @@ class _Output:
     total: int
     notes: list[str]
 
-    def key_check(self, check_keys: bool) -> _KeyCheck:
-        mc = self.model_config
-        return _KeyCheck(mc.folder if mc is not None and mc.standard_name and check_keys else None, self.tensors)
-
     def finish_folder(self, tmp: Path, keycheck: _KeyCheck, reader: RecordReader, check_existing: bool) -> list[str]:
         """After the shards: the key check's verdict, the index, config and companion files, the comparison with
         the weights a Trainer saved beside the shards."""
         ckpt = self.ckpt
         keycheck.problems(ckpt, self.omitted, self.notes)
+        skipped = []
+        if self.model_config is not None and keycheck.proc is None and _lacking("torch", "transformers"):
+            skipped.append("the keys and shapes against the model class config.json names")
         files = _write_hf_files(tmp, ckpt, self.shards, self.tensors, self.to, self.dtype, self.model_config)
-        if check_existing and (ckpt.location.root / "config.json").is_file():
-            self.notes += compare_with_existing(ckpt, reader, self.dtype)
+        existing = hf.existing_weight_files(ckpt.location.root)
+        if check_existing and existing and (ckpt.location.root / "config.json").is_file():
+            if _lacking("torch", "safetensors"):  # they are read with torch
+                skipped.append(f"the weights already saved beside the shards ({', '.join(p.name for p in existing)}) "
+                               "against the shards")  # fmt: skip
+            else:
+                self.notes += compare_with_existing(ckpt, reader, self.dtype)
+        self.notes += _skipped_note(skipped)
         return files
 
     def result(self, out: Path, files: list[str], dtype: str) -> ConsolidateResult:
@@ -332,15 +395,17 @@ class _Output:
 
 
 def _plan_output(
-    ckpt: Checkpoint, dtype: DType, to: str, max_shard_size: int | str, config: Path | str | None
-) -> _Output:
-    model_config = hf.find_config(ckpt.location.root, config)  # read once, refused before writing
+    ckpt: Checkpoint, dtype: DType, to: str, max_shard_size: int | str, config: Path | str | None, *,
+    replace_config: bool = False, check_keys: bool = False,
+) -> _Output:  # fmt: skip
+    model_config, config_notes = _model_config(ckpt.location.root, config, replace_config, check_keys)
     ckpt, model_config, adapter_notes = _adapted(ckpt, model_config)  # trainer names -> Hugging Face's (adapters)
+    config_notes = adapter_notes + config_notes
     tensors, omitted = plan_tensors(ckpt, dtype, hf_folder=model_config is not None,
                                     config=model_config.config if model_config else {})  # fmt: skip
     shards = plan_shards(tensors, to, max_shard_size)
     notes: list[str] = [] if model_config is not None or not _is_accelerate(ckpt) else [_NO_CONFIG_NOTE]
-    notes = adapter_notes + notes
+    notes += config_notes + hf.oversized_shards(shards, max_shard_size)
     if ckpt.frozen_excluded:
         notes.append("this checkpoint holds only trainable (e.g. LoRA) weights: base weights are absent, as saved")
     total = sum(t.nbytes for t in tensors)
@@ -357,6 +422,21 @@ def _adapted(ckpt: Checkpoint, model_config: hf.ModelConfig | None
     if model_config is None:  # generated: no file of its own, and no companion files beside it
         return mapped.checkpoint, hf.ModelConfig(ckpt.location.root, mapped.config, [], False), mapped.notes
     return mapped.checkpoint, replace(model_config, config=mapped.config), mapped.notes
+
+
+def _model_config(root: Path, given: Path | str | None, replace: bool,
+                  check_keys: bool) -> tuple[hf.ModelConfig | None, list[str]]:  # fmt: skip
+    """The config.json to write (`given`, else the one at `root`) and notes, read once and refused before writing:
+    a `given` one that differs from `root`'s own without `replace`, or none at all when `--check-keys` asked for a
+    check of the keys against it."""
+    model_config = hf.find_config(root, given)
+    notes = hf.check_config_override(root, given, model_config, replace)
+    if model_config is None and check_keys:
+        raise VerificationError(
+            f"--check-keys needs a config.json to build the model from, and {root} has none; "
+            "pass --config (the model's config.json, or the folder save_pretrained wrote)"
+        )
+    return model_config, notes
 
 
 _NO_CONFIG_NOTE = (
@@ -466,8 +546,10 @@ class _PeftJob:
     max_shard_size: int | str
     on_progress: ProgressFn | None
     on_start: Any
+    check_keys: bool = False
+    replace_config: bool = False
 
-    def adapters(self, to: str) -> tuple[executor.OutputPlan, _ResultOf]:
+    def adapters(self, to: str, config: Path | str | None = None) -> tuple[executor.OutputPlan, _ResultOf]:
         if to != "safetensors":
             raise UsageError(
                 "a PEFT run's adapter folder is safetensors only (adapter_model.safetensors); drop --to pt"
@@ -475,6 +557,12 @@ class _PeftJob:
         run = peft.read_peft_run(self.ckpt)
         if not run.adapters:
             raise peft.PeftError(f"{self.ckpt.location.root} holds adapter_config.json but no adapter tensors")
+        if config is not None and not self.check_keys:
+            raise UsageError(
+                "a PEFT run's adapter folder holds no config.json: --config is for --merge (the merged "
+                "model's config) or --check-keys (the base model the adapter is checked against)"
+            )
+        base_config = self._adapter_base_config(run, config) if self.check_keys else None
         tensors = [t for a in run.adapters for t in peft.adapter_tensors(self.ckpt, a, self.dtype)]
         total = sum(t.nbytes for t in tensors)
         written = ", ".join(a.name for a in run.adapters)
@@ -487,11 +575,45 @@ class _PeftJob:
             files = []
             for adapter in run.adapters:
                 files += peft.write_adapter_folder(tmp, self.ckpt, adapter, self.dtype, reader, self.on_progress)
+                if base_config is not None:
+                    self._check_adapter_keys(tmp, adapter, base_config)
             return files + self._side_files(tmp, exclude=files)
 
         result_of = partial(self._result, tensors=tensors, total=total, notes=notes,
                             params=sum(t.source.numel() for t in tensors))  # fmt: skip
         return self._plan(total, notes, finish), result_of
+
+    def _adapter_base_config(self, run: peft.PeftRun, config: Path | str | None) -> Path:
+        """The base model's config for `--check-keys` on adapter folders: --config, the checkpoint's own, or the
+        local folder adapter_config.json names; else the check cannot run, which fails before any writing."""
+        extras.require("torch", "transformers", "peft")  # PeftModel is built on the meta device
+        root = self.ckpt.location.root
+        model_config, _ = _model_config(root, config, self.replace_config, False)
+        if model_config is not None:  # the folder when it can be: PEFT looks for config.json in the base's folder
+            return model_config.folder if model_config.standard_name else model_config.path
+        named = run.adapters[0].config.get("base_model_name_or_path")
+        if isinstance(named, str) and named and (Path(named) / "config.json").is_file():
+            return Path(named) / "config.json"
+        raise VerificationError(
+            f"--check-keys checks a PEFT adapter against the PeftModel of its base model, and neither {root} nor "
+            "adapter_config.json (base_model_name_or_path) gives the base model's config.json; pass --config (the "
+            "base model's config.json, or its folder)"
+        )
+
+    def _check_adapter_keys(self, tmp: Path, adapter: peft.Adapter, base_config: Path) -> None:
+        """The written adapter's keys and shapes against what PeftModel(base, adapter_config) saves and loads."""
+        where = f"adapter {adapter.name!r}"
+        if adapter.config_path is None:
+            raise VerificationError(f"--check-keys cannot check {where}: it has no adapter_config.json beside the "
+                                    "checkpoint to build the PeftModel from")  # fmt: skip
+        expected = peft.peft_model_keys(base_config, tmp / adapter.folder)
+        if isinstance(expected, str):
+            raise VerificationError(f"--check-keys cannot check {where}: {expected}")
+        written = {t.name: tuple(t.shape) for t in peft.adapter_tensors(self.ckpt, adapter, self.dtype)}
+        problems = peft.compare_adapter_keys(expected, written)
+        if problems:
+            raise VerificationError(f"the keys of {where} do not match the PeftModel of {base_config}: "
+                                    f"{'; '.join(problems)}. Nothing was written")  # fmt: skip
 
     def merge(self, base: Path | str | None, config: Path | str | None) -> tuple[executor.OutputPlan, _ResultOf]:
         ckpt = self.ckpt
@@ -499,8 +621,8 @@ class _PeftJob:
         if not run.adapters:
             raise peft.PeftError(f"{ckpt.location.root} holds no trained LoRA adapter tensors: nothing to merge")
         base_dir = peft.find_base(base)
-        model_config = hf.find_config(base_dir, config) if base_dir is not None else hf.find_config(
-            ckpt.location.root, config)  # fmt: skip
+        model_config, config_notes = _model_config(base_dir if base_dir is not None else ckpt.location.root, config,
+                                                   self.replace_config, False)  # fmt: skip
         if model_config is None and base_dir is not None:
             raise peft.PeftError(f"--base {base_dir} holds no config.json; pass the folder the base model's "
                                  "save_pretrained wrote (or --config)")  # fmt: skip
@@ -515,13 +637,22 @@ class _PeftJob:
         count = sum(math.prod(t.shape) for t in tensors)
         merged = ", ".join(a.name for a in run.adapters)
         source = "--base" if base_dir is not None else "the checkpoint's frozen weights"
-        notes = [f"merged adapter(s) {merged} into the base weights from {source}"]
+        notes = [f"merged adapter(s) {merged} into the base weights from {source}", *config_notes,
+                 *hf.oversized_shards(shards, self.max_shard_size)]  # fmt: skip
 
         def finish(tmp: Path, reader: RecordReader) -> list[str]:
-            if self.on_start:
-                self.on_start(total)
-            for fname, group in shards.items():
-                peft.write_merged_safetensors(tmp / fname, group, reader, self.on_progress)
+            keycheck = _KeyCheck.start(model_config, tensors, asked=self.check_keys)  # config.json is written
+            try:
+                if self.on_start:
+                    self.on_start(total)
+                for fname, group in shards.items():
+                    peft.write_merged_safetensors(tmp / fname, group, reader, self.on_progress)
+                keycheck.problems(ckpt, tied, notes, all_weights=True)
+            except BaseException:
+                keycheck.cancel()
+                raise
+            if keycheck.proc is None and _lacking("torch", "transformers"):
+                notes.extend(_skipped_note(["the keys and shapes against the model class config.json names"]))
             files = list(shards)
             files += hf.write_folder_files(tmp, shards, total_parameters=count, model_config=model_config,
                                            dtype=self.dtype)  # fmt: skip

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from ckpttools.errors import CkptError
+from ckpttools.errors import CkptError, UsageError
 from ckpttools.io.dtypes import DType
 from ckpttools.io.safetensors_writer import (
     OutputTensor,
@@ -62,6 +62,11 @@ class ModelConfig:
     config: dict[str, Any]
     side_files: list[str]  # names in `folder`, config.json excluded
     standard_name: bool = True  # the file is `folder/config.json`, as transformers reads it
+    file: str = "config.json"  # its name in `folder` (`--config my.json` need not be called config.json)
+
+    @property
+    def path(self) -> Path:
+        return self.folder / self.file
 
 
 def find_config(root: Path, given: Path | str | None = None) -> ModelConfig | None:
@@ -83,7 +88,34 @@ def find_config(root: Path, given: Path | str | None = None) -> ModelConfig | No
     from ckpttools.layouts.locate import HF_SIDE_FILES
 
     side = [name for name in HF_SIDE_FILES if (path.parent / name).is_file()]
-    return ModelConfig(path.parent, load_config(path), side, path.name == "config.json")
+    return ModelConfig(path.parent, load_config(path), side, path.name == "config.json", path.name)
+
+
+def check_config_override(root: Path, given: Path | str | None, model_config: ModelConfig | None,
+                          replace: bool) -> list[str]:  # fmt: skip
+    """`--config` beside a checkpoint that has its own config.json: the same one is fine; a different one is a
+    usage error unless `replace` (`--replace-config`) says to write it instead (a note then says so).
+
+    Raises:
+        UsageError: the two differ and `replace` is not set.
+    """
+    own = root / "config.json"
+    if given is None or model_config is None or not own.is_file() or own.resolve() == model_config.path.resolve():
+        return []
+    theirs = load_config(own)
+    if theirs == model_config.config:
+        return []
+    key = next(k for k in sorted(theirs.keys() | model_config.config.keys(), key=str)
+               if theirs.get(k, _ABSENT) != model_config.config.get(k, _ABSENT))  # fmt: skip
+    if not replace:
+        raise UsageError(
+            f"--config {given} differs from the checkpoint's own {own} (first at {key!r}); drop --config to keep "
+            "the checkpoint's, or pass --replace-config to write yours instead"
+        )
+    return [f"config.json is --config {given}, replacing the checkpoint's own, which differs (first at {key!r})"]
+
+
+_ABSENT = object()
 
 
 def read_config(path: Path) -> dict[str, Any] | None:
@@ -106,13 +138,25 @@ class MetaModel:
     ignore_missing: list[str]
     keep_fp32: list[str]
     rename: Callable[[str], tuple[str, bool]]  # file key -> (model key, produced by a merging converter)
+    guessed: bool = False  # config.json names no architecture: the class an Auto class builds for its model_type
 
 
 def build_meta_model(folder: Path) -> MetaModel | str:
-    """Build the model class named in config.json on the meta device; a one-line reason when it cannot."""
+    """Build the model class named in config.json on the meta device; a one-line reason when it cannot.
+
+    `folder` holds config.json, or is the config file itself (`--config my.json`)."""
+    models = build_meta_models(folder)
+    return models if isinstance(models, str) else models[0]
+
+
+def build_meta_models(folder: Path, *, guess: bool = False) -> list[MetaModel] | str:
+    """The class config.json names, built on the meta device (a one-line reason when it cannot be).
+
+    `guess`: a config.json naming no architecture (hand-written ones often do not) gives the classes the Auto
+    classes build for its model_type instead, AutoModelForCausalLM's first, then AutoModel's (`MetaModel.guessed`).
+    """
     import logging
 
-    import torch
     import transformers
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -122,9 +166,33 @@ def build_meta_model(folder: Path) -> MetaModel | str:
     except Exception as e:  # noqa: BLE001 - the reason is reported, the check skipped
         return f"transformers cannot read config.json ({type(e).__name__}: {e})"
     archs = getattr(config, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
+    if not archs:
+        guessed = _auto_classes(config) if guess else []
+        if not guessed:
+            return (f"config.json names no architecture (`architectures`, e.g. [\"{_example_class(config)}\"]), so "
+                    "there is no class to build; add it to config.json (save_pretrained writes it)")  # fmt: skip
+        built = [_meta_model(cls, config, guessed=True) for cls in guessed]
+        models = [m for m in built if isinstance(m, MetaModel)]
+        return models or str(built[0])
+    cls = getattr(transformers, archs[0], None)
     if cls is None:
-        return f"architecture {archs[0] if archs else '(none in config.json)'} is not a transformers class"
+        return f"architecture {archs[0]} is not a transformers class (custom code is never run)"
+    model = _meta_model(cls, config)
+    return [model] if isinstance(model, MetaModel) else model
+
+
+def _auto_classes(config: Any) -> list[Any]:
+    """The classes AutoModelForCausalLM and AutoModel build for the config's model_type (those that exist)."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING
+
+    return [
+        mapping[type(config)] for mapping in (MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_MAPPING) if type(config) in mapping
+    ]
+
+
+def _meta_model(cls: Any, config: Any, *, guessed: bool = False) -> MetaModel | str:
+    import torch
+
     try:
         with torch.device("meta"):
             model = cls(config)
@@ -141,7 +209,14 @@ def build_meta_model(folder: Path) -> MetaModel | str:
         keep_fp32=list(getattr(model, "_keep_in_fp32_modules", None) or [])
         + list(getattr(model, "_keep_in_fp32_modules_strict", None) or []),
         rename=_renamer(model, state),
+        guessed=guessed,
     )
+
+
+def _example_class(config: Any) -> str:
+    """The class AutoModelForCausalLM picks for the config's model_type, to show in a message."""
+    classes = _auto_classes(config)
+    return str(classes[0].__name__) if classes else "LlamaForCausalLM"
 
 
 def _renamer(model: Any, state: dict[str, Any]) -> Callable[[str], tuple[str, bool]]:
@@ -190,14 +265,14 @@ class KeyReport:
                 f"{names(self.placeholders)}"
             )
         if self.mismatched:
-            problems.append(f"shape mismatch: {names(self.mismatched, 3)}")
+            problems.append(f"shape mismatch of {len(self.mismatched)}: {names(self.mismatched, 3)}")
         if self.missing and not ignore_missing:
             lacking = names(sorted(self.missing))
-            problems.append(f"{arch} expects keys the folder lacks (they would load as random weights): {lacking}")
+            problems.append(f"{arch} expects keys the folder lacks ({len(self.missing)} missing; they would load as "
+                            f"random weights): {lacking}")  # fmt: skip
         if self.unexpected:
-            problems.append(
-                f"keys {arch} does not have (they would be ignored; wrong prefix?): {names(sorted(self.unexpected))}"
-            )
+            problems.append(f"keys {arch} does not have ({len(self.unexpected)} unexpected; they would be ignored; "
+                            f"wrong prefix?): {names(sorted(self.unexpected))}")  # fmt: skip
         return problems
 
 
@@ -233,15 +308,17 @@ def compare_keys(model: MetaModel, shapes: Mapping[str, tuple[int, ...]]) -> Key
     return report
 
 
-def start_key_check(folder: Path, shapes: Mapping[str, tuple[int, ...]]) -> Any:
-    """Run `compare_keys` in a child process (importing transformers overlaps the writing); see finish_key_check."""
+def start_key_check(config: Path, shapes: Mapping[str, tuple[int, ...]]) -> Any:
+    """Run `compare_keys` in a child process (importing transformers overlaps the writing); see finish_key_check.
+
+    `config` is the config.json (or the folder holding it) whose class the keys are checked against."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpttools.ops.hf", str(folder)],
+        [sys.executable, "-m", "ckpttools.ops.hf", str(config)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
     )  # fmt: skip
     assert proc.stdin is not None
@@ -253,8 +330,9 @@ def start_key_check(folder: Path, shapes: Mapping[str, tuple[int, ...]]) -> Any:
     return proc
 
 
-def finish_key_check(proc: Any) -> tuple[str, KeyReport] | str:
-    """(architecture, KeyReport) from the child, or a one-line reason the keys could not be checked."""
+def finish_key_check(proc: Any) -> tuple[str, KeyReport, str | None] | str:
+    """(architecture, KeyReport, the classes tried when config.json names none) from the child, or a one-line reason
+    the keys could not be checked."""
     out = proc.stdout.read()  # stdin was written and closed at the start
     proc.wait()
     try:
@@ -263,16 +341,21 @@ def finish_key_check(proc: Any) -> tuple[str, KeyReport] | str:
         return f"the model check exited with code {proc.returncode}"
     if "error" in data:
         return str(data["error"])
-    return str(data["architecture"]), KeyReport(**data["report"])
+    return str(data["architecture"]), KeyReport(**data["report"]), data.get("guessed")
 
 
-def _key_check_main(folder: Path) -> dict[str, Any]:
+def _key_check_main(config: Path) -> dict[str, Any]:
+    """The keys on stdin against the class config.json names, or, when it names none, the first of the Auto
+    classes' for its model_type that they match (else the report against the first, marked `guessed`)."""
     shapes = {k: tuple(v) for k, v in json.loads(sys.stdin.read()).items()}
-    model = build_meta_model(folder)
-    if isinstance(model, str):
-        return {"error": model}
-    report = compare_keys(model, shapes)
-    return {"architecture": model.architecture, "report": dataclasses.asdict(report)}
+    models = build_meta_models(config, guess=True)
+    if isinstance(models, str):
+        return {"error": models}
+    reports = [(m, compare_keys(m, shapes)) for m in models]
+    model, report = next(((m, r) for m, r in reports if not r.messages(m.architecture)), reports[0])
+    tried = " nor ".join(m.architecture for m in models)
+    return {"architecture": model.architecture, "report": dataclasses.asdict(report),
+            "guessed": tried if model.guessed else None}  # fmt: skip
 
 
 def write_config(src: Path | dict[str, Any], dst: Path, dtype: DType) -> None:
@@ -325,6 +408,29 @@ def plan_shards(tensors: Sequence[_Sized], fmt: str, max_shard_size: int | str) 
     )
     by_name = {t.name: t for t in tensors}
     return {fname: [by_name[n] for n in names] for fname, names in split.filename_to_tensors.items()}
+
+
+def oversized_shards(shards: Mapping[str, Sequence[_HasSize]], max_shard_size: int | str) -> list[str]:
+    """One note naming the tensors larger than `max_shard_size`: a tensor is never split, so each goes alone in a
+    shard that large (as save_pretrained does); push's scratch, bounded by the largest shard, grows with it."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    limit = max_shard_size if isinstance(max_shard_size, int) else parse_size_to_int(max_shard_size)
+    big = [f"{t.name} ({t.nbytes:,} bytes, in {fname})" for fname, group in shards.items() for t in group
+           if t.nbytes > limit]  # fmt: skip
+    if not big:
+        return []
+    count = "a tensor is" if len(big) == 1 else f"{len(big)} tensors are"
+    note = f"{count} larger than --max-shard-size ({limit:,} bytes) and never split, so each has a shard of its own"
+    return [f"{note} that large: {names(big, 3)}"]
+
+
+def missing_verify_libraries() -> list[str]:
+    """Which of torch, transformers and safetensors (`ckpttools[verify]`) are not installed, found without importing
+    them (the base install stays light)."""
+    import importlib.util
+
+    return [m for m in ("torch", "transformers", "safetensors") if importlib.util.find_spec(m) is None]
 
 
 def write_shards(

@@ -35,6 +35,7 @@ from ckpttools.io.safetensors_writer import (
 from ckpttools.io.staging import WriteBehind
 from ckpttools.io.torchfile import RecordReader
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
+from ckpttools.ops import hf
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -522,6 +523,49 @@ def tied_aliases(base: Sequence[BaseTensor], config: dict[str, Any], ckpt: Check
         if a is not None and o is not None and a in names and o in names:
             out[a] = o
     return out
+
+
+# --- What PEFT expects ---------------------------------------------------------------------------------------
+
+
+def peft_model_keys(base: Path | str, folder: Path) -> dict[str, tuple[int, ...]] | str:
+    """What PeftModel(base, `folder`'s adapter_config.json) saves (and so loads), as key -> shape, built on the meta
+    device; a one-line reason when it cannot be built. `base`: the base model's folder, config.json or Hub id.
+
+    The only function here that imports peft (with torch and transformers): `--check-keys` and `verify --base`.
+    """
+    import logging
+
+    try:
+        import torch
+        import transformers
+        from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
+    except ImportError as e:
+        return f"{e.name} is not installed (pip install 'ckpttools[peft]')"
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    transformers.logging.set_verbosity_error()
+    try:
+        config = transformers.AutoConfig.from_pretrained(base)
+        archs = getattr(config, "architectures", None) or []
+        cls: Any = getattr(transformers, archs[0], None) if archs else None
+        if cls is None:
+            return f"architecture {archs[0] if archs else '(none in config.json)'} is not a transformers class"
+        with torch.device("meta"):
+            peft_model = get_peft_model(cls(config), PeftConfig.from_pretrained(str(folder)))
+        state = get_peft_model_state_dict(peft_model)
+    except Exception as e:  # noqa: BLE001 - the reason is reported, the check skipped
+        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def compare_adapter_keys(expected: dict[str, tuple[int, ...]], written: dict[str, tuple[int, ...]]) -> list[str]:
+    """Missing, unexpected and wrongly shaped adapter keys, one phrase each (empty when they match)."""
+    missing = [k for k in expected if k not in written]
+    unexpected = [k for k in written if k not in expected]
+    wrong = [f"{k} {list(s)} (the model has {list(expected[k])})"
+             for k, s in written.items() if k in expected and tuple(s) != expected[k]]  # fmt: skip
+    labelled = (("missing", missing), ("not in the PeftModel", unexpected), ("of the wrong shape", wrong))
+    return [f"{len(items)} {label}: {hf.names(items)}" for label, items in labelled if items]
 
 
 def find_base(base: Path | str | None) -> Path | None:

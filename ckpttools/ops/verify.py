@@ -23,7 +23,7 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, UsageError
 from ckpttools.io import dtypes
-from ckpttools.ops import hf
+from ckpttools.ops import hf, peft
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # in the order PEFT looks for them
@@ -377,10 +377,13 @@ def check_against(
     step: int | None = None,
     on_start: Callable[[int], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    adapter: bool = False,
 ) -> None:
     """Compare every tensor with the one rebuilt from the ZeRO shards, one at a time (bounded memory).
 
-    `on_start(total bytes)` and `on_progress(bytes)` after each tensor, for a progress bar.
+    `adapter`: `tensors` are a PEFT adapter folder's (a sub-folder's keys prefixed `name/`), compared with the
+    adapter tensors `ckpt consolidate` writes from the run (PEFT's saved names). `on_start(total bytes)` and
+    `on_progress(bytes)` after each tensor, for a progress bar.
     """
     from ckpttools.io.safetensors_writer import read_tensor
     from ckpttools.io.torchfile import RecordReader
@@ -392,7 +395,15 @@ def check_against(
     report.against = f"{ckpt.location.root} (tag {ckpt.location.tag})"
     floats = Counter(t.dtype for t in tensors.values() if t.is_floating)
     dtype = dtypes.BY_NAME.get(floats.most_common(1)[0][0], dtypes.FLOAT32) if floats else dtypes.FLOAT32
-    plan = {t.name: t for t in plan_tensors(ckpt, dtype, hf_folder=False)[0]}
+    if adapter:
+        found = _adapter_plan(ckpt, dtype)
+        if found is None:
+            report.problems.append(f"{ckpt.location.root} is not a PEFT (LoRA) run: it holds no adapter tensors to "
+                                   "compare the adapter folder with")  # fmt: skip
+            return
+        plan = found
+    else:
+        plan = {t.name: t for t in plan_tensors(ckpt, dtype, hf_folder=False)[0]}
     absent = [
         n for n in plan if n not in tensors and not (n in ckpt.shared_params and ckpt.shared_params[n] in tensors)
     ]
@@ -405,11 +416,14 @@ def check_against(
             report.problems.append(f"the checkpoint itself is inconsistent: {e}")
             return
         if on_start:
-            on_start(sum((t.numel * _bits(t.dtype) + 7) // 8 for t in tensors.values() if t.name in plan))
-        for fname in report.files:
-            for name, ours in _iter_file_tensors(
-                folder / fname, [t.name for t in tensors.values() if t.file == fname and t.name in plan]
-            ):
+            on_start(sum((t.numel * _bits(t.dtype) + 7) // 8 for k, t in tensors.items() if k in plan))
+        by_file: dict[Path, dict[str, str]] = {}  # file -> its key -> the key in `plan` (`tensors`')
+        for key, t in tensors.items():
+            if key in plan:  # an adapter sub-folder's keys are `name/` + the file's key
+                by_file.setdefault(folder / (key[: len(key) - len(t.name)] + t.file), {})[t.name] = key
+        for path, keys in by_file.items():
+            for file_key, ours in _iter_file_tensors(path, list(keys)):
+                name = keys[file_key]
                 out = plan[name]
                 if str(ours.dtype).removeprefix("torch.") != out.dtype.name:
                     wrong_dtype.append(f"{name} is {str(ours.dtype).removeprefix('torch.')}, expected {out.dtype.name}")
@@ -432,6 +446,18 @@ def check_against(
             report.problems.append(f"{label}: {hf.names(items)}")
     if not (differing or wrong_dtype or absent or extra):
         report.checks.append(f"all {len(tensors)} tensors bit-identical to {where} (tag {ckpt.location.tag})")
+
+
+def _adapter_plan(ckpt: Any, dtype: dtypes.DType) -> dict[str, Any] | None:
+    """The adapter tensors `ckpt consolidate` writes from a PEFT run, keyed as `_verify_adapters` keys a folder's
+    (`name/` before a sub-folder adapter's); None when the checkpoint is not a PEFT run."""
+    if not peft.is_peft(ckpt):
+        return None
+    run = peft.read_peft_run(ckpt)
+    if not run.adapters:
+        return None
+    return {(f"{a.folder}/" if a.folder else "") + t.name: t for a in run.adapters
+            for t in peft.adapter_tensors(ckpt, a, dtype)}  # fmt: skip
 
 
 def _iter_file_tensors(path: Path, names: list[str]) -> Iterable[tuple[str, Any]]:
@@ -544,7 +570,7 @@ def _check_against_base(
 ) -> None:
     """Build the base model on the meta device, wrap it in a PeftModel with this adapter's config, and compare
     the keys and shapes PEFT would save (and so load) with the file's."""
-    expected = _peft_meta_state(base, folder)
+    expected = peft.peft_model_keys(base, folder)
     if isinstance(expected, str):
         report.notes.append(f"{prefix}adapter not checked against the base model: {expected}")
         return
@@ -561,32 +587,6 @@ def _check_against_base(
     if not (missing or unexpected or wrong):
         where = f" ({prefix})" if prefix else ""
         report.checks.append(f"adapter keys and shapes{where} against a PeftModel of {base} on the meta device")
-
-
-def _peft_meta_state(base: Path | str, folder: Path) -> dict[str, tuple[int, ...]] | str:
-    """What PeftModel(base, adapter_config) would save, as key -> shape; a one-line reason when it cannot be built."""
-    import logging
-
-    try:
-        import torch
-        import transformers
-        from peft import PeftConfig, get_peft_model, get_peft_model_state_dict
-    except ImportError as e:
-        return f"{e.name} is not installed (pip install peft)"
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    transformers.logging.set_verbosity_error()
-    try:
-        config = transformers.AutoConfig.from_pretrained(base)
-        archs = getattr(config, "architectures", None) or []
-        cls: Any = getattr(transformers, archs[0], None) if archs else None
-        if cls is None:
-            return f"architecture {archs[0] if archs else '(none in config.json)'} is not a transformers class"
-        with torch.device("meta"):
-            peft_model = get_peft_model(cls(config), PeftConfig.from_pretrained(str(folder)))
-        state = get_peft_model_state_dict(peft_model)
-    except Exception as e:  # noqa: BLE001 - the reason is reported, the check skipped
-        return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
-    return {k: tuple(v.shape) for k, v in state.items()}
 
 
 # --- entry point ---------------------------------------------------------------------------------------
@@ -644,8 +644,9 @@ def verify_folder(
     if (folder / ADAPTER_CONFIG).is_file():
         tensors = _verify_adapters(folder, base, report)
         _summarise(tensors, list(tensors.values()), report)
-        if against is not None:
-            report.notes.append("--against compares model folders; an adapter folder is checked on its own")
+        if against is not None and tensors:
+            check_against(folder, tensors, against, report, tag=tag, step=step, on_start=on_start,
+                          on_progress=on_progress, adapter=True)  # fmt: skip
         return report
     if base is not None:
         report.notes.append("--base applies to PEFT adapter folders; this one has no adapter_config.json")
