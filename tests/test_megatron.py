@@ -29,6 +29,7 @@ from ckpttools.layouts.registry import open_checkpoint
 from .conftest import FIXTURES
 
 LLAMA, NOARGS, QWEN3 = "megatron_tp2_llama", "megatron_tp2_llama_noargs", "megatron_tp2_qwen3"
+ADAM, ADAM_FULL = "megatron_tp2_llama_adam", "megatron_tp2_llama_adam_full"  # distributed optimizer state saved
 TOLERANCE = 1e-5
 
 
@@ -78,6 +79,14 @@ def test_which_keys_are_weights() -> None:
         assert not is_weight(fqn), fqn
 
 
+@pytest.mark.parametrize(("name", "layout"), [(ADAM, "per-bucket"), (ADAM_FULL, "per-parameter")])
+def test_optimizer_state_is_not_read_as_weights(name: str, layout: str) -> None:
+    ckpt = open_checkpoint(_run(name))
+    assert len(ckpt.keys) == 9 and not [k for k in ckpt.keys if k.startswith("optimizer")]
+    r = _cli("inspect", str(_run(name)))
+    assert r.returncode == 0 and layout in r.stdout and "exp_avg_sq" in r.stdout, r.stdout + r.stderr
+
+
 def test_inspect_tells_megatron_from_fsdp2() -> None:
     r = _cli("inspect", str(_run(LLAMA)))
     assert r.returncode == 0, r.stderr
@@ -85,7 +94,11 @@ def test_inspect_tells_megatron_from_fsdp2() -> None:
     assert "TP 2" in r.stdout
 
 
-@pytest.mark.parametrize(("name", "arch"), [(LLAMA, "LlamaForCausalLM"), (QWEN3, "Qwen3ForCausalLM")])
+@pytest.mark.parametrize(
+    ("name", "arch"),
+    [(LLAMA, "LlamaForCausalLM"), (QWEN3, "Qwen3ForCausalLM"), (ADAM, "LlamaForCausalLM"),
+     (ADAM_FULL, "LlamaForCausalLM")],
+)  # fmt: skip
 def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str) -> None:
     result = consolidate(_run(name), tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -189,7 +189,7 @@ class MegatronGpt:
                 f"{unused[0]} has no rule in the Megatron GPT -> {config['architectures'][0]} mapping "
                 f"({len(unused)} such tensors); MoE, MLA and biases are not mapped yet"
             )
-        notes = []
+        notes: list[str] = []
         if "lm_head.weight" in out and d.tied:
             raise MappingError("output_layer.weight: the run kept its own output layer, but config.json ties word "
                                "embeddings (tie_word_embeddings true): the output layer would be lost")  # fmt: skip

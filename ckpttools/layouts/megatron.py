@@ -18,7 +18,6 @@ records, torch dtypes ckpttools' own.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import re
 from collections.abc import Sequence
@@ -256,16 +255,32 @@ def _checkpoint(
     }  # fmt: skip
     files = TagFiles({}, {}, "", False, layout=KIND, names=tuple(names))
     side = [n for n in ("config.json",) if (saved_in / n).is_file()]
-    loc = CheckpointLocation(saved_in, tag, folder, files, None, side)
-    described = {"saved": bool(optim), "stored_bytes": optim_bytes if optim else 0}  # fields of newer models only
-    known = {f.name for f in dataclasses.fields(OptimizerState)}
-    optimizer = OptimizerState([], {}, {}, **{k: v for k, v in described.items() if k in known})
+    tags = _iterations(saved_in) if saved_in != folder else [tag]  # the iterations --step chooses among
+    loc = CheckpointLocation(saved_in, tag, folder, files, None, side, tags)
+    optimizer = OptimizerState([], {}, {}, saved=bool(optim), stored_keys=_state_keys(meta),
+                               stored_bytes=optim_bytes if optim else 0)  # fmt: skip
     return Checkpoint(
         location=loc, zero_stage=0, dp_world_size=dp, train_dtype=train_dtype, optimizer_kind="", ds_version="",
         global_steps=details["iteration"], keys=list(sources), params=params, optimizer=optimizer, bit16={},
         buffers={}, shared_params={}, frozen_excluded=False,
         layout=ParallelLayout(kind=KIND, dp=dp, tp=tp, pp=pp, ep=ep, details=details),
     )  # fmt: skip
+
+
+def _state_keys(meta: DcpMetadata) -> list[str]:
+    """The optimizer's state keys: `optimizer.state.<key>.<param>` (per parameter) or the last part of a bucket's
+    name (`....bucket_idx_0.exp_avg`); `param` is the fp32 master."""
+    seen: dict[str, None] = {}
+    for fqn in meta.tensors:
+        if fqn.startswith("optimizer.state."):
+            seen[fqn.split(".")[2]] = None
+        elif fqn.startswith("optimizer.distributed."):
+            seen[fqn.rsplit(".", 1)[1]] = None
+    return list(seen)
+
+
+def _iterations(saved_in: Path) -> list[str]:
+    return sorted(c.name for c in saved_in.iterdir() if ITER_RE.match(c.name) and is_megatron_folder(c))
 
 
 def _vocab_shards(meta: DcpMetadata) -> int:
