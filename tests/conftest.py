@@ -96,6 +96,7 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_trainer.py": (),
     "test_verify.py": (),
     "test_verify_adapter.py": (),
+    "test_config_check.py": (),  # the keys of every config.json written, --check-keys, --config against the own one
     "test_verify_counts.py": (),
     "test_dcp.py": (),  # FSDP2 / torch DCP input, against torch's dcp_to_torch_save and accelerate
     "test_megatron.py": (),  # Megatron-Core torch_dist mapped to HF names, against Megatron's own forward
