@@ -63,9 +63,16 @@ if TYPE_CHECKING:
 @click.option("--overwrite", is_flag=True, help="Replace the output folder if it exists.")
 @config_option
 @click.option(
+    "--replace-config",
+    is_flag=True,
+    help="Write --config even though it differs from the checkpoint's own config.json (without it, that is refused).",
+)
+@click.option(
     "--check-keys",
     is_flag=True,
-    help="Also build the model from config.json (meta device) and fail on missing/unexpected keys.",
+    help="Fail when the keys cannot be checked. The keys and shapes are always checked against the class config.json "
+    "names, built on the meta device, whenever a config.json is written and transformers is installed; a mismatch "
+    "fails with nothing written. A PEFT adapter folder is checked against PeftModel of the base model (--config).",
 )
 @click.option(
     "--merge",
@@ -90,6 +97,7 @@ def consolidate_cmd(
     max_shard_size: int,
     overwrite: bool,
     config: Path | None,
+    replace_config: bool,
     check_keys: bool,
     merge: bool,
     base: Path | None,
@@ -117,7 +125,7 @@ def consolidate_cmd(
     needs_out(path, out)
     options = ConsolidateOptions(to=to, dtype=dtype, max_shard_size=max_shard_size, tag=tag, step=step, best=best,
                                  overwrite=overwrite, check_keys=check_keys, config=config, merge=merge,
-                                 base=base)  # fmt: skip
+                                 base=base, replace_config=replace_config)  # fmt: skip
 
     def run(group: ProcessGroup | None = None) -> None:
         rank0 = group is None or group.rank == 0
