@@ -159,3 +159,37 @@ def test_two_training_checkpoints_compare_their_fp32_masters(tmp_path):
     code, d, _ = run_json("diff", z2, FIXTURES / "z3_dp2_bf16" / "checkpoint")
     assert d["a"]["dtype"] == "float32" and d["b"]["dtype"] == "float32"
     assert code == (0 if d["same"] else 1)
+
+
+def test_two_s3_checkpoints_compared_by_byte_range(tmp_path, monkeypatch):
+    """A ZeRO-3 checkpoint and its consolidated folder, both on S3 (moto), read side by side: identical; a changed
+    element in a third copy is found, exit 1."""
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto")
+    from ckpttools.io import remote
+    from tests.support.s3_server import LocalS3
+
+    ckpt = FIXTURES / "z3_dp2_bf16" / "checkpoint"
+    consolidate(ckpt, tmp_path / "model", dtype="bf16")
+    changed = tmp_path / "changed"
+    shutil.copytree(tmp_path / "model", changed)
+    state = load_file(changed / "model.safetensors")
+    state["fc2.weight"][3, 4] += 1
+    save_file(state, changed / "model.safetensors", metadata={"format": "pt"})
+    with LocalS3() as s3:
+        s3.put_folder(ckpt, "bucket", "run/checkpoint-2")
+        s3.put_folder(tmp_path / "model", "bucket", "model")
+        s3.put_folder(changed, "bucket", "changed")
+        for k, v in s3.env.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.delenv(remote.MOUNTS_VAR, raising=False)
+        try:
+            code, d, result = run_json("diff", "s3://bucket/run/checkpoint-2", "s3://bucket/model")
+            assert code == 0, result.output
+            assert d["same"] and d["a"]["path"] == "s3://bucket/run/checkpoint-2" and d["a"]["dtype"] == "bfloat16"
+            code, d, result = run_json("diff", "s3://bucket/model", "s3://bucket/changed")
+            assert code == 1, result.output
+            assert [(t["name"], t["first"]) for t in d["tensors"]] == [("fc2.weight", [3, 4])]
+            assert run("diff", "s3://bucket/model", "s3://bucket/nothing").exit_code == 2
+        finally:
+            remote.cleanup()
