@@ -85,13 +85,13 @@ def build(work: Path, params: float) -> dict[str, Any]:
     t = time.perf_counter()
     for i, (fname, group) in enumerate(zip(files, shards, strict=True)):
         _write_shard(a / fname, group, block, i * per)
-    index = {"metadata": {"total_size": len(names) * ROWS * COLS * 4},
-             "weight_map": {n: f for f, g in zip(files, shards, strict=True) for n in g}}  # fmt: skip
+    weight_map = {n: f for f, g in zip(files, shards, strict=True) for n in g}
+    index: dict[str, Any] = {"metadata": {"total_size": len(names) * ROWS * COLS * 4}, "weight_map": weight_map}
     (a / "model.safetensors.index.json").write_text(json.dumps(index))
     shutil.copytree(a, b)
     # one element changed in B: the middle tensor, row 1234, column 567
     changed = names[len(names) // 2]
-    fname = index["weight_map"][changed]
+    fname = weight_map[changed]
     with open(b / fname, "r+b") as fh:
         (n,) = struct.unpack("<Q", fh.read(8))
         entry = json.loads(fh.read(n))[changed]
@@ -275,7 +275,7 @@ def _save(args: argparse.Namespace, built: Any, results: list[Any], writer: Any)
 
 
 def _markdown(report: dict[str, Any]) -> str:
-    rows = {}
+    rows: dict[str, list[dict[str, Any]]] = {}
     for r in report["runs"]:
         rows.setdefault(r["tool"], []).append(r)
     built = report["built"] or {}

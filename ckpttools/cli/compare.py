@@ -157,7 +157,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _status(r: dict[str, Any]) -> str:
-    s = r["status"]
+    s = str(r["status"])
     if s == "shape":
         return f"shape {r['shape_a']} -> {r['shape_b']}"
     if s == "dtype":
