@@ -48,6 +48,21 @@ def test_a_dcp_folder_and_accelerates_merge_are_identical():
     assert d["counts"]["identical"] == 21 and d["same"]
 
 
+@pytest.mark.parametrize(
+    ("name", "reference"),
+    [
+        ("fsdp2_hf_safetensors", "consolidated"),  # torch's consolidate_safetensors_files of the HF-shard DCP save
+        ("fsdp2_dcp_dp3_bf16", "live_full_state.safetensors"),  # get_model_state_dict(full_state_dict=True)
+        ("fsdp2_tp2_dp2", "live_full_state.safetensors"),  # FSDP2 x tensor parallel
+        ("accelerate_fsdp2_rankfiles", "live_full_state.safetensors"),  # per-rank DTensor .bin files
+    ],
+)
+def test_dcp_folders_and_their_references_are_identical(name, reference):
+    code, d, _ = run_json("diff", FIXTURES / name / "checkpoint", FIXTURES / name / "reference" / reference)
+    assert code == 0, d
+    assert d["counts"]["identical"] == d["b"]["num_tensors"] and d["tensors"] == []
+
+
 @pytest.mark.parametrize("name", PEFT)
 def test_a_peft_merge_against_its_base_reports_exactly_the_changed_tensors(name):
     base, merged = FIXTURES / name / "base", FIXTURES / name / "reference" / "merged_fp32.safetensors"
