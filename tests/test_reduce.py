@@ -78,6 +78,8 @@ def test_nonfinite_over_a_stream_names_the_tensors(tmp_path):
         "c": {"nan": 0, "posinf": 0, "neginf": 1},
     }
     assert counter.describe() == "b (1 NaN), c (1 -Inf)"
+    assert reduce.nonfinite_in(tmp_path / "w.safetensors").describe() == counter.describe()
+    assert not reduce.nonfinite_in(FIXTURES / "z2_dp2_bf16" / "checkpoint").found
 
 
 @pytest.mark.parametrize(("name", "layer"), [

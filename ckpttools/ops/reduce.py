@@ -286,6 +286,18 @@ def nonfinite(tensors: Sequence[OutputTensor], reader: RecordReader | None = Non
     return counter
 
 
+def nonfinite_in(path: Path | str, *, dtype: DType | None = None) -> NonFiniteCounter:
+    """NaN / +Inf / -Inf per tensor of anything `open_side` reads: a folder before `push` publishes it, a training
+    checkpoint's weights (`dtype`: which, as in `open_side`). Streamed, each byte read once.
+
+    Example:
+        >>> found = nonfinite_in("out/model")
+        >>> bool(found.found), found.describe()
+        (True, 'lm_head.weight (3 NaN)')
+    """
+    return nonfinite(open_side(path, dtype=dtype).tensors)
+
+
 class _reader:
     """The caller's reader (left open), or a new one closed at the end."""
 
