@@ -101,6 +101,7 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_dcp.py": (),  # FSDP2 / torch DCP input, against torch's dcp_to_torch_save and accelerate
     "test_megatron.py": (),  # Megatron-Core torch_dist mapped to HF names, against Megatron's own forward
     "test_remote.py": (),  # s3:// and hf:// sources against local servers started by the tests
+    "test_remote_errors.py": (),  # every store's failures: one table, one line, exit codes 1-4, the time limit
     "test_diff.py": (),  # ckpt diff over fixtures of every format, against torch on loaded tensors
     "test_stats.py": (),  # ckpt stats, against torch on loaded tensors; a NaN planted in an Adam moment
     # against DeepSpeed's own converters and loaders

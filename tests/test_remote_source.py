@@ -19,7 +19,7 @@ from ckpttools.io.source import SCHEMES, LocalFile, open_source, read_full
 
 class FakeFS:
     """An async-style fsspec filesystem in memory: `cat_file(path, start, end)` is the ranged GET; `faults` is a
-    list of exceptions raised by the next calls, one each."""
+    list of exceptions raised by the next calls, one each. `timeout` is what fsspec's blocking wrappers take."""
 
     async_impl = True
 
@@ -37,7 +37,8 @@ class FakeFS:
             if self.faults:
                 raise self.faults.pop(0)
 
-    def cat_file(self, path: str, start: int | None = None, end: int | None = None) -> bytes:
+    def cat_file(self, path: str, start: int | None = None, end: int | None = None, timeout: float | None = None
+                 ) -> bytes:  # fmt: skip
         self._fault()
         with self.lock:
             self.calls.append((path, start, end))
@@ -45,7 +46,7 @@ class FakeFS:
             raise FileNotFoundError(path)
         return self.files[path][start:end]
 
-    def info(self, path: str) -> dict[str, Any]:
+    def info(self, path: str, timeout: float | None = None) -> dict[str, Any]:
         self._fault()
         if path in self.files:
             return {"name": path, "size": len(self.files[path]), "type": "file"}
@@ -53,10 +54,10 @@ class FakeFS:
             return {"name": path, "size": 0, "type": "directory"}
         raise FileNotFoundError(path)
 
-    def find(self, path: str, detail: bool = False) -> dict[str, Any]:
+    def find(self, path: str, detail: bool = False, timeout: float | None = None) -> dict[str, Any]:
         return {p: self.info(p) for p in sorted(self.files) if p.startswith(path + "/")}
 
-    def ls(self, path: str, detail: bool = False) -> list[str]:
+    def ls(self, path: str, detail: bool = False, timeout: float | None = None) -> list[str]:
         return sorted({path + "/" + p[len(path) + 1 :].split("/")[0] for p in self.files if p.startswith(path + "/")})
 
 
@@ -198,7 +199,7 @@ def test_transient_errors_are_retried_with_backoff(fake: FakeFS) -> None:
 def test_a_store_that_keeps_failing_gives_one_remote_error_line(fake: FakeFS) -> None:
     source = open_source("s3://bucket/obj")
     fake.faults = [ConnectionResetError("reset")] * remote.TRIES
-    with pytest.raises(RemoteError, match=r"s3://bucket/obj: reading bytes 0-10 failed \(ConnectionResetError"):
+    with pytest.raises(RemoteError, match=r"s3://bucket/obj: reading bytes 0-10 \(5 tries\) failed \(ConnectionResetError"):
         source.read_into(0, memoryview(bytearray(10)))
     assert remote.STATS.retries == remote.TRIES - 1
 
@@ -215,7 +216,7 @@ def test_refused_credentials_fail_at_once_and_are_never_printed(fake: FakeFS, mo
 
 def test_a_store_that_ignores_the_range_is_refused(fake: FakeFS, monkeypatch: pytest.MonkeyPatch) -> None:
     source = open_source("s3://bucket/obj")
-    monkeypatch.setattr(fake, "cat_file", lambda path, start=None, end=None: fake.files[path])
+    monkeypatch.setattr(fake, "cat_file", lambda path, start=None, end=None, timeout=None: fake.files[path])
     with pytest.raises(RemoteError, match="it ignores byte ranges"):
         source.read_into(5, memoryview(bytearray(10)))
 

@@ -26,12 +26,15 @@ from __future__ import annotations
 import atexit
 import errno
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
 import threading
 import time
+import types
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
-from ckpttools.errors import AuthError, CheckpointNotFoundError, CkptError, RemoteError, short
+from ckpttools.errors import AuthError, CheckpointNotFoundError, CkptError, RemoteError, UsageError, short
 
 MOUNTS_VAR = "CKPTTOOLS_REMOTE_MOUNTS"  # mount root -> its mount.json, for the processes a command starts
 
@@ -75,8 +78,18 @@ _CREDENTIAL_VARS = (
     "AZURE_STORAGE_CONNECTION_STRING",
     "AZURE_STORAGE_SAS_TOKEN",
 )
-# Errors no retry can help: the object is missing, the credentials are refused, the request is wrong.
-_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, ValueError, TypeError)
+TIMEOUT_VAR = "CKPT_REMOTE_TIMEOUT"  # seconds one remote operation may take, all its tries together
+DEFAULT_TIMEOUT = 60.0
+# For the commands' --help (cli/_common.py): what a remote PATH promises when the store or the network fails.
+REMOTE_HELP = (
+    "A remote CHECKPOINT (s3://, gs://, az://, hf://) that cannot be read fails in one line: exit 4 when "
+    "credentials are missing or refused, 1 when the object or bucket does not exist, 2 with HF_HUB_OFFLINE set, "
+    f"3 when the network or the store fails (each read is retried for at most {TIMEOUT_VAR} seconds, default "
+    f"{DEFAULT_TIMEOUT:.0f})."
+)
+# Loggers of the stores' libraries: their retries and tracebacks never reach stderr (CKPT_DEBUG=1 lets them).
+QUIET_LOGGERS = ("gcsfs", "s3fs", "adlfs", "fsspec", "aiohttp", "aiobotocore", "botocore", "boto3", "azure",
+                 "google", "grpc", "urllib3", "asyncio")  # fmt: skip
 
 T = TypeVar("T")
 
@@ -127,34 +140,97 @@ def filesystem(url: str) -> tuple[Any, str]:
 
     Raises:
         CkptError: the scheme's library is not installed (naming the extra), or the URL is malformed.
+        UsageError: hf:// with Hugging Face's offline mode on. AuthError: no credentials (Azure: none at all).
     """
     m = _URL.match(url)
     if m is None or m["scheme"].lower() not in REMOTE_SCHEMES:
         raise CkptError(f"{short(url)} is not a remote location (s3://, gs://, az://, hf://)")
     scheme = m["scheme"].lower()
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(("AWS_", "HF_", "GOOGLE_", "AZURE_"))))
+    if REMOTE_SCHEMES[scheme] == "hub" and any(_is_true(os.environ.get(v)) for v in OFFLINE_VARS):
+        raise offline_error(url)  # before any request: huggingface_hub would refuse each one
+    env = tuple(sorted((k, v) for k, v in os.environ.items()
+                       if k.startswith(("AWS_", "HF_", "GOOGLE_", "AZURE_", "STORAGE_EMULATOR"))))  # fmt: skip
     key = (scheme, env)
     with _FS_LOCK:
         fs = _FILESYSTEMS.get(key)
         if fs is None:
-            fs = _FILESYSTEMS[key] = _make_filesystem(scheme)
+            try:
+                fs = _FILESYSTEMS[key] = _make_filesystem(scheme)
+            except CkptError:
+                raise
+            except Exception as e:  # adlfs checks its credentials here
+                raise fail(url, "connecting to the store", e) from e
     return fs, fs._strip_protocol(url)
 
 
 def _make_filesystem(scheme: str) -> Any:
+    quiet_libraries()
     try:
         import fsspec
 
-        options: dict[str, Any] = {"skip_instance_cache": True}
-        if scheme == "hf" and os.environ.get("HF_ENDPOINT"):
-            options["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
-        return fsspec.filesystem(scheme, **options)
+        options: dict[str, Any] = {"skip_instance_cache": True, **_store_options(scheme)}
+        with warnings.catch_warnings():  # gcsfs warns about a project not set, which reading needs not
+            warnings.simplefilter("ignore")
+            fs = fsspec.filesystem(scheme, **options)
     except ImportError as e:
         extra = REMOTE_SCHEMES[scheme]
         raise CkptError(
             f"reading {scheme}:// locations needs {_library(scheme)}, which is not installed: "
             f"pip install 'ckpttools[{extra}]'"
         ) from e
+    _single_tries(fs)
+    return fs
+
+
+def _store_options(scheme: str) -> dict[str, Any]:
+    """Each store's options: its own retries off (`retrying` retries, within the time limit) and the credentials
+    looked up once, quickly."""
+    store = REMOTE_SCHEMES[scheme]
+    if store == "hub":
+        return {"endpoint": os.environ["HF_ENDPOINT"].rstrip("/")} if os.environ.get("HF_ENDPOINT") else {}
+    if store == "s3":  # botocore's retries (5 by default) and 60-second connect timeout
+        return {"config_kwargs": {"retries": {"total_max_attempts": 1}, "connect_timeout": 10}}
+    if store == "gcs":
+        return {"token": _google_token()}
+    return {}
+
+
+def _google_token() -> Any:
+    """gcsfs's token: the application-default credentials, or "anon" when there are none. gcsfs's own search
+    would ask the GCE metadata server again after google.auth found no credentials (15 s of retries off GCE)."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        return "anon"
+    import google.auth
+    from google.auth.exceptions import DefaultCredentialsError
+
+    try:
+        credentials, _ = google.auth.default(scopes=["https://www.googleapis.com/auth/devstorage.read_only"])
+    except DefaultCredentialsError:
+        return "anon"  # public buckets read anonymously; a private one answers 401/403: AuthError
+    return credentials
+
+
+def _single_tries(fs: Any) -> None:
+    """One request per call of `fs`: s3fs and gcsfs retry by themselves (gcsfs: 6 tries, up to 32 s apart), which
+    `retrying` does already, within its time limit."""
+    if hasattr(fs, "retries"):  # s3fs
+        fs.retries = 1
+    raw = getattr(type(fs), "_request", None)
+    if getattr(fs, "protocol", None) and "gs" in fs.protocol and hasattr(raw, "__wrapped__"):  # gcsfs' retry_request
+        fs._request = types.MethodType(raw.__wrapped__, fs)
+
+
+_QUIETED: list[bool] = []
+
+
+def quiet_libraries() -> None:
+    """Silence the stores' libraries (QUIET_LOGGERS): their retries, warnings and tracebacks would reach stderr
+    before ckpt's one line. CKPT_DEBUG=1 leaves them alone."""
+    if _QUIETED or os.environ.get("CKPT_DEBUG"):
+        return
+    _QUIETED.append(True)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.CRITICAL + 1)
 
 
 def _library(scheme: str) -> str:
@@ -170,21 +246,153 @@ def scrub(text: str) -> str:
     return text
 
 
+# --- Failures: one table for every store ------------------------------------------------------------------------
+
+NO_CREDENTIALS, REFUSED, MISSING, OFFLINE, NETWORK, REJECTED = (
+    "no credentials", "refused", "missing", "offline", "network", "rejected")  # fmt: skip
+EXIT_CODES = {NO_CREDENTIALS: 4, REFUSED: 4, MISSING: 1, OFFLINE: 2, NETWORK: 3, REJECTED: 1}  # docs/cli.md
+
+# Exception classes of every backend, by class name (their libraries are optional: never imported here). An
+# exception, its causes and each one's base classes are looked up most specific first, after its HTTP status.
+FAILURE_CLASSES: dict[str, str] = {
+    # credentials missing: none configured, none found
+    "NoCredentialsError": NO_CREDENTIALS,  # botocore (s3fs)
+    "PartialCredentialsError": NO_CREDENTIALS,  # botocore: a key id without its secret
+    "DefaultCredentialsError": NO_CREDENTIALS,  # google.auth (gcsfs)
+    "CredentialUnavailableError": NO_CREDENTIALS,  # azure.identity (adlfs)
+    # credentials refused
+    "ClientAuthenticationError": REFUSED,  # azure.core: a bad key or SAS token
+    "RefreshError": REFUSED,  # google.auth: a token that cannot be refreshed
+    "GatedRepoError": REFUSED,  # huggingface_hub: a gated repo this token may not read
+    "PermissionError": REFUSED,  # fsspec's form of 401/403 (s3fs, gcsfs, adlfs)
+    # offline mode
+    "OfflineModeIsEnabled": OFFLINE,  # huggingface_hub with HF_HUB_OFFLINE
+    # the object, repo or bucket does not exist
+    "RepositoryNotFoundError": MISSING,  # huggingface_hub (also a private repo without a token)
+    "RevisionNotFoundError": MISSING,
+    "EntryNotFoundError": MISSING,
+    "BucketNotFoundError": MISSING,
+    "ResourceNotFoundError": MISSING,  # azure.core
+    "FileNotFoundError": MISSING,  # fsspec's form of 404
+    # requests no retry changes
+    "IsADirectoryError": REJECTED,
+    "NotADirectoryError": REJECTED,
+    "ValueError": REJECTED,  # malformed URL or options (gcsfs: a requester-pays bucket)
+    "TypeError": REJECTED,
+    # the network or the store: retried, then exit 3 (anything not named here is treated so too)
+    "TimeoutError": NETWORK,
+    "FSTimeoutError": NETWORK,  # fsspec: no answer within the time left
+    "ConnectionError": NETWORK,  # builtins, requests
+    "EndpointConnectionError": NETWORK,  # botocore
+    "ConnectTimeoutError": NETWORK,
+    "ReadTimeoutError": NETWORK,
+    "ClientConnectorError": NETWORK,  # aiohttp (gcsfs, adlfs, s3fs)
+    "ServerDisconnectedError": NETWORK,
+    "ClientPayloadError": NETWORK,
+    "ServiceRequestError": NETWORK,  # azure.core
+    "ServiceResponseError": NETWORK,
+    "TransportError": NETWORK,  # httpx (huggingface_hub)
+}
+# Failures known by their message only: (pattern, kind).
+FAILURE_MESSAGES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"connection_string or account_name with credentials"), NO_CREDENTIALS),  # adlfs, no AZURE_STORAGE_*
+)
+
+
+def classify(e: BaseException) -> str:
+    """What kind of failure `e` is (NO_CREDENTIALS, REFUSED, MISSING, OFFLINE, NETWORK, REJECTED), whichever
+    backend raised it: the first of its status, message and class names that the tables know, for `e` and then the
+    exceptions it was raised from."""
+    seen: set[int] = set()
+    chain: BaseException | None = e
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        kind = _kind_of_status(_status(chain))
+        if kind is None:
+            kind = next((k for pattern, k in FAILURE_MESSAGES if pattern.search(str(chain))), None)
+        if kind is None:
+            kind = next((FAILURE_CLASSES[c.__name__] for c in type(chain).__mro__ if c.__name__ in FAILURE_CLASSES),
+                        None)  # fmt: skip
+        if kind is not None:
+            return kind
+        chain = chain.__cause__ or chain.__context__
+    return NETWORK
+
+
+def _kind_of_status(status: int | None) -> str | None:
+    if status is None:
+        return None
+    if status in (401, 403):
+        return REFUSED
+    if status == 404:
+        return MISSING
+    if status in (408, 429) or status >= 500:
+        return NETWORK
+    return REJECTED if 400 <= status < 500 else None
+
+
+def _status(e: BaseException) -> int | None:
+    """The HTTP status an exception carries: huggingface_hub/requests/httpx (`response.status_code`), azure
+    (`status_code`), aiohttp (`status`), gcsfs (`code`), botocore (`response["ResponseMetadata"]`)."""
+    response = getattr(e, "response", None)
+    if isinstance(response, dict):  # botocore's ClientError
+        status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    else:
+        status = getattr(response, "status_code", None)
+    for name in ("status_code", "status", "code"):
+        if not isinstance(status, int):
+            status = getattr(e, name, None)
+    return status if isinstance(status, int) and 100 <= status < 600 else None
+
+
+def one_line(text: str, n: int = 160) -> str:
+    """`text` on one line, at most about `n` characters, cut after a whole word (never inside one)."""
+    text = " ".join(text.split())
+    if len(text) <= n:
+        return text
+    cut = text[:n].rsplit(" ", 1)[0].rstrip(",;:")
+    return f"{cut} ..."
+
+
 def _reason(e: BaseException) -> str:
-    return scrub(f"{type(e).__name__}: {short(str(e) or type(e).__name__, 160)}")
+    return scrub(f"{type(e).__name__}: {one_line(str(e))}" if str(e) else type(e).__name__)
 
 
-def fail(url: str, what: str, e: BaseException) -> CkptError:
-    """The one line for a failed remote operation: credentials refused (exit 4), missing (1), or the network (3)."""
+def fail(url: str, what: str, e: BaseException, kind: str | None = None) -> CkptError:
+    """The one line for a failed remote operation, from `classify`'s kind: credentials missing or refused (exit 4),
+    the object missing (1), offline mode (2), a request refused for good (1), or the network (3)."""
     if isinstance(e, CkptError):
         return e
-    if isinstance(e, PermissionError) or _status(e) in (401, 403):
+    kind = kind or classify(e)
+    if kind == NO_CREDENTIALS:
+        return AuthError(f"{url}: no credentials found while {what} ({_reason(e)}); set {_credentials_hint(url)}")
+    if kind == REFUSED:
         return AuthError(f"{url}: access refused while {what} ({_reason(e)}); check {_credentials_hint(url)}")
-    if isinstance(e, FileNotFoundError):
+    if kind == MISSING:
         return CheckpointNotFoundError(
             f"{url} does not exist (or these credentials cannot see it) ({_reason(e)}); check the URL"
         )
+    if kind == OFFLINE:
+        return offline_error(url)
+    if kind == REJECTED:
+        return CkptError(f"{url}: the store refused {what} ({_reason(e)}); retrying will not help")
     return RemoteError(f"{url}: {what} failed ({_reason(e)}); check the network and the store, then run again")
+
+
+def offline_error(url: str) -> UsageError:
+    """hf:// with Hugging Face's offline mode on: nothing can be read, and retrying will not change it (exit 2)."""
+    var = next((v for v in OFFLINE_VARS if _is_true(os.environ.get(v))), OFFLINE_VARS[0])
+    return UsageError(
+        f"{url} cannot be read: {var} is set (offline mode); unset it to read from the Hub, or give the local "
+        "folder of a downloaded copy"
+    )
+
+
+OFFLINE_VARS = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")  # huggingface_hub honours both
+
+
+def _is_true(value: str | None) -> bool:
+    return (value or "").strip().upper() in ("1", "ON", "YES", "TRUE")
 
 
 _CREDENTIALS = {
@@ -200,36 +408,55 @@ def _credentials_hint(url: str) -> str:
     return _CREDENTIALS[REMOTE_SCHEMES.get(m["scheme"].lower() if m else "", "s3")]
 
 
-def _status(e: BaseException) -> int | None:
-    response = getattr(e, "response", None)
-    status = getattr(response, "status_code", None)
-    return status if isinstance(status, int) else None
+def remote_timeout() -> float:
+    """Seconds one remote operation may take, its retries included (CKPT_REMOTE_TIMEOUT, default 60)."""
+    text = os.environ.get(TIMEOUT_VAR)
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise UsageError(f"{TIMEOUT_VAR}={text!r} is not a number of seconds greater than 0")
+    return value
 
 
-def retrying(url: str, what: str, call: Callable[[], T]) -> T:
-    """`call()`, tried up to TRIES times with exponential backoff on transient errors (dropped connections,
-    timeouts, 5xx); permanent ones (missing, refused, malformed) fail at once. Failures become `fail`'s line."""
+def retrying(url: str, what: str, call: Callable[[float], T]) -> T:
+    """`call(seconds_left)`, tried up to TRIES times with exponential backoff on network failures (dropped
+    connections, timeouts, 5xx) within `remote_timeout()` seconds in all; the others (missing, refused, offline,
+    malformed) fail at once. A call on a store whose library retries by itself passes `seconds_left` on, so no
+    try outlasts the limit. Failures become `fail`'s line."""
+    limit = remote_timeout()
+    deadline = time.monotonic() + limit
     delay = BACKOFF
     for attempt in range(1, TRIES + 1):
         try:
-            return call()
+            return call(max(deadline - time.monotonic(), 0.5))
         except CkptError:  # noqa: PERF203 - a retry loop
             raise
         except Exception as e:
-            status = _status(e)
-            permanent = isinstance(e, _PERMANENT) or (status is not None and 400 <= status < 500 and status != 429)
-            if permanent or attempt == TRIES:
-                raise fail(url, what, e) from e
+            kind = classify(e)
+            out_of_time = time.monotonic() + delay >= deadline
+            if kind != NETWORK or attempt == TRIES or out_of_time:
+                tried = f"{what} ({attempt} tries{f' in {limit:g} s, {TIMEOUT_VAR}' if out_of_time else ''})"
+                raise fail(url, tried if kind == NETWORK else what, e, kind) from e
             STATS.add(retries=1)
             time.sleep(delay)
             delay = min(delay * 2, BACKOFF_MAX)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
-def _fetch(fs: Any, path: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of one object: one ranged GET."""
+def _limit(fs: Any, seconds: float) -> dict[str, Any]:
+    """The keyword that bounds one call of `fs` to `seconds`: fsspec's async stores (s3fs, gcsfs, adlfs) take
+    `timeout` and cancel the request at it; blocking ones (HfFileSystem) are bounded by their own timeouts."""
+    return {"timeout": seconds} if getattr(fs, "async_impl", False) else {}
+
+
+def _fetch(fs: Any, path: str, start: int, end: int, seconds: float) -> bytes:
+    """Bytes [start, end) of one object: one ranged GET, within `seconds`."""
     if getattr(fs, "async_impl", False):
-        return bytes(fs.cat_file(path, start=start, end=end))
+        return bytes(fs.cat_file(path, start=start, end=end, **_limit(fs, seconds)))
     # HfFileSystem (and other blocking filesystems): an unbuffered file, whose read is one ranged GET
     with fs.open(path, "rb", cache_type="none") as f:
         f.seek(start)
@@ -379,7 +606,7 @@ class RemoteFile:
         self._ahead_lock = threading.Lock()
 
     def _stat(self) -> int:
-        info = retrying(self.name, "reading its size", lambda: self.fs.info(self.path))
+        info = retrying(self.name, "reading its size", lambda t: self.fs.info(self.path, **_limit(self.fs, t)))
         if info.get("type") == "directory":
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), self.name)
         return int(info["size"])
@@ -406,7 +633,8 @@ class RemoteFile:
 
     def _get(self, offset: int, end: int) -> bytes:
         """One ranged GET (retried)."""
-        data = retrying(self.name, f"reading bytes {offset}-{end}", lambda: _fetch(self.fs, self.path, offset, end))
+        what = f"reading bytes {offset}-{end}"
+        data = retrying(self.name, what, lambda t: _fetch(self.fs, self.path, offset, end, t))
         STATS.add(ranged_bytes=len(data), ranged_requests=1)
         if len(data) > end - offset:  # a whole object for a range: its bytes would land at the wrong offset
             raise RemoteError(
@@ -505,7 +733,7 @@ def list_remote(location: Path | str) -> list[str]:
     """The names in a remote folder, sorted."""
     url = os.fspath(location)
     fs, path = filesystem(url)
-    entries = retrying(url, "listing it", lambda: fs.ls(path, detail=False))
+    entries = retrying(url, "listing it", lambda t: fs.ls(path, detail=False, **_limit(fs, t)))
     return sorted(PurePosixPath(str(e)).name for e in entries)
 
 
@@ -567,10 +795,10 @@ def mount(url: str) -> Path:
 
 def _listing(fs: Any, base: str, url: str) -> list[tuple[str, dict[str, Any]]]:
     """Every file under `base` (or `base` itself, a file) with its info."""
-    info = retrying(url, "looking it up", lambda: fs.info(base))
+    info = retrying(url, "looking it up", lambda t: fs.info(base, **_limit(fs, t)))
     if info.get("type") != "directory":
         return [(base, info)]
-    found = retrying(url, "listing it", lambda: fs.find(base, detail=True))
+    found = retrying(url, "listing it", lambda t: fs.find(base, detail=True, **_limit(fs, t)))
     files = [(str(p), i) for p, i in sorted(found.items()) if i.get("type") != "directory"]
     if not files:
         raise CheckpointNotFoundError(f"{url} is an empty folder; check the URL")
@@ -590,7 +818,7 @@ def _place(fs: Any, file_url: str, local: Path, path: str, info: dict[str, Any],
             f"{file_url} is {size} bytes and is read whole; ckpt downloads files beside the rank files up to "
             f"{SMALL_FILE_LIMIT} bytes: point at the checkpoint folder itself, or copy it to a local folder"
         )
-    data = retrying(file_url, "downloading it", lambda: bytes(fs.cat_file(path)))
+    data = retrying(file_url, "downloading it", lambda t: bytes(fs.cat_file(path, **_limit(fs, t))))
     local.write_bytes(data)
     STATS.add(small_bytes=len(data), small_files=1)
 
