@@ -21,13 +21,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from ckpttools.io import remote
 
 
-def _import(module: str) -> object:
+def _import(module: str) -> Any:
     return pytest.importorskip(module)
 
 
@@ -36,25 +37,25 @@ def _hf_response(status: int) -> object:
         httpx = importlib.import_module("httpx2")  # huggingface_hub 2.x
     except ImportError:
         httpx = _import("httpx")
-    return httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/api/models/a/b"))  # type: ignore[attr-defined]
+    return httpx.Response(status, request=httpx.Request("GET", "https://huggingface.co/api/models/a/b"))
 
 
 def _botocore_error(status: int, code: str) -> BaseException:
     exceptions = _import("botocore.exceptions")
     body = {"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}}
-    return exceptions.ClientError(body, "HeadObject")  # type: ignore[attr-defined]
+    return exceptions.ClientError(body, "HeadObject")
 
 
 def _gcsfs_error(status: int) -> BaseException:
-    return _import("gcsfs.retry").HttpError({"code": status, "message": "from the store"})  # type: ignore[attr-defined]
+    return _import("gcsfs.retry").HttpError({"code": status, "message": "from the store"})
 
 
 def _azure(name: str) -> BaseException:
-    return getattr(_import("azure.core.exceptions"), name)("from the store")  # type: ignore[no-any-return]
+    return getattr(_import("azure.core.exceptions"), name)("from the store")
 
 
 def _hub(name: str, status: int) -> BaseException:
-    return getattr(_import("huggingface_hub.errors"), name)("from the Hub", response=_hf_response(status))  # type: ignore[no-any-return]
+    return getattr(_import("huggingface_hub.errors"), name)("from the Hub", response=_hf_response(status))
 
 
 def _wrapped(inner: BaseException) -> BaseException:
@@ -71,32 +72,32 @@ def _wrapped(inner: BaseException) -> BaseException:
 # (case, exception maker, exit code): every backend's missing credentials, refusals, missing objects, offline mode
 # and network failures
 CASES: list[tuple[str, Callable[[], BaseException], int]] = [
-    ("s3 no credentials", lambda: _import("botocore.exceptions").NoCredentialsError(), 4),  # type: ignore[attr-defined]
+    ("s3 no credentials", lambda: _import("botocore.exceptions").NoCredentialsError(), 4),
     ("s3 access denied", lambda: _botocore_error(403, "AccessDenied"), 4),
     ("s3 no such bucket", lambda: _botocore_error(404, "NoSuchBucket"), 1),
     ("s3 slow down", lambda: _botocore_error(503, "SlowDown"), 3),
     ("s3 endpoint down",
-     lambda: _import("botocore.exceptions").EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), 3),  # type: ignore[attr-defined]
-    ("s3 wrapped no credentials", lambda: _wrapped(_import("botocore.exceptions").NoCredentialsError()), 4),  # type: ignore[attr-defined]
+     lambda: _import("botocore.exceptions").EndpointConnectionError(endpoint_url="http://127.0.0.1:9"), 3),
+    ("s3 wrapped no credentials", lambda: _wrapped(_import("botocore.exceptions").NoCredentialsError()), 4),
     ("gcs no credentials",
-     lambda: _import("google.auth.exceptions").DefaultCredentialsError("Your default credentials were not found"), 4),  # type: ignore[attr-defined]
-    ("gcs token refresh", lambda: _import("google.auth.exceptions").RefreshError("invalid_grant"), 4),  # type: ignore[attr-defined]
+     lambda: _import("google.auth.exceptions").DefaultCredentialsError("Your default credentials were not found"), 4),
+    ("gcs token refresh", lambda: _import("google.auth.exceptions").RefreshError("invalid_grant"), 4),
     ("gcs 401", lambda: _gcsfs_error(401), 4),
     ("gcs 404", lambda: _gcsfs_error(404), 1),
     ("gcs 503", lambda: _gcsfs_error(503), 3),
-    ("gcs disconnected", lambda: _import("aiohttp").ServerDisconnectedError(), 3),  # type: ignore[attr-defined]
+    ("gcs disconnected", lambda: _import("aiohttp").ServerDisconnectedError(), 3),
     ("azure no credentials",
      lambda: ValueError("unable to connect to account for Must provide either a connection_string or account_name "
                         "with credentials!!"), 4),
     ("azure key refused", lambda: _azure("ClientAuthenticationError"), 4),
     ("azure not found", lambda: _azure("ResourceNotFoundError"), 1),
     ("azure network", lambda: _azure("ServiceRequestError"), 3),
-    ("hub offline", lambda: _import("huggingface_hub.errors").OfflineModeIsEnabled("Cannot reach the Hub: offline"), 2),  # type: ignore[attr-defined]
+    ("hub offline", lambda: _import("huggingface_hub.errors").OfflineModeIsEnabled("Cannot reach the Hub: offline"), 2),
     ("hub repo missing", lambda: _hub("RepositoryNotFoundError", 404), 1),
     ("hub gated", lambda: _hub("GatedRepoError", 403), 4),
     ("hub token refused", lambda: _hub("HfHubHTTPError", 401), 4),
     ("hub 502", lambda: _hub("HfHubHTTPError", 502), 3),
-    ("fsspec timeout", lambda: _import("fsspec.exceptions").FSTimeoutError(), 3),  # type: ignore[attr-defined]
+    ("fsspec timeout", lambda: _import("fsspec.exceptions").FSTimeoutError(), 3),
     ("permission", lambda: PermissionError(13, "Forbidden"), 4),
     ("not found", lambda: FileNotFoundError(2, "No such file"), 1),
     ("reset", lambda: ConnectionResetError(104, "Connection reset by peer"), 3),

@@ -215,9 +215,9 @@ def _single_tries(fs: Any) -> None:
     `retrying` does already, within its time limit."""
     if hasattr(fs, "retries"):  # s3fs
         fs.retries = 1
-    raw = getattr(type(fs), "_request", None)
-    if getattr(fs, "protocol", None) and "gs" in fs.protocol and hasattr(raw, "__wrapped__"):  # gcsfs' retry_request
-        fs._request = types.MethodType(raw.__wrapped__, fs)
+    single = getattr(getattr(type(fs), "_request", None), "__wrapped__", None)  # under gcsfs' retry_request
+    if single is not None and "gs" in (getattr(fs, "protocol", None) or ()):
+        fs._request = types.MethodType(single, fs)
 
 
 _QUIETED: list[bool] = []
