@@ -253,11 +253,12 @@ class Piece:
     raw: np.ndarray
 
 
-def stream(tensors: Sequence[OutputTensor], reader: RecordReader, *, chunk_bytes: int = CHUNK_BYTES
-           ) -> Iterator[Piece]:  # fmt: skip
-    """The tensors' values chunk by chunk, in order; a piece is valid until the next one is asked for."""
+def stream(tensors: Sequence[OutputTensor], reader: RecordReader, *, chunk_bytes: int = CHUNK_BYTES,
+           workers: Workers | None = None) -> Iterator[Piece]:  # fmt: skip
+    """The tensors' values chunk by chunk, in order; a piece is valid until the next one is asked for. Casts and
+    CRC-32 checks run on `workers`' threads when given."""
     pos: dict[int, int] = {}
-    for index, chunk in stream_chunks(tensors, reader, chunk_bytes=chunk_bytes):
+    for index, chunk in stream_chunks(tensors, reader, chunk_bytes=chunk_bytes, workers=workers):
         arr = values.raw(chunk, tensors[index].dtype)
         start = pos.get(index, 0)
         pos[index] = start + len(arr)
@@ -270,9 +271,10 @@ def reduce_tensors(
     each: Callable[[int, int, np.ndarray], None],
     *,
     chunk_bytes: int = CHUNK_BYTES,
+    workers: Workers | None = None,
 ) -> None:
     """Call `each(tensor index, element offset, raw values)` for every chunk of every tensor, in order."""
-    for piece in stream(tensors, reader, chunk_bytes=chunk_bytes):
+    for piece in stream(tensors, reader, chunk_bytes=chunk_bytes, workers=workers):
         each(piece.index, piece.start, piece.raw)
 
 
@@ -552,8 +554,8 @@ def compare_streams(a: Sequence[OutputTensor], b: Sequence[OutputTensor], reader
     """Compare a[i] with b[i] (same number of elements) into comparisons[i], both streamed at once: two reader
     threads, so two remote sources are fetched in parallel, each byte read once. `on_progress(bytes of both)`
     after each run compared."""
-    ca = _Cursor(stream(a, reader_a, chunk_bytes=chunk_bytes))
-    cb = _Cursor(stream(b, reader_b, chunk_bytes=chunk_bytes))
+    ca = _Cursor(stream(a, reader_a, chunk_bytes=chunk_bytes, workers=workers))
+    cb = _Cursor(stream(b, reader_b, chunk_bytes=chunk_bytes, workers=workers))
     for i, (ta, tb) in enumerate(zip(a, b, strict=True)):
         done, total = 0, ta.source.numel()
         while done < total:

@@ -144,7 +144,7 @@ def stats(
             if on_progress:
                 on_progress(raw.nbytes)
 
-        reduce.reduce_tensors(tensors, reader, each)
+        reduce.reduce_tensors(tensors, reader, each, workers=pool)
         reader.finish()  # every record touched passes its CRC-32
     return result
 
