@@ -248,6 +248,11 @@ def received() -> int | None:
     return _State.received[0] if _State.received else None
 
 
+def count() -> int:
+    """How many handled signals this process has received: a wait that a second Ctrl-C ends compares it."""
+    return len(_State.received)
+
+
 def raise_if_received() -> None:
     """At the end of a command's body: a signal that came, even one whose exception was swallowed, ends the run
     as interrupted. Once the boundary reported it (an inner boundary: a rank's), nothing is raised again."""

@@ -366,13 +366,24 @@ def test_commit_that_did_not_land_says_so_and_the_rerun_sends_each_object_once(o
         assert hub.lfs_puts == sent and len(sent) == 1  # the weights crossed the wire once over both runs
 
 
-def _push_process(hub, folder, repo, tmp_path):
+def _push_process(hub, folder, repo, tmp_path, wait=1):
+    """`ckpt push` as a process; a signal once its commit request left waits `wait` s for the Hub's answer."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
-    env |= {"HF_HUB_DISABLE_XET": "1", "HF_HOME": str(tmp_path / "hf"), "CI": "true"}
+    env |= {
+        "HF_HUB_DISABLE_XET": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+        "CI": "true",
+        "CKPT_PUSH_COMMIT_WAIT": str(wait),
+    }
     return subprocess.Popen(
         [str(CKPT), "push", str(folder), "--repo", repo, "--endpoint", hub.url, "--token", TOKEN, "--json"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
+
+
+def _no_result(out: str) -> bool:
+    """stdout of `push --json` that failed: nothing, or only the JSON error object."""
+    return out == "" or set(json.loads(out)) == {"error"}
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
@@ -384,16 +395,18 @@ def test_signal_while_the_landed_commit_is_unanswered_reports_it_pushed(model_fo
         proc.send_signal(signum)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 0, err
-        assert "the commit request was interrupted, but the Hub had committed it" in err
+        assert (
+            f"the commit request was interrupted ({signal.Signals(signum).name}), but the Hub had committed it" in err
+        )
         assert "nothing was published" not in err and "Traceback" not in err
         data = json.loads(out)
         assert data["commit_recovered"] and data["oid"] == hub.repos["org/sig"].refs["main"]
 
 
-def test_signal_before_the_commit_lands_says_nothing_was_published(model_folder, tmp_path):
+def test_signal_before_a_commit_that_does_not_land_says_nothing_was_published(model_folder, tmp_path):
     with LocalHub(token=TOKEN) as hub:
-        hub.fail("POST", r"/commit/main$", status=0, hold=60)  # held, then dropped: it never commits
-        proc = _push_process(hub, model_folder, "org/none", tmp_path)
+        hub.fail("POST", r"/commit/main$", status=0, hold=2)  # held, then dropped: it never commits
+        proc = _push_process(hub, model_folder, "org/none", tmp_path, wait=30)
         deadline = time.monotonic() + 120
         while not hub.requests("POST", r"/commit/main$") and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -401,7 +414,8 @@ def test_signal_before_the_commit_lands_says_nothing_was_published(model_folder,
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
-        assert "nothing was published" in err and out == ""
+        # push waited for the Hub's answer (a drop), then saw the branch head had not moved: not published
+        assert err.endswith("Interrupted (SIGINT); nothing was published.\n") and _no_result(out)
         assert set(hub.files("org/none")) == {".gitattributes"}
 
 
@@ -451,5 +465,6 @@ def test_a_signal_while_the_answer_is_lost_and_the_hub_unreachable_does_not_clai
         proc.send_signal(signal.SIGINT)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 130, err
-        assert "whether it landed could not be checked" in err and "nothing was published" not in err
-        assert out == "" and "Traceback" not in err
+        assert "the commit request was sent; whether it landed is unknown; re-run `ckpt push`" in err
+        assert "nothing was published" not in err
+        assert _no_result(out) and "Traceback" not in err

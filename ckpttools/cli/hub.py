@@ -74,15 +74,20 @@ The token comes from --token, HF_TOKEN or `hf auth login` (never printed); it
 and the right to write the repo are checked before anything is consolidated.
 Repos are created private unless --public; an existing public repo needs --public.
 Re-running after a failure resumes: files already on the Hub are not sent again.
-A commit whose answer is lost (connection dropped, Ctrl-C) is looked for on the
-Hub: when it landed, push says so and exits 0.
+A signal (Ctrl-C) once the commit request has left waits for the Hub's answer
+(CKPT_PUSH_COMMIT_WAIT seconds, default 30; a second Ctrl-C stops waiting), then
+reads the branch head: published (exit 0, with a note), not published (130/143),
+or, when neither tells, a line saying whether it landed is unknown (130/143).
+A commit whose answer is lost (connection dropped) is looked for on the Hub the
+same way: when it landed, push says so and exits 0.
 
 \b
 Exit codes: 0 pushed (or dry run done), 1 the folder failed verification or the
             checkpoint is bad (nothing sent), 2 usage error or HF_HUB_OFFLINE set,
             3 Hub or network failure (retrying may help), 4 no token, token
             rejected or no write access (log in: retrying cannot help),
-            130 SIGINT, 143 SIGTERM, 129 SIGHUP.
+            130 SIGINT, 143 SIGTERM, 129 SIGHUP (not published, or unknown
+            when the commit request had left: the line says which).
 Set CKPT_DEBUG=1 to see tracebacks."""
 
 
@@ -202,43 +207,32 @@ def push_cmd(
     and deleted before the next, so local scratch is bounded by --max-shard-size (plus the small files), not
     the model's size. Nothing is published until one commit at the end.
     """
-    from ckpttools.ops.push import COMMIT_STATE, push
+    from ckpttools.ops.push import push
 
     _quiet_hub(quiet, bars=progress_enabled(quiet))
+    landed: list[Any] = []
     try:
         result = push(
             path, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
             endpoint=endpoint, token=token, dry_run=dry_run, force=force, source=source, dtype=dtype,
             max_shard_size=max_shard_size, tag=tag, step=step, best=best, config=config, include=include,
-            exclude=exclude, base_model=base_model,
+            exclude=exclude, base_model=base_model, on_wait=None if quiet else _say, landed=landed,
         )  # fmt: skip
-    except KeyboardInterrupt as e:
-        if getattr(e, COMMIT_STATE, None) not in ("unknown", "other"):
-            raise  # not sent, or the Hub's head shows the commit did not land: "nothing was published" is true
-        echo_error(
-            "interrupted while the commit request was in flight; whether it landed could not be checked: look at "
-            "the repo's commits before relying on it (a re-run is safe: it sends only what is missing)"
-        )
-        signals.mark_reported()  # this line replaces the boundary's "nothing was published"
-        raise click.exceptions.Exit(_interrupt_code(e)) from None
-    if not quiet:
-        echo_notes(result.problems, prefix="Warning: pushed despite: ")
-        echo_notes(result.notes)
-    emit(result.to_dict(), as_json, _human_push)
-    if result.commit_recovered and signals.received() is not None:
-        # The signal came while the commit was in flight and the Hub has the commit: the push is complete, as
-        # the note says; end here (exit 0) rather than let the boundary call the run interrupted.
-        signals.mark_reported()
-        if signals.installed():
-            signals.exit_now(0)
+    except KeyboardInterrupt:
+        if not landed:
+            raise  # not sent, or the Hub's answer and head show it did not land: "nothing was published" is true
+        result = landed[0]  # the signal came once the commit had landed: the push is complete
+    with signals.disarmed():  # the commit landed: a signal now must not turn the report into "interrupted"
+        if not quiet:
+            echo_notes(result.problems, prefix="Warning: pushed despite: ")
+            echo_notes(result.notes)
+        emit(result.to_dict(), as_json, _human_push)
+        if not result.dry_run and signals.received() is not None:
+            signals.mark_reported()  # published, as the output says: exit 0, no "Interrupted ..." line
 
 
-def _interrupt_code(e: KeyboardInterrupt) -> int:
-    """130 for SIGINT, 143 for SIGTERM (which ckpt raises as a KeyboardInterrupt subclass)."""
-    code = getattr(e, "exit_code", None)
-    if isinstance(code, int):
-        return code
-    return 143 if "Terminat" in type(e).__name__ else 130
+def _say(line: str) -> None:
+    click.echo(line, err=True)
 
 
 def _quiet_hub(quiet: bool, *, bars: bool) -> None:

@@ -1,7 +1,7 @@
 """Push a consolidated folder, a PEFT adapter folder, or a ZeRO checkpoint consolidated on the way, to the Hub.
 
-Thin over `huggingface_hub.HfApi` (create_repo -> branch -> upload_folder, the flow of `hf upload`; for a
-checkpoint, preupload_lfs_files shard by shard as each is written, then one create_commit), with:
+Thin over `huggingface_hub.HfApi` (create_repo -> branch -> preupload_lfs_files -> create_commit, the flow of
+`hf upload`; for a checkpoint, the shards preuploaded one by one as each is written), with:
 cheap checks first (options, token and write rights through `whoami` and `repo_info`, free space in the
 temporary folder) before any consolidation or verification; verification before anything is sent; an
 allowlist of the files a model repo holds (never training state or other outputs lying around); private repos
@@ -17,13 +17,15 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ckpttools import signals
 from ckpttools._version import __version__
 from ckpttools.errors import (
     AuthError,
@@ -708,6 +710,8 @@ def push(
     exclude: Sequence[str] = (),
     base_model: str | None = None,
     api: Any = None,
+    on_wait: Callable[[str], None] | None = None,
+    landed: list[PushResult] | None = None,
 ) -> PushResult:
     """Verify a folder (or consolidate a ZeRO checkpoint) and upload it, with a model card, to `repo_id`.
 
@@ -733,11 +737,16 @@ def push(
             training state (NEVER) is never uploaded.
         base_model: for an adapter folder whose adapter_config.json names no base model: the Hub id for the card.
         api: an HfApi to use instead of a new one.
+        on_wait: called with a line to show when a signal came while the commit request was with the Hub and
+            push waits for its answer.
+        landed: the result is appended here once the commit landed: a KeyboardInterrupt after that point still
+            leaves a complete push (the CLI reports it published).
 
     Raises:
         UsageError (HubOfflineError when HF_HUB_OFFLINE is set), AuthError (no token, rejected, no write
         right), PushRefusedError (verification failed), RemoteError (Hub or network failure: retrying may help),
-        other CkptErrors from consolidation.
+        CommitInDoubtError (a signal came once the commit request had left, and whether it landed is unknown),
+        other CkptErrors from consolidation; KeyboardInterrupt for a signal when nothing was published.
 
     Example:
         >>> push("out/checkpoint-500", "my-org/my-model", dtype="bf16").commit_url
@@ -763,7 +772,9 @@ def push(
     else:
         notes.append(f"{offline} is set: the token and the right to write {repo_id} were not checked (unset it for "
                      "a dry run that checks them)")  # fmt: skip
-    with ExitStack() as stack:
+    # after_commit is left last: once the commit request is sent, signals stay recorded-only (not raised) until
+    # the scratch is cleaned up and push returns (_send_commit).
+    with ExitStack() as after_commit, ExitStack() as stack:
         opts = {"dtype": dtype, "max_shard_size": max_shard_size, "tag": tag, "step": step, "best": best,
                 "config": config}  # fmt: skip
         target = {"endpoint": api.endpoint if api is not None else endpoint, "repo_id": repo_id,
@@ -793,18 +804,8 @@ def push(
             return result
         context = {"endpoint": api.endpoint, "repo_id": repo_id, "revision": result.revision, "token": token}
         with _remote_errors(**context):
-            _upload(
-                api,
-                result,
-                access,
-                folder,
-                stack,
-                private,
-                create_pr,
-                commit_message,
-                summary,
-                sink if streamed is not None else None,
-            )
+            _upload(api, result, access, folder, stack, private, create_pr, commit_message, summary,
+                    sink if streamed is not None else None, on_wait, landed, after_commit)  # fmt: skip
     return result
 
 
@@ -899,10 +900,11 @@ def _open_repo(api: Any, repo_id: str, rev: str, private: bool | None, access: A
 
 
 def _upload(api: Any, result: PushResult, access: Access, folder: Path, stack: ExitStack, private: bool | None,
-            create_pr: bool, commit_message: str | None, summary: dict[str, Any] | None,
-            sink: _Sink | None = None) -> None:  # fmt: skip
-    """Commit the files: a folder through upload_folder; a streamed checkpoint as one create_commit of the shards
-    already preuploaded by `sink` and the small files (nothing is published before it)."""
+            create_pr: bool, commit_message: str | None, summary: dict[str, Any] | None, sink: _Sink | None = None,
+            on_wait: Callable[[str], None] | None = None, landed: list[PushResult] | None = None,
+            after_commit: ExitStack | None = None) -> None:  # fmt: skip
+    """Commit the files: every file is preuploaded first (LFS objects; for a streamed checkpoint the shards already
+    are, by `sink`), nothing published; then one create_commit, the one request that publishes (`_send_commit`)."""
     repo_id, rev = result.repo_id, result.revision
     if sink is not None and sink.opened:
         repo_url, head = str(sink.repo_url), sink.head
@@ -927,32 +929,29 @@ def _upload(api: Any, result: PushResult, access: Access, folder: Path, stack: E
     else:
         stage = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-stage-")))
         _stage(folder, [f["path"] for f in result.files if not f.get("generated")], stage, result.card)
-    try:
-        if sink is not None:
-            commit = api.create_commit(
-                repo_id=repo_id, operations=_operations(sink, stage, result.files), commit_message=message,
-                commit_description=description, revision=None if rev == "main" else rev, create_pr=create_pr or None,
-            )  # fmt: skip
-        else:
-            commit = api.upload_folder(
-                repo_id=repo_id, folder_path=stage, commit_message=message, commit_description=description,
-                revision=None if rev == "main" else rev, create_pr=create_pr or None,
-            )  # fmt: skip
-    except BaseException as e:
-        if create_pr or _commit_state(api, result, stage, head, e) != "landed":
-            raise
-        return
-    result.commit_url, result.oid, result.pr_url = commit.commit_url, commit.oid, commit.pr_url
-    if commit.oid == head:
-        result.notes.append(f"nothing changed: every file is already on {rev}, so no commit was made")
+    operations = _operations(sink.ops if sink is not None else {}, stage, result.files)
+    target = None if rev == "main" else rev
+    # Every byte goes up before the commit request (a signal here is an ordinary interrupt: nothing published).
+    api.preupload_lfs_files(repo_id, additions=operations, revision=target, create_pr=create_pr or None)
+    commit = _send_commit(
+        api, result, stage, head, create_pr, on_wait, after_commit,
+        lambda: api.create_commit(repo_id=repo_id, operations=operations, commit_message=message,
+                                  commit_description=description, revision=target, create_pr=create_pr or None),
+    )  # fmt: skip
+    if commit is not None:
+        result.commit_url, result.oid, result.pr_url = commit.commit_url, commit.oid, commit.pr_url
+        if commit.oid == head:
+            result.notes.append(f"nothing changed: every file is already on {rev}, so no commit was made")
+    if landed is not None:
+        landed.append(result)  # a signal from here on ends a complete push: the CLI reports it published
 
 
-def _operations(sink: _Sink, stage: Path, files: list[dict[str, Any]]) -> list[Any]:
-    """One CommitOperationAdd per file pushed: the shards' preuploaded ones, the small files' from `stage`."""
+def _operations(preuploaded: dict[str, Any], stage: Path, files: list[dict[str, Any]]) -> list[Any]:
+    """One CommitOperationAdd per file pushed: the shards' preuploaded ones, the other files' from `stage`."""
     from huggingface_hub import CommitOperationAdd
 
     return [
-        sink.ops.get(f["path"]) or CommitOperationAdd(path_in_repo=f["path"], path_or_fileobj=str(stage / f["path"]))
+        preuploaded.get(f["path"]) or CommitOperationAdd(path_in_repo=f["path"], path_or_fileobj=str(stage / f["path"]))
         for f in files
     ]
 
@@ -963,21 +962,129 @@ COMMIT_STATE_HINTS = {
     "commits before relying on it (a re-run is safe: it sends only what is missing)",
     "other": "the branch moved meanwhile, but not to these files; re-run to push them",
 }
+COMMIT_WAIT_VAR = "CKPT_PUSH_COMMIT_WAIT"
+COMMIT_WAIT = 30.0  # seconds a signal waits for the Hub's answer to a commit request already sent
+LOOKUP_WAIT = 20.0  # seconds to read the branch head after a commit whose answer failed or was not waited for
+IN_DOUBT = (
+    "the commit request was sent; whether it landed is unknown; re-run `ckpt push` to finish (nothing is sent twice)"
+)
 
 
-def _commit_state(api: Any, result: PushResult, stage: Path, head: str | None, error: BaseException) -> str:
-    """After a failed or interrupted commit: did the Hub take it anyway? (Its answer may be what got lost.)
+class CommitInDoubtError(CkptError):
+    """A signal came once the commit request had left, and neither the Hub's answer nor its branch head says
+    whether the commit landed: the signal's exit code (130, 143, 129), and a line that says so (never "nothing
+    was published")."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = signals.exit_code(signum)
+
+
+class _Aside:
+    """A call run in a worker thread. Signals are handled in the main thread only, so one cannot cut the call
+    off half-way (a commit request once sent gets its answer); the main thread chooses how long to wait."""
+
+    def __init__(self, call: Callable[[], Any], name: str) -> None:
+        self.done = threading.Event()
+        self.value: Any = None
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, args=(call,), daemon=True, name=name).start()
+
+    def _run(self, call: Callable[[], Any]) -> None:
+        try:
+            self.value = call()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread, which decides
+            self.error = e
+        finally:
+            self.done.set()
+
+    def wait(self, seconds: float | None, signals_seen: int) -> bool:
+        """Until the call ends (True), `seconds` pass, or a signal beyond the first `signals_seen` comes."""
+        deadline = None if seconds is None else time.monotonic() + seconds
+        while not self.done.wait(0.02):
+            if signals.count() > signals_seen or (deadline is not None and time.monotonic() >= deadline):
+                return self.done.is_set()
+        return True
+
+    @property
+    def answered(self) -> bool:
+        return self.done.is_set() and self.error is None
+
+
+def _commit_wait() -> float:
+    try:
+        return max(0.0, float(os.environ.get(COMMIT_WAIT_VAR) or COMMIT_WAIT))
+    except ValueError:
+        raise UsageError(
+            f"{COMMIT_WAIT_VAR} must be a number of seconds, not {os.environ[COMMIT_WAIT_VAR]!r}"
+        ) from None
+
+
+def _send_commit(api: Any, result: PushResult, stage: Path, head: str | None, create_pr: bool,
+                 on_wait: Callable[[str], None] | None, after_commit: ExitStack | None,
+                 send: Callable[[], Any]) -> Any | None:  # fmt: skip
+    """Send the commit request and learn its outcome: the Hub's CommitInfo, or None when its branch head shows
+    the commit landed though the answer failed or was not waited for (`result` then says so).
+
+    From the moment the request leaves, signals are only recorded (`after_commit` keeps them so until push
+    returns) and the request runs in a worker thread: a signal cannot cut it off, it starts a bounded wait for
+    the Hub's answer (CKPT_PUSH_COMMIT_WAIT, default 30 s; another signal ends the wait). Then, after a signal:
+    answered with the commit, or the branch head holds it: published (the CLI exits 0 with a note); answered
+    with a refusal, or a failed answer and a head that did not move: not published (the signal is raised, and
+    its usual line is true); no answer, or the Hub could not be asked: CommitInDoubtError. Without a signal, a
+    failed answer is raised as before, marked with what the head showed (COMMIT_STATE).
+    """
+    wait = _commit_wait()
+    signals.raise_if_received()  # a signal recorded but not raised yet: the request is not sent
+    seen = signals.count()
+    if after_commit is not None:
+        after_commit.enter_context(signals.disarmed())
+    call = _Aside(send, "ckpt-push-commit")
+    call.wait(None, seen)  # the answer, or a signal
+    if signals.count() > seen and not call.done.is_set():
+        name = signals.signal_name(signals.received() or 2)
+        if on_wait is not None:
+            on_wait(f"Interrupted ({name}) while the commit request was with the Hub: waiting up to {wait:g} s for "
+                    "its answer (again to stop waiting)")  # fmt: skip
+        call.wait(wait, signals.count())
+    signum = signals.received() if signals.count() > seen else None
+    if call.answered:
+        if signum is not None and call.value.oid != head:
+            _note_landed(api, result, call.value.oid, f"was interrupted ({signals.signal_name(signum)})")
+        return call.value
+    error = call.error if call.done.is_set() else None
+    lookup = _Aside(lambda: _commit_state(api, result, stage, head, error, create_pr, signum), "ckpt-push-lookup")
+    lookup.wait(LOOKUP_WAIT, signals.count())
+    state = lookup.value if lookup.answered else "unknown"
+    signum = signals.received() if signals.count() > seen else None
+    if state == "landed":
+        return None
+    if signum is None and error is not None:
+        setattr(error, COMMIT_STATE, state)
+        raise error
+    signum = signum or signals.received() or 2
+    if state == "absent" and call.done.is_set():  # the Hub answered, and its head shows no such commit
+        raise signals.Interrupted(signum)
+    moved = " (the branch moved meanwhile, but not to these files)" if state == "other" else ""
+    raise CommitInDoubtError(f"interrupted ({signals.signal_name(signum)}): {IN_DOUBT}{moved}", signum)
+
+
+def _commit_state(api: Any, result: PushResult, stage: Path, head: str | None, error: BaseException | None,
+                  create_pr: bool, signum: int | None) -> str:  # fmt: skip
+    """After a failed, interrupted or unanswered commit request (`error` None: no answer came): did the Hub take
+    it? (Its answer may be what got lost.)
 
     "landed" when the revision's head moved and every file of this push is there with our bytes (sha256 for
-    LFS files, the git blob id otherwise): the push is complete, and `result` says so. "absent" when the head
-    did not move, "other" when it moved to other files, "unknown" when looking failed. Recorded on `error`.
+    LFS files, the git blob id otherwise): the push is complete, and `result` says so. "absent" when the Hub
+    refused it (4xx) or the head did not move, "other" when it moved to other files, "unknown" when looking
+    failed, or for a pull request (whose commit moves no branch we could read).
     """
-    status = _http_status(error)
+    status = _http_status(error) if error is not None else None
     if status is not None and status < 500:
-        setattr(error, COMMIT_STATE, "absent")  # the Hub answered and refused (401, 403, 409, 412, ...)
-        return "absent"
-    setattr(error, COMMIT_STATE, "unknown")
-    waits = (0.0,) if status is not None else (0.0, 1.0)  # no answer: the request may still be committing
+        return "absent"  # the Hub answered and refused (401, 403, 409, 412, ...)
+    if create_pr:
+        return "unknown"
+    waits = (0.0, 1.0) if error is not None and status is None else (0.0,)  # dropped: it may still be committing
     try:
         now = head
         for wait in waits:
@@ -986,24 +1093,25 @@ def _commit_state(api: Any, result: PushResult, stage: Path, head: str | None, e
             if now != head:
                 break
         remote = {} if now == head else _remote_oids(api, result.repo_id, now)
-    except BaseException:  # noqa: BLE001 - a second Ctrl-C or the network: the answer stays unknown
+    except Exception:  # noqa: BLE001 - the network: the answer stays unknown
         return "unknown"
     if now == head:
-        state = "absent"
-    elif all(_same_file(remote.get(f["path"]), f, stage) for f in result.files):
-        state = "landed"
-    else:
-        state = "other"
-    setattr(error, COMMIT_STATE, state)
-    if state == "landed":
-        result.oid, result.commit_recovered = now, True
-        result.commit_url = f"{api.endpoint.rstrip('/')}/{result.repo_id}/commit/{now}"
-        how = "was interrupted" if isinstance(error, KeyboardInterrupt) else f"failed ({_first_line(error)})"
-        result.notes.append(
-            f"the commit request {how}, but the Hub had committed it: {result.revision} is at {now} with every "
-            "file of this push"
-        )
-    return state
+        return "absent"
+    if not all(_same_file(remote.get(f["path"]), f, stage) for f in result.files):
+        return "other"
+    how = f"was interrupted ({signals.signal_name(signum)})" if signum is not None else (
+        f"failed ({_first_line(error)})" if error is not None else "was not answered")  # fmt: skip
+    _note_landed(api, result, str(now), how)
+    return "landed"
+
+
+def _note_landed(api: Any, result: PushResult, oid: str, how: str) -> None:
+    result.oid, result.commit_recovered = oid, True
+    result.commit_url = f"{api.endpoint.rstrip('/')}/{result.repo_id}/commit/{oid}"
+    result.notes.append(
+        f"the commit request {how}, but the Hub had committed it: {result.revision} is at {oid} with every file of "
+        "this push"
+    )
 
 
 def _same_file(remote: str | None, f: dict[str, Any], stage: Path) -> bool:

@@ -65,6 +65,7 @@ class Fault:
     code: str | None
     after: bool = False  # serve the request first (it takes effect), then answer with the fault
     hold: float = 0.0  # wait this long before the faulty answer or the drop (a test signals the client meanwhile)
+    serve: bool = False  # no fault: hold the request `hold` seconds, then serve and answer it as usual
 
 
 class LocalHub:
@@ -85,6 +86,8 @@ class LocalHub:
         self.token, self.writable = token, writable
         self.role, self.orgs, self.scopes = role, orgs, scopes
         self.served_after_fault = threading.Event()  # set once a request with an `after` fault took effect
+        self.arrived = threading.Event()  # set when a request with a fault or a hold arrives (before any hold)
+        self.arrived_at = 0.0  # time.monotonic() of that arrival
         self.repos: dict[str, Repo] = {}
         self.log: list[dict[str, Any]] = []  # every request: method, path, query, status
         self.lfs_puts: list[str] = []  # sha256 of every LFS object PUT that was stored
@@ -120,6 +123,11 @@ class LocalHub:
         connection without answering), `message` in X-Error-Message and `code` in X-Error-Code, `hold` seconds
         late. With `after`, the request is served first (a commit lands) and only its answer is lost."""
         self.faults.append(Fault(method, re.compile(path), status, times, message, code, after, hold))
+
+    def hold(self, method: str, path: str, seconds: float, *, times: int = 1) -> None:
+        """Hold the next `times` requests matching `method` and the `path` regex for `seconds`, then serve and answer
+        them as usual: a held commit lands at the end of the hold, as on a Hub busy committing."""
+        self.faults.append(Fault(method, re.compile(path), 200, times, "", None, hold=seconds, serve=True))
 
     def whoami(self) -> dict[str, Any]:
         token: dict[str, Any] = {"displayName": "local", "role": self.role}
@@ -194,6 +202,11 @@ class _Handler(BaseHTTPRequestHandler):
             )
             if fault:
                 fault.times -= 1
+                self.hub.arrived_at = time.monotonic()
+                self.hub.arrived.set()
+        if fault and fault.serve:
+            time.sleep(fault.hold)  # the Hub is busy with the request; it is served once the hold is over
+            fault = None
         if fault and fault.status == 0 and not fault.after:
             time.sleep(fault.hold)  # the client waits on a request the Hub never serves
             entry["status"] = "dropped"
