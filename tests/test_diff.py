@@ -208,3 +208,13 @@ def test_two_s3_checkpoints_compared_by_byte_range(tmp_path, monkeypatch):
             assert run("diff", "s3://bucket/model", "s3://bucket/nothing").exit_code == 2
         finally:
             remote.cleanup()
+
+
+def test_a_megatron_checkpoint_is_compared_under_hugging_face_names(tmp_path):
+    """The adapter consolidate applies (Megatron-Core -> Llama) names the checkpoint's side too."""
+    ckpt = FIXTURES / "megatron_tp2_llama" / "checkpoint"
+    consolidate(ckpt, tmp_path / "model")
+    code, d, _ = run_json("diff", ckpt, tmp_path / "model")
+    assert code == 0, d
+    assert d["counts"]["identical"] == d["b"]["num_tensors"]
+    assert any("megatron-core -> LlamaForCausalLM" in n for n in d["notes"])

@@ -110,3 +110,9 @@ def test_layers_are_summed_in_model_order(tmp_path):
     assert names == ["model.embed_tokens", *(f"model.layers.{i}" for i in range(12))]  # 10 after 9, not after 1
     nine = next(r for r in layers if r["layer"] == "model.layers.9")
     assert nine["l2"] == pytest.approx(math.sqrt(4 * 100.0)) and nine["max_abs"] == 10.0
+
+
+def test_a_layout_whose_optimizer_states_are_not_read_says_so():
+    result = stats(FIXTURES / "fsdp2_dcp_dp2_fp32" / "checkpoint")
+    assert {t.what for t in result.tensors} == {"weight"}
+    assert any("exp_avg" in n and "not read as tensors" in n for n in result.notes)

@@ -129,6 +129,7 @@ def diff(
     elif side_a.checkpoint is None and side_b.checkpoint is None:
         notes.append(f"--dtype {dtype} picks a training checkpoint's weights; both sides are weight files, "
                      "compared as stored")  # fmt: skip
+    notes += [f"A: {n}" for n in side_a.notes] + [f"B: {n}" for n in side_b.notes]
     verdicts, pairs = _match(side_a, side_b, notes)
     _compare(pairs, atol, rtol, on_start, on_progress, workers)
     return DiffResult(_describe(side_a), _describe(side_b), atol, rtol, verdicts, notes)

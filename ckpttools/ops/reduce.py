@@ -49,7 +49,8 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")
 class Side:
     """One thing to reduce: its output tensors by name, in model order.
 
-    `checkpoint` is the training checkpoint it was read from (None for a weights folder or file); `aliases` the
+    `checkpoint` is the training checkpoint it was read from, under its own names (None for a weights folder or
+    file: its optimizer states are under the names the trainer gave its parameters); `aliases` the
     tied names it stores once (alias -> owner); `dtype` the dtype its weights were taken in (a training
     checkpoint's fp32 masters or 16-bit weights), None for weight files, which are taken as stored.
     """
@@ -61,6 +62,7 @@ class Side:
     checkpoint: Checkpoint | None = None
     dtype: DType | None = None
     description: str = ""
+    notes: list[str] = field(default_factory=list)
 
     def by_name(self) -> dict[str, OutputTensor]:
         return {t.name: t for t in self.tensors}
@@ -105,16 +107,30 @@ def _open_checkpoint(path: Path, **select: Any) -> Checkpoint:
     return ckpt
 
 
+def _adapted(ckpt: Checkpoint) -> tuple[Checkpoint, list[str]]:
+    """Under Hugging Face's names when an architecture adapter claims it (Megatron-Core, ...), as `consolidate`
+    writes it; the config comes from the checkpoint's config.json or the run's arguments."""
+    from ckpttools import adapters
+    from ckpttools.ops import hf
+
+    config_path = ckpt.location.root / "config.json"
+    mapped = adapters.adapt(ckpt, hf.read_config(config_path) if config_path.is_file() else None)
+    if mapped is None:
+        return ckpt, []
+    return mapped.checkpoint, [f"names mapped {mapped.adapter}, as consolidate writes them"]
+
+
 def checkpoint_side(ckpt: Checkpoint, dtype: DType) -> Side:
     """The tensors `consolidate --dtype <dtype>` writes for a bare folder: every tied alias under its own name (it
     stands for its owner's values), listed in `aliases`."""
     from ckpttools.ops.consolidate import plan_tensors, source_summary
 
-    tensors, _ = plan_tensors(ckpt, dtype, hf_folder=False, config={})
     summary = source_summary(ckpt)
+    named, notes = _adapted(ckpt)
+    tensors, _ = plan_tensors(named, dtype, hf_folder=False, config={})
     description = f"{summary['checkpoint_kind']} checkpoint, tag {ckpt.location.tag}"
-    return Side(location_name(ckpt.location.root), "checkpoint", tensors, dict(ckpt.shared_params), ckpt, dtype,
-                description)  # fmt: skip
+    return Side(location_name(ckpt.location.root), "checkpoint", tensors, dict(named.shared_params), ckpt, dtype,
+                description, notes)  # fmt: skip
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -236,7 +252,7 @@ def state_tensors(ckpt: Checkpoint) -> list[tuple[str, OutputTensor]]:
 def cast_to(side: Side, dtype: DType) -> Side:
     """A weights side's floating tensors as `dtype` (cast as consolidate casts: round to nearest even)."""
     tensors = [OutputTensor(t.name, t.source, output_dtype(t.source, dtype)) for t in side.tensors]
-    return Side(side.path, side.kind, tensors, side.aliases, side.checkpoint, dtype, side.description)
+    return Side(side.path, side.kind, tensors, side.aliases, side.checkpoint, dtype, side.description, side.notes)
 
 
 # --------------------------------------------------------------------------------------------------

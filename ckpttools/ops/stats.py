@@ -120,7 +120,7 @@ def stats(
     if dtype is not None and dtype not in dtypes.SHORT:
         raise UsageError(f"--dtype must be one of {', '.join(dtypes.SHORT)}, not {dtype!r}")
     side = reduce.open_side(path, dtype=dtypes.SHORT[dtype] if dtype else None, tag=tag, step=step, best=best)
-    notes: list[str] = []
+    notes: list[str] = list(side.notes)
     todo: list[tuple[str, OutputTensor]] = []
     if weights:
         todo += [(WEIGHT, t) for t in side.tensors if t.name not in side.aliases]  # a tie once, under its owner
@@ -150,11 +150,14 @@ def stats(
 
 
 def _no_states(ckpt: Any) -> str:
-    planned = ckpt.layout.details.get("optimizer_states") if ckpt.layout.details else None
-    if planned:
-        return (f"this checkpoint's optimizer states ({', '.join(planned)}) are not read as tensors for its layout "
-                "yet; weights only")  # fmt: skip
-    return "no optimizer state in this checkpoint (saved before the first step, or without the optimizer)"
+    """The note for a training checkpoint none of whose optimizer states were read as tensors: none saved, or
+    saved where this layout does not read them yet (the metadata still names them)."""
+    if not ckpt.optimizer.saved:
+        return "no optimizer state in this checkpoint (a model-only save)"
+    keys = ckpt.optimizer_state_keys
+    if keys:
+        return f"the optimizer states ({', '.join(keys)}) are not read as tensors for this layout yet; weights only"
+    return "no optimizer state in this checkpoint (saved before the first step)"
 
 
 # --------------------------------------------------------------------------------------------------
