@@ -127,11 +127,28 @@ def tool_floor(a: Path, b: Path) -> dict[str, Any]:
         return {"bytes": sum(pool.map(read, [a, b]))}
 
 
-def _load(folder: Path) -> dict[str, Any]:
+def _load(path: Path) -> dict[str, Any]:
+    """Everything in memory, the peer way: safetensors files with load_file, a DeepSpeed checkpoint with
+    zero_to_fp32's get_fp32_state_dict_from_zero_checkpoint, a torch DCP folder with dcp_to_torch_save."""
     from safetensors.torch import load_file
 
+    if path.is_file():
+        return dict(load_file(path))
+    if (path / "latest").is_file() or any(path.glob("global_step*")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(path)))
+    if (path / ".metadata").is_file():
+        import tempfile
+
+        import torch
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as tmp:
+            dcp_to_torch_save(str(path), f"{tmp}/full.pt")
+            return dict(torch.load(f"{tmp}/full.pt", weights_only=False))
     out: dict[str, Any] = {}
-    for f in sorted(folder.glob("*.safetensors")):
+    for f in sorted(path.glob("*.safetensors")):
         out.update(load_file(f))
     return out
 
@@ -142,8 +159,12 @@ def tool_peer_diff(a: Path, b: Path) -> dict[str, Any]:
     ta, tb = _load(a), _load(b)
     changed = {}
     for name, x in ta.items():
-        y = tb[name]
-        if not torch.equal(x, y):
+        y = tb.get(name)
+        if y is None or not isinstance(x, torch.Tensor):
+            continue
+        if x.shape != y.shape:
+            changed[name] = f"shape {list(x.shape)} vs {list(y.shape)}"
+        elif x.dtype != y.dtype or not torch.equal(x, y):
             changed[name] = float((x.double() - y.double()).abs().max())
     return {"changed": changed}
 
@@ -153,8 +174,12 @@ def tool_peer_stats(a: Path, b: Path) -> dict[str, Any]:
 
     out = {}
     for name, t in _load(a).items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            continue
         x = t.double().flatten()
         f = x[torch.isfinite(x)]
+        if not f.numel():
+            continue
         out[name] = {"nan": int(x.isnan().sum()), "posinf": int(x.isposinf().sum()), "neginf": int(x.isneginf().sum()),
                      "min": float(f.min()), "max": float(f.max()), "mean": float(f.mean()),
                      "rms": float(f.square().mean().sqrt()), "l2": float(f.norm())}  # fmt: skip
