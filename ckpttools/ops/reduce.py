@@ -114,7 +114,10 @@ def _adapted(ckpt: Checkpoint) -> tuple[Checkpoint, list[str]]:
     from ckpttools.ops import hf
 
     config_path = ckpt.location.root / "config.json"
-    mapped = adapters.adapt(ckpt, hf.read_config(config_path) if config_path.is_file() else None)
+    try:
+        mapped = adapters.adapt(ckpt, hf.read_config(config_path) if config_path.is_file() else None)
+    except adapters.ConfigNeededError as e:  # the values are there all the same: under the trainer's names
+        return ckpt, [f"names as the trainer saved them: {e}"]
     if mapped is None:
         return ckpt, []
     return mapped.checkpoint, [f"names mapped {mapped.adapter}, as consolidate writes them"]

@@ -157,7 +157,7 @@ def _no_states(ckpt: Any) -> str:
     keys = ckpt.optimizer_state_keys
     if keys:
         return f"the optimizer states ({', '.join(keys)}) are not read as tensors for this layout yet; weights only"
-    return "no optimizer state in this checkpoint (saved before the first step)"
+    return "no optimizer state found in this checkpoint (none saved with it, or saved before the first step)"
 
 
 # --------------------------------------------------------------------------------------------------
