@@ -230,3 +230,13 @@ def test_a_bad_time_limit_is_a_usage_error(tmp_path):
     _import("s3fs")
     line = _one_line(_ckpt(_env(tmp_path, CKPT_REMOTE_TIMEOUT="soon"), "inspect", "s3://bucket/ckpt"), 2)
     assert "CKPT_REMOTE_TIMEOUT='soon'" in line
+
+
+def test_azure_with_no_network_is_one_line_exit_3_without_the_sdks_retries(tmp_path):
+    """The Azure SDK retries 3 times 15 s and more apart, inside one of ckpt's tries: here ckpt's 5 tries, at once."""
+    _import("adlfs")
+    endpoint = f"http://127.0.0.1:{_closed_port()}/devstoreaccount1"
+    conn = f"DefaultEndpointsProtocol=http;AccountName=devstoreaccount1;AccountKey=Zm9vYmFy;BlobEndpoint={endpoint};"
+    env = _env(tmp_path, AZURE_STORAGE_CONNECTION_STRING=conn, CKPT_REMOTE_TIMEOUT="30")
+    line = _one_line(_ckpt(env, "inspect", "az://c/ckpt"), 3)
+    assert line.startswith("Error: az://c/ckpt: looking it up (5 tries) failed (ServiceRequestError: "), line

@@ -211,13 +211,18 @@ def _google_token() -> Any:
 
 
 def _single_tries(fs: Any) -> None:
-    """One request per call of `fs`: s3fs and gcsfs retry by themselves (gcsfs: 6 tries, up to 32 s apart), which
-    `retrying` does already, within its time limit."""
+    """One request per call of `fs`: s3fs, gcsfs and adlfs retry by themselves (gcsfs: 6 tries, up to 32 s apart),
+    which `retrying` does already, within its time limit."""
     if hasattr(fs, "retries"):  # s3fs
         fs.retries = 1
     single = getattr(getattr(type(fs), "_request", None), "__wrapped__", None)  # under gcsfs' retry_request
     if single is not None and "gs" in (getattr(fs, "protocol", None) or ()):
         fs._request = types.MethodType(single, fs)
+    # adlfs: the Azure SDK's retry policy (3 retries, 15 s and more apart), shared by every client made from it
+    policy = getattr(getattr(getattr(fs, "service_client", None), "_config", None), "retry_policy", None)
+    for name in ("total_retries", "connect_retries", "read_retries", "status_retries"):
+        if isinstance(getattr(policy, name, None), int):
+            setattr(policy, name, 0)
 
 
 _QUIETED: list[bool] = []
@@ -355,7 +360,8 @@ def one_line(text: str, n: int = 160) -> str:
 
 
 def _reason(e: BaseException) -> str:
-    return scrub(f"{type(e).__name__}: {one_line(str(e))}" if str(e) else type(e).__name__)
+    text = str(e) or ("no answer in time" if "Timeout" in type(e).__name__ else "")  # fsspec's FSTimeoutError()
+    return scrub(f"{type(e).__name__}: {one_line(text)}" if text else type(e).__name__)
 
 
 def fail(url: str, what: str, e: BaseException, kind: str | None = None) -> CkptError:
@@ -439,7 +445,8 @@ def retrying(url: str, what: str, call: Callable[[float], T]) -> T:
             kind = classify(e)
             out_of_time = time.monotonic() + delay >= deadline
             if kind != NETWORK or attempt == TRIES or out_of_time:
-                tried = f"{what} ({attempt} tries{f' in {limit:g} s, {TIMEOUT_VAR}' if out_of_time else ''})"
+                tries = f"{attempt} {'try' if attempt == 1 else 'tries'}"
+                tried = f"{what} ({tries}{f' in {limit:g} s, {TIMEOUT_VAR}' if out_of_time else ''})"
                 raise fail(url, tried if kind == NETWORK else what, e, kind) from e
             STATS.add(retries=1)
             time.sleep(delay)
