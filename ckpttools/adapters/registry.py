@@ -16,6 +16,7 @@ from ckpttools.model.checkpoint import Checkpoint
 
 ADAPTERS = (
     "ckpttools.adapters.megatron_gpt",  # Megatron-Core GPT (torch_dist) -> LlamaForCausalLM / Qwen3ForCausalLM
+    "ckpttools.adapters.torchtitan_llama",  # torchtitan Llama 3 (step-N DCP) -> LlamaForCausalLM, RoPE rows permuted
 )
 
 
