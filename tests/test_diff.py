@@ -218,3 +218,16 @@ def test_a_megatron_checkpoint_is_compared_under_hugging_face_names(tmp_path):
     assert code == 0, d
     assert d["counts"]["identical"] == d["b"]["num_tensors"]
     assert any("megatron-core -> LlamaForCausalLM" in n for n in d["notes"])
+
+
+def test_a_torch_save_folder_and_file(tmp_path):
+    """consolidate --to pt's pytorch_model.bin (read through the pickle allowlist, never loaded) is identical to
+    the checkpoint; a state dict holding a strided view cannot be compared (exit 2, one line)."""
+    ckpt = FIXTURES / "z2_dp2_bf16" / "checkpoint"
+    consolidate(ckpt, tmp_path / "pt", to="pt")
+    code, d, _ = run_json("diff", ckpt, tmp_path / "pt")
+    assert code == 0 and d["b"]["description"] == "weights folder (pytorch_model.bin)"
+    a = torch.randn(3, 4)
+    torch.save({"a": a, "view": a[:, 1]}, tmp_path / "views.pt")
+    result = run("diff", tmp_path / "views.pt", tmp_path / "pt" / "pytorch_model.bin")
+    assert result.exit_code == 2 and "strided view" in result.stderr

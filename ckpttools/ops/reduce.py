@@ -239,7 +239,10 @@ def _torch_file_tensors(file: Path) -> list[TensorSource]:
                 )
             continue
         if not tensor.is_contiguous():
-            raise UnsupportedCheckpointError(f"{location_name(file)}: tensor {key!r} is a strided view")
+            raise UnsupportedCheckpointError(
+                f"{location_name(file)}: tensor {key!r} is a strided view of another tensor's storage, which ckpt does "
+                "not read; save the state dict with contiguous tensors (t.contiguous()), as save_pretrained does"
+            )
         out.append(TensorSource(str(key), tensor.shape, tensor.dtype, (Segment(tensor, 0, tensor.numel()),),
                                 "trainable"))  # fmt: skip
     return out
