@@ -157,7 +157,7 @@ def tool_peer_diff(a: Path, b: Path) -> dict[str, Any]:
     import torch
 
     ta, tb = _load(a), _load(b)
-    changed = {}
+    changed: dict[str, float | str] = {}
     for name, x in ta.items():
         y = tb.get(name)
         if y is None or not isinstance(x, torch.Tensor):
