@@ -222,6 +222,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self.close_connection = True
                     return
             if fault:
+                if not fault.after:
+                    time.sleep(fault.hold)  # the Hub takes its time, then refuses: nothing was served
                 raise HubError(fault.status, fault.message, fault.code)
             status, payload, headers = self._route(parts.path, body)
         except HubError as e:
