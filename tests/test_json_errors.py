@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -139,3 +140,27 @@ def test_a_step_that_cannot_apply_is_an_error_object_and_nothing_is_written(tmp_
     res = run("consolidate", TRAINER / "checkpoint-2", "--step", "1", "--out", tmp_path / "o", "--json")
     error = _error_object(res, 2)
     assert "--step 1 cannot apply" in error["message"] and not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_on_many_ranks_only_rank_0_prints_the_error_object(rank, monkeypatch, capsys):
+    """Every rank says why it could not join (stderr); the run's one JSON object comes from rank 0 alone."""
+    import click
+
+    from ckpttools.cli import _common
+    from ckpttools.errors import RemoteError
+
+    def refuse(launch):
+        raise RemoteError("rank 0 did not come within CKPT_RENDEZVOUS_TIMEOUT (300 s)")
+
+    monkeypatch.setattr("ckpttools.ranks.distributed.join_group", refuse)
+    monkeypatch.setattr(_common._JSON, "wanted", True)
+    monkeypatch.setattr(_common._JSON, "printed", False)
+    with pytest.raises(click.exceptions.Exit) as e:
+        _common.run_on_ranks(SimpleNamespace(rank=rank), lambda group: None)
+    out, err = capsys.readouterr()
+    assert e.value.exit_code == 3 and err.startswith("Error: rank 0 did not come"), err
+    if rank == 0:
+        assert json.loads(out)["error"]["exit_code"] == 3
+    else:
+        assert out == ""

@@ -333,6 +333,8 @@ def run_on_ranks(launch: Launch, body: Callable[[ProcessGroup], object]) -> None
     """
     from ckpttools.ranks.distributed import join_group
 
+    if launch.rank != 0:  # rank 0 prints the run's one JSON object, result or error; the others' lines are stderr's
+        _JSON.wanted = False
     joined: list[ProcessGroup] = []
     code = run_guarded(lambda: joined.append(join_group(launch)), silent_interrupt=launch.rank != 0,
                        command=lambda: "distributed")  # fmt: skip
