@@ -231,3 +231,29 @@ def test_a_torch_save_folder_and_file(tmp_path):
     torch.save({"a": a, "view": a[:, 1]}, tmp_path / "views.pt")
     result = run("diff", tmp_path / "views.pt", tmp_path / "pt" / "pytorch_model.bin")
     assert result.exit_code == 2 and "strided view" in result.stderr
+
+
+def test_optimizer_states_of_a_resharded_checkpoint_and_a_planted_change(tmp_path):
+    """--optimizer-states: a DP 2 -> DP 3 reshard keeps every moment bit for bit; a value changed in rank 0's
+    exp_avg_sq (through torch.load / torch.save of the real rank file) is that one state of that one parameter."""
+    from ckpttools.ops.reshard import reshard
+
+    src = FIXTURES / "z2_dp2_bf16" / "checkpoint"
+    reshard(src, tmp_path / "dp3", dp=3)
+    code, d, _ = run_json("diff", src, tmp_path / "dp3", "--optimizer-states")
+    assert code == 0 and d["counts"]["identical"] == 12 + 14  # 12 weights, 7 parameters x 2 moments
+    planted = tmp_path / "planted"
+    shutil.copytree(src, planted)
+    rank0 = planted / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = torch.load(rank0, map_location="cpu", weights_only=False)
+    state["optimizer_state_dict"]["base_optimizer_state"]["state"][0]["exp_avg_sq"][0] *= 2
+    torch.save(state, rank0)
+    assert run("diff", src, planted).exit_code == 0  # the weights are the same
+    code, d, _ = run_json("diff", src, planted, "--optimizer-states")
+    assert code == 1
+    assert [(t["name"], t["what"], t["differing"], t["first"]) for t in d["tensors"]] == [
+        ("emb.weight", "exp_avg_sq", 1, [0, 0])
+    ]
+    consolidate(src, tmp_path / "model")
+    result = run("diff", src, tmp_path / "model", "--optimizer-states")  # a weights folder has no optimizer
+    assert result.exit_code == 2 and "two training checkpoints" in result.stderr

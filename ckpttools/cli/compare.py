@@ -76,11 +76,17 @@ def _guarded_diff(body: Any) -> None:
     show_default=True,
     help="Relative tolerance per element: equal when |a - b| <= atol + rtol * |a|.",
 )
+@click.option(
+    "--optimizer-states",
+    is_flag=True,
+    help="Also compare every optimizer state (exp_avg, exp_avg_sq, momentum_buffer, ...) of two training "
+    "checkpoints, by parameter name and state key: a resharded checkpoint against its source, say.",
+)
 @workers_option
 @json_option
 @quiet_option
-def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, workers: int | None, as_json: bool,
-             quiet: bool) -> None:  # fmt: skip
+def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, optimizer_states: bool,
+             workers: int | None, as_json: bool, quiet: bool) -> None:  # fmt: skip
     """Compare two checkpoints tensor by tensor: identical, changed, only in A, only in B.
 
     A and B are anything ckpt reads: DeepSpeed or universal checkpoints, torch DCP folders, Hugging Face
@@ -99,7 +105,8 @@ def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, worker
         ctx = click.get_current_context()
         path_a, path_b = (CHECKPOINT_PATH.convert(p, None, ctx) for p in (a, b))  # remote: mounted here, not at parse
         with progress_callbacks("diff", quiet) as progress:
-            result = diff(path_a, path_b, dtype=dtype, atol=atol, rtol=rtol, workers=workers, **progress)
+            result = diff(path_a, path_b, dtype=dtype, atol=atol, rtol=rtol, workers=workers,
+                          optimizer_states=optimizer_states, **progress)  # fmt: skip
         report(result.to_dict(), as_json, quiet, _human_diff)
         same.append(result.same)
 
@@ -150,6 +157,7 @@ def _table(rows: list[dict[str, Any]]) -> list[str]:
     table = [("layer", "tensor", "status", "max |B-A|", "rel L2", "differing")]
     for r in rows:
         inner = r["name"][len(r["layer"]) + 1 :] if r["name"].startswith(r["layer"] + ".") else r["name"]
+        inner += f" [{r['what']}]" if r.get("what", "weight") != "weight" else ""
         table.append((r["layer"], inner, _status(r), _num(r["max_abs_diff"]), _num(r["rel_l2"]), _differing(r)))
     widths = [max(len(row[i]) for row in table) for i in range(5)]
     return ["  ".join(cell.ljust(w) for cell, w in zip(row[:5], widths, strict=True)) + "  " + row[5]

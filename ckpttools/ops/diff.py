@@ -48,6 +48,7 @@ class TensorDiff:
     rel_l2: float | None = None
     first: list[int] | None = None
     first_values: list[float] | None = None
+    what: str = "weight"  # or the optimizer state key (exp_avg, ...) with --optimizer-states
 
     def to_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -102,6 +103,7 @@ def diff(
     on_start: Callable[[int], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
     workers: int | None = None,
+    optimizer_states: bool = False,
 ) -> DiffResult:
     """Compare two checkpoints tensor by tensor.
 
@@ -113,6 +115,9 @@ def diff(
         atol, rtol: an element is equal when |a - b| <= atol + rtol * |a|; 0 and 0 ask for equal values.
         on_start, on_progress: the bytes both sides will stream, then after each compared run of elements.
         workers: threads comparing each chunk (default: this process's share of the cores, at most 8).
+        optimizer_states: also compare every optimizer state of two training checkpoints (exp_avg, exp_avg_sq,
+            momentum_buffer, ...), matched by parameter name and state key: a resharded checkpoint against its
+            source, say.
 
     Example:
         >>> result = diff("out/checkpoint-500", "hf://my-org/my-model")
@@ -131,6 +136,9 @@ def diff(
                      "compared as stored")  # fmt: skip
     notes += [f"A: {n}" for n in side_a.notes] + [f"B: {n}" for n in side_b.notes]
     verdicts, pairs = _match(side_a, side_b, notes)
+    if optimizer_states:
+        more_verdicts, more_pairs = _match_states(side_a, side_b, notes)
+        verdicts, pairs = verdicts + more_verdicts, pairs + more_pairs
     _compare(pairs, atol, rtol, on_start, on_progress, workers)
     return DiffResult(_describe(side_a), _describe(side_b), atol, rtol, verdicts, notes)
 
@@ -211,6 +219,35 @@ def _match(a: Side, b: Side, notes: list[str]) -> tuple[list[TensorDiff], list[_
         verdicts.append(TensorDiff(t.name, reduce.layer_of(t.name), ONLY_B, None, list(t.shape), None, t.dtype.name))
     if tied:
         notes.append(f"tied weights stored once on one side: {', '.join(tied)}")
+    return verdicts, pairs
+
+
+def _match_states(a: Side, b: Side, notes: list[str]) -> tuple[list[TensorDiff], list[_Pair]]:
+    """Every optimizer state of both training checkpoints, matched by (state key, parameter name)."""
+    if a.checkpoint is None or b.checkpoint is None:
+        raise UsageError("--optimizer-states compares two training checkpoints; "
+                         f"{'A' if a.checkpoint is None else 'B'} is a weights folder or file")  # fmt: skip
+    states_a = {(key, t.name): t for key, t in reduce.state_tensors(a.checkpoint)}
+    states_b = {(key, t.name): t for key, t in reduce.state_tensors(b.checkpoint)}
+    for label, side, states in (("A", a, states_a), ("B", b, states_b)):
+        if not states and side.checkpoint is not None:
+            keys = side.checkpoint.optimizer_state_keys
+            notes.append(f"{label} has no optimizer state read as tensors" + (
+                f" (its metadata names {', '.join(keys)}, not read for this layout yet)" if keys else ""))  # fmt: skip
+    verdicts: list[TensorDiff] = []
+    pairs: list[_Pair] = []
+    for (key, name), t in states_a.items():
+        other = states_b.get((key, name))
+        v = TensorDiff(name, reduce.layer_of(name), ONLY_A, list(t.shape), None, t.dtype.name, what=key)
+        if other is not None:
+            v.shape_b, v.dtype_b = list(other.shape), other.dtype.name
+            v.status = SHAPE if other.shape != t.shape else ""
+            if not v.status:
+                v.numel = t.source.numel()
+                pairs.append(_Pair(v, t, other))
+        verdicts.append(v)
+    verdicts += [TensorDiff(name, reduce.layer_of(name), ONLY_B, None, list(t.shape), None, t.dtype.name, what=key)
+                 for (key, name), t in states_b.items() if (key, name) not in states_a]  # fmt: skip
     return verdicts, pairs
 
 
