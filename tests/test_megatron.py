@@ -30,6 +30,7 @@ from .conftest import FIXTURES
 
 LLAMA, NOARGS, QWEN3 = "megatron_tp2_llama", "megatron_tp2_llama_noargs", "megatron_tp2_qwen3"
 ADAM, ADAM_FULL = "megatron_tp2_llama_adam", "megatron_tp2_llama_adam_full"  # distributed optimizer state saved
+PP2 = "megatron_tp2_pp2_llama"  # 4 layers over 2 pipeline stages: each stage saved its slice of the layer axis
 TOLERANCE = 1e-5
 
 
@@ -71,6 +72,12 @@ def test_reads_the_tracked_iteration_with_the_runs_args() -> None:
     assert args["params_dtype"] == "float32" and args["exit_signal"] == "signal.Signals(15)"  # inert records
 
 
+def test_pipeline_stages_read_as_one_layer_stack() -> None:
+    ckpt = open_checkpoint(_run(PP2))
+    assert (ckpt.layout.tp, ckpt.layout.pp) == (2, 2) and ckpt.layout.details["world_size"] == 4
+    assert ckpt.masters["decoder.layers.mlp.linear_fc1.weight"].shape == (4, 96, 32)
+
+
 def test_which_keys_are_weights() -> None:
     assert is_weight("decoder.layers.mlp.linear_fc1.weight")
     for fqn in ("decoder.layers.mlp.linear_fc1._extra_state/shard_0_2", "common_state/shard_0_1",
@@ -97,7 +104,7 @@ def test_inspect_tells_megatron_from_fsdp2() -> None:
 @pytest.mark.parametrize(
     ("name", "arch"),
     [(LLAMA, "LlamaForCausalLM"), (QWEN3, "Qwen3ForCausalLM"), (ADAM, "LlamaForCausalLM"),
-     (ADAM_FULL, "LlamaForCausalLM")],
+     (ADAM_FULL, "LlamaForCausalLM"), (PP2, "LlamaForCausalLM")],
 )  # fmt: skip
 def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str) -> None:
     result = consolidate(_run(name), tmp_path / "hf")
