@@ -185,6 +185,14 @@ def test_pieces_that_do_not_tile_are_refused() -> None:
         grouped_rows(src, 3, (5, 5), ("a", "b"))
 
 
+def test_a_missing_weight_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = open_checkpoint(_run(LLAMA))
+    monkeypatch.setattr(ckpt, "keys", [k for k in ckpt.keys if k != "decoder.layers.mlp.linear_fc2.weight"])
+    monkeypatch.setattr(ckpt, "params", [p for p in ckpt.params if p.name != "decoder.layers.mlp.linear_fc2.weight"])
+    with pytest.raises(MappingError, match=r"model\.layers\.0\.mlp\.down_proj\.weight"):
+        adapt(ckpt, None)
+
+
 def test_no_args_no_config_raises() -> None:
     with pytest.raises(ConfigNeededError, match="--config"):
         adapt(open_checkpoint(_run(NOARGS)), None)

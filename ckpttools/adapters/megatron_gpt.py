@@ -196,7 +196,12 @@ class MegatronGpt:
         if "lm_head.weight" not in out and not d.tied:
             raise MappingError("output_layer.weight is absent (tied to the embedding in the run?), but config.json "
                                "does not tie word embeddings: lm_head would load random")  # fmt: skip
-        return [out[n] for n in _order(d) if n in out], notes
+        expected = [n for n in _order(d) if not (d.tied and n == "lm_head.weight")]
+        missing = [n for n in expected if n not in out]
+        if missing:  # from_pretrained would fill it with random weights at exit 0
+            raise MappingError(f"{missing[0]} has no Megatron tensor ({len(missing)} missing); a layer's weights are "
+                               "absent from the checkpoint, or the config is not the run's")  # fmt: skip
+        return [out[n] for n in expected], notes
 
 
 def _put(out: dict[str, TensorSource], tensors: list[TensorSource]) -> None:
