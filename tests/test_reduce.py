@@ -116,7 +116,7 @@ def test_chunks_split_over_threads_reduce_to_the_same_numbers():
     from ckpttools.io.threads import Workers
 
     g = torch.Generator().manual_seed(2)
-    a = torch.randn(3 << 20, generator=g)
+    a = torch.randn(3 << 20, generator=g)  # split in 4 parts, one per thread
     a[2_500_000] = float("nan")
     b = a.clone()
     b[[2_000_001, 3_000_000]] += 0.5  # both in later parts of the split

@@ -32,7 +32,7 @@ from ckpttools.io.torchfile import LazyTensor, RecordReader, lazy_tensors, load_
 from ckpttools.io.values import NonFinite, NonFiniteCounter
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
-BLOCK = 1 << 18  # elements reduced per numpy pass: the float64 temporaries of one block stay in the cache
+BLOCK = 1 << 16  # elements reduced per numpy pass: the float64 temporaries of one block stay in the cache
 SAFE_INDEX, BIN_INDEX = "model.safetensors.index.json", "pytorch_model.bin.index.json"
 # The weight files of a folder, in the order from_pretrained (then PEFT) looks for them: the first present wins.
 WEIGHT_FILES = ("model.safetensors", SAFE_INDEX, "pytorch_model.bin", BIN_INDEX, "adapter_model.safetensors",
@@ -517,7 +517,7 @@ class Comparison:
         return math.sqrt(self.diff_squares / self.a_squares) if self.a_squares else math.inf
 
 
-MIN_SPLIT = 1 << 20  # elements: below this a chunk is reduced on one thread (handing it out costs more)
+MIN_SPLIT = 1 << 19  # elements: below this a chunk is reduced on one thread (handing it out costs more)
 
 
 def _spans(n: int, workers: Workers | None) -> list[tuple[int, int]]:
