@@ -164,7 +164,7 @@ def test_a_tag_that_cannot_apply_or_is_absent_names_the_tags_there():
              FIXTURES / "accelerate_fsdp2_sharded" / "checkpoint", tag="x")  # fmt: skip
 
 
-def test_a_universal_checkpoint_refuses_step_and_best(tmp_path):
+def test_a_universal_checkpoint_refuses_step_and_best_and_names_its_tags(tmp_path):
     from click.testing import CliRunner
 
     from ckpttools.cli import main
@@ -176,6 +176,8 @@ def test_a_universal_checkpoint_refuses_step_and_best(tmp_path):
     _refused("--best cannot apply: .*a DeepSpeed universal checkpoint", universal, best=True)
     _refused("--tag 'other' cannot apply: .*universal checkpoint \\(its tag: global_step2\\)",
              universal / "global_step2", tag="other")  # fmt: skip
+    _refused("--tag 'global_step9': .* has no tag folder 'global_step9'; its tags: global_step2", universal,
+             tag="global_step9")  # fmt: skip
 
 
 def test_a_folder_of_no_known_kind_names_every_kind_read(tmp_path):

@@ -215,6 +215,14 @@ def refuse_selection(
         )
 
 
+def refuse_absent_tag(root: Path, tag: str, tags: Sequence[str]) -> None:
+    """The user's --tag names no tag folder of `root`: a usage error listing the tags there are."""
+    if tag not in tags:
+        raise SelectionError(
+            f"--tag {short(tag)}: {root} has no tag folder {short(tag)}; its tags: {', '.join(tags) or 'none'}"
+        )
+
+
 def step_of(path: Path) -> int | None:
     """The step a checkpoint-N folder's name says."""
     m = CHECKPOINT_DIR_RE.match(path.name)
@@ -390,9 +398,9 @@ def find_tag_folder(
     tag = _resolve_tag(root, tag if tag is not None else implied_tag, advice)
     if not (root / tag).is_dir():
         available = _tag_dirs(root)
-        listed = ", ".join(available) or "none"
         if chosen:
-            raise SelectionError(f"--tag {short(tag)}: {root} has no tag folder {short(tag)}; its tags: {listed}")
+            refuse_absent_tag(root, tag, available)
+        listed = ", ".join(available) or "none"
         raise CheckpointNotFoundError(
             f"{root / 'latest'} names tag {short(tag)}, which has no folder in {root} (its tags: {listed}); {advice}"
         )

@@ -15,7 +15,14 @@ from pathlib import Path
 
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.layouts.base import FolderFormat, Layout
-from ckpttools.layouts.locate import check_selection, classify_tag_files, find_tag_folder, refuse_selection
+from ckpttools.layouts.locate import (
+    check_selection,
+    check_tag_name,
+    classify_tag_files,
+    find_tag_folder,
+    refuse_absent_tag,
+    refuse_selection,
+)
 from ckpttools.layouts.universal import is_universal, read_universal, resolve_root
 from ckpttools.model.checkpoint import Checkpoint
 from ckpttools.model.origin import CheckpointLocation
@@ -60,6 +67,10 @@ class _UniversalFolder:
         check_selection(step, best)
         tags = [path.name] if (path / "zero").is_dir() else None  # a tag folder: only its own name
         refuse_selection(path, "a DeepSpeed universal checkpoint", tag=tag, step=step, best=best, tags=tags)
+        if tag is not None and tags is None:  # a root: the tag must be one of its tag folders
+            refuse_absent_tag(
+                path, check_tag_name(tag), sorted(p.name for p in path.iterdir() if (p / "zero").is_dir())
+            )
         return tag
 
 
