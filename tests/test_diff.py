@@ -234,14 +234,16 @@ def test_a_torch_save_folder_and_file(tmp_path):
 
 
 def test_optimizer_states_of_a_resharded_checkpoint_and_a_planted_change(tmp_path):
-    """--optimizer-states: a DP 2 -> DP 3 reshard keeps every moment bit for bit; a value changed in rank 0's
+    """--optimizer-states: a DP 2 -> DP 3 reshard and a universal checkpoint keep every moment bit for bit; a value changed in rank 0's
     exp_avg_sq (through torch.load / torch.save of the real rank file) is that one state of that one parameter."""
     from ckpttools.ops.reshard import reshard
 
     src = FIXTURES / "z2_dp2_bf16" / "checkpoint"
     reshard(src, tmp_path / "dp3", dp=3)
-    code, d, _ = run_json("diff", src, tmp_path / "dp3", "--optimizer-states")
-    assert code == 0 and d["counts"]["identical"] == 12 + 14  # 12 weights, 7 parameters x 2 moments
+    reshard(src, tmp_path / "universal", universal=True)
+    for resharded in ("dp3", "universal"):
+        code, d, _ = run_json("diff", src, tmp_path / resharded, "--optimizer-states")
+        assert code == 0 and d["counts"]["identical"] == 12 + 14  # 12 weights, 7 parameters x 2 moments
     planted = tmp_path / "planted"
     shutil.copytree(src, planted)
     rank0 = planted / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
