@@ -234,8 +234,9 @@ def test_a_torch_save_folder_and_file(tmp_path):
 
 
 def test_optimizer_states_of_a_resharded_checkpoint_and_a_planted_change(tmp_path):
-    """--optimizer-states: a DP 2 -> DP 3 reshard and a universal checkpoint keep every moment bit for bit; a value changed in rank 0's
-    exp_avg_sq (through torch.load / torch.save of the real rank file) is that one state of that one parameter."""
+    """--optimizer-states: a DP 2 -> DP 3 reshard and a universal checkpoint keep every moment bit for bit; a value
+    changed in rank 0's exp_avg_sq (torch.load / torch.save of the real rank file) is that one state of that one
+    parameter."""
     from ckpttools.ops.reshard import reshard
 
     src = FIXTURES / "z2_dp2_bf16" / "checkpoint"
