@@ -100,10 +100,13 @@ def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, optimi
     same: list[bool] = []
 
     def body() -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
         from ckpttools.ops.diff import diff
 
         ctx = click.get_current_context()
-        path_a, path_b = (CHECKPOINT_PATH.convert(p, None, ctx) for p in (a, b))  # remote: mounted here, not at parse
+        with ThreadPoolExecutor(2) as pool:  # two remote checkpoints listed (and small files fetched) at once
+            path_a, path_b = pool.map(lambda p: CHECKPOINT_PATH.convert(p, None, ctx), (a, b))  # here, not at parse
         with progress_callbacks("diff", quiet) as progress:
             result = diff(path_a, path_b, dtype=dtype, atol=atol, rtol=rtol, workers=workers,
                           optimizer_states=optimizer_states, **progress)  # fmt: skip
