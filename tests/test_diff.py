@@ -260,3 +260,14 @@ def test_optimizer_states_of_a_resharded_checkpoint_and_a_planted_change(tmp_pat
     consolidate(src, tmp_path / "model")
     result = run("diff", src, tmp_path / "model", "--optimizer-states")  # a weights folder has no optimizer
     assert result.exit_code == 2 and "two training checkpoints" in result.stderr
+
+
+def test_a_damaged_trainer_checkpoint_is_not_replaced_by_the_weights_beside_it(tmp_path):
+    """A Trainer checkpoint holds model.safetensors beside its shards: with a rank file missing, diff says so (exit
+    2) instead of comparing the 16-bit weights file and answering "same"."""
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(FIXTURES / "trainer_z3_gather_bf16" / "out" / "checkpoint-2", ckpt)
+    next((ckpt / "global_step2").glob("*rank_1*optim_states.pt")).unlink()
+    result = run("diff", ckpt, FIXTURES / "trainer_z3_gather_bf16" / "out" / "checkpoint-2" / "model.safetensors")
+    assert result.exit_code == 2 and "rank 1 missing" in result.stderr, result.output
+    assert run("stats", ckpt).exit_code == 1

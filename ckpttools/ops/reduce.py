@@ -88,14 +88,25 @@ def open_side(path: Path | str, *, dtype: DType | None = None, tag: str | None =
         return _weights_side(path, [path])
     if not path.exists():
         raise CheckpointNotFoundError(f"{location_name(path)} does not exist")
-    try:
-        ckpt = _open_checkpoint(path, tag=tag, step=step, best=best)
-    except CkptError:
-        files = weight_files(path)
-        if not files:
-            raise
+    files = weight_files(path)
+    if files and not _is_training_checkpoint(path):
         return _weights_side(path, files)
-    return checkpoint_side(ckpt, dtype or dtypes.FLOAT32)
+    # a training checkpoint, also one a Trainer saved 16-bit weights beside: its own problems are the answer
+    return checkpoint_side(_open_checkpoint(path, tag=tag, step=step, best=best), dtype or dtypes.FLOAT32)
+
+
+def _is_training_checkpoint(path: Path) -> bool:
+    """Whether `path` is (or holds) a training checkpoint by its file names alone, as `open_checkpoint` finds one:
+    a folder format (universal, DCP, ...) or a DeepSpeed save_dir, tag folder, Trainer or Lightning folder."""
+    from ckpttools.layouts import locate
+    from ckpttools.layouts.registry import folder_format_of
+
+    try:
+        return folder_format_of(path) is not None or any(
+            find(path, None, False) is not None for find in locate.LOCATORS
+        )
+    except CkptError:  # recognised, with a problem that opening it names
+        return True
 
 
 def _open_checkpoint(path: Path, **select: Any) -> Checkpoint:
