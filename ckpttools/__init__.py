@@ -1,4 +1,5 @@
-"""ckpttools: consolidate, inspect and reshard DeepSpeed ZeRO checkpoints.
+"""ckpttools: sharded training checkpoints (DeepSpeed ZeRO and universal, FSDP2/torch DCP, Megatron-Core,
+torchtitan) inspected, compared, consolidated into Hugging Face folders, resharded, verified and published.
 
 The names below load on first use (PEP 562), so `import ckpttools.cli` costs what the command needs and the
 `ckpt` command can install its signal handler before anything heavy loads.
