@@ -285,13 +285,59 @@ def test_every_documented_exit_code_of_verify_is_in_its_help():
         assert f"{code} " in text or f"{code}," in text, text
 
 
-def test_the_remote_stand_in_is_not_forgotten():
-    """The remote families run in tests/test_remote.py against local servers; this keeps the matrix honest: a
-    failure of an unreachable remote is one line with exit 3 or 4, never a traceback (no network needed: the
-    endpoint is a closed local port)."""
+@pytest.fixture(scope="module")
+def s3_bucket() -> Any:
+    """A local S3 (moto behind tests/support/s3_server.py) holding a DeepSpeed and an FSDP2 family."""
     pytest.importorskip("s3fs")
-    env = {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_ACCESS_KEY_ID": "x", "AWS_SECRET_ACCESS_KEY": "y"}
-    res = CliRunner(env=env).invoke(main, ["inspect", "s3://bucket/ckpt", "--json"])
-    data = assert_kept_promises(res, as_json=True)
-    assert res.exit_code in (1, 3, 4) and data is not None and "error" in data
+    pytest.importorskip("moto")
+    from tests.support.s3_server import LocalS3
 
+    with LocalS3() as server:
+        for family in ("zero3", "dcp fp32 tied"):
+            server.put_folder(FIXTURES / FAMILIES[family], "bucket", family.replace(" ", "-"))
+        yield server
+
+
+@pytest.fixture
+def s3_env(s3_bucket: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    from ckpttools.io import remote
+
+    for key, value in s3_bucket.env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv(remote.MOUNTS_VAR, raising=False)
+    yield s3_bucket
+    remote.cleanup()
+
+
+@pytest.mark.parametrize("family", ["zero3", "dcp fp32 tied"])
+def test_a_remote_stand_in_keeps_the_same_promises(family: str, s3_env: Any, tmp_path: Path):
+    url = f"s3://bucket/{family.replace(' ', '-')}"
+    inspected = assert_kept_promises(run("inspect", url, "--json"), as_json=True)
+    assert inspected is not None and "error" not in inspected
+    made = assert_kept_promises(run("consolidate", url, "--out", tmp_path / "out", "--json"), as_json=True)
+    assert made is not None and made["num_parameters"] == inspected["num_parameters"]
+    verified = assert_kept_promises(run("verify", tmp_path / "out", "--against", url, "--json"), as_json=True)
+    assert verified is not None and verified["ok"] and verified["num_parameters"] == made["num_parameters"]
+
+
+@pytest.mark.parametrize(
+    ("case", "code"), [("a missing object", 1), ("no credentials", 4), ("an unreachable store", 3)]
+)
+def test_a_failing_remote_is_one_json_error_with_its_documented_code(
+    case: str, code: int, s3_env: Any, monkeypatch: pytest.MonkeyPatch
+):
+    url = "s3://bucket/zero3"
+    if case == "a missing object":
+        url = "s3://bucket/no-such-checkpoint"
+    elif case == "no credentials":
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            monkeypatch.delenv(name)
+        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+        monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+        monkeypatch.setenv("CKPT_REMOTE_TIMEOUT", "3")
+    res = run("inspect", url, "--json")
+    data = assert_kept_promises(res, as_json=True)
+    assert res.exit_code == code, (case, res.exit_code, res.stderr)
+    assert data is not None and data["error"]["exit_code"] == code
