@@ -262,6 +262,25 @@ def test_the_drop_ins_agree_that_fsdp2_is_not_a_deepspeed_checkpoint(drop_in: st
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+DEEPSPEED_FAMILIES = sorted(set(FAMILIES) - DCP_FAMILIES)
+
+
+@pytest.mark.parametrize("family", DEEPSPEED_FAMILIES)
+@pytest.mark.parametrize("drop_in", DROP_INS)
+def test_the_drop_ins_convert_or_refuse_in_one_line_on_every_deepspeed_family(
+    drop_in: str, family: str, tmp_path: Path
+):
+    path = family_path(family)
+    before = tree_digest(path)
+    code, err = _drop_in(drop_in, path, tmp_path / "out")
+    assert code in (0, 1, 2), (code, err)
+    assert "Traceback" not in err and "internal error" not in err, err
+    if code:
+        errors = [line for line in lines(err) if line.startswith("Error: ")]
+        assert len(errors) == 1 and errors[0] == lines(err)[-1], err
+    assert tree_digest(path) == before
+
+
 # --------------------------------------------------------------------------------------------------
 # Help names what is read
 # --------------------------------------------------------------------------------------------------
