@@ -391,22 +391,22 @@ class Moments:
     def _block(self, raw: np.ndarray, dtype: DType) -> None:
         self.count += len(raw)
         x = values.numbers(raw, dtype)
-        if dtype.is_floating_point:
+        x64 = x.astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):  # Inf - Inf: NaN, which says "look closer" below
+            total, squares = float(x64.sum()), _sumsq(x64)
+        if dtype.is_floating_point and not (math.isfinite(total) and math.isfinite(squares)):
+            # a NaN or Inf is in the block (float32 values cannot overflow a float64 sum): count them, leave them out
             bad = values.count_nonfinite(raw, dtype)
-            if bad:
-                self.nan, self.posinf, self.neginf = (
-                    self.nan + bad.nan,
-                    self.posinf + bad.posinf,
-                    self.neginf + bad.neginf,
-                )
-                x = x[np.isfinite(x)]
+            self.nan, self.posinf, self.neginf = self.nan + bad.nan, self.posinf + bad.posinf, self.neginf + bad.neginf
+            x = x[np.isfinite(x)]
+            x64 = x.astype(np.float64)
+            total, squares = float(x64.sum()), _sumsq(x64)
         if not len(x):
             return
         self.minimum = min(self.minimum, float(x.min()))
         self.maximum = max(self.maximum, float(x.max()))
-        x64 = x.astype(np.float64)
-        self.total += float(x64.sum())
-        self.squares += _sumsq(x64)
+        self.total += total
+        self.squares += squares
 
     def merge(self, other: Moments) -> None:
         self.count += other.count
