@@ -110,10 +110,6 @@ def _break_moe(ckpt):
     (_tag_dir(ckpt) / "layer_0_expert_0_mp_rank_00_model_states.pt").write_bytes(b"")
 
 
-def _break_nvme(ckpt):
-    (_tag_dir(ckpt) / "offloaded_tensors" / "rank00").mkdir(parents=True)
-
-
 def _break_latest(ckpt):
     (ckpt / "latest").unlink()
 
@@ -143,7 +139,6 @@ BAD = {
     "damaged tensor bytes": (_break_tensor_bytes, "fails its CRC-32 check"),
     "pipeline": (_break_pipeline, "into a pipeline checkpoint"),
     "moe": (_break_moe, "MoE"),
-    "nvme": (_break_nvme, "NVMe"),
     "no latest": (
         _break_latest,
         "no `latest` file naming the tag to read; pass --tag with one of its tags (global_step",

@@ -72,9 +72,10 @@ def test_files_of_other_stages_or_tp_ranks_are_not_duplicates():
         assert files.optim_files == {int(n.split("_")[4]): n for n in names if "optim" in n and "mp_rank_00" in n}
 
 
-def test_nvme_offload_is_refused_by_name():
+def test_nvme_offload_is_read_as_data_parallel_and_refused_by_name_elsewhere():
+    assert classify_tag_files([*ZERO2, "offloaded_tensors"]).optim_files  # the ZeRO layout reads swap files
     with pytest.raises(UnsupportedCheckpointError, match="NVMe"):
-        classify_tag_files([*ZERO2, "offloaded_tensors"])
+        classify_tag_files([*ZERO2, "offloaded_tensors"], layout="moe")
 
 
 def test_no_optimizer_files_is_not_a_zero_tag():

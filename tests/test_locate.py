@@ -67,7 +67,7 @@ def test_tag_folders_that_are_not_zero_checkpoints_are_named():
     with pytest.raises(CheckpointNotFoundError, match=r"no \*_model_states\.pt"):
         locate.classify_tag_files(["zero_pp_rank_0_mp_rank_00_optim_states.pt"], "t")
     with pytest.raises(UnsupportedCheckpointError, match="NVMe"):
-        locate.classify_tag_files(["offloaded_tensors", "mp_rank_00_model_states.pt"], "t")
+        locate.classify_tag_files(["offloaded_tensors", "mp_rank_00_model_states.pt"], "t", layout="pipeline")
 
 
 @pytest.mark.parametrize("name", CPU)

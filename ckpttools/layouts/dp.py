@@ -9,6 +9,7 @@ from typing import Any
 from ckpttools.layouts.autoep import is_autoep, read_autoep
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.universal import universal_files
+from ckpttools.layouts.zero import nvme
 from ckpttools.layouts.zero.read import read_data_parallel
 from ckpttools.layouts.zero.write import model_file_name, rank_files
 from ckpttools.model.checkpoint import Checkpoint
@@ -28,7 +29,7 @@ class DataParallelLayout:
         return read_data_parallel(loc)
 
     def describe(self, parallel: dict[str, Any]) -> list[str]:
-        return []
+        return nvme.describe(parallel)
 
     def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         return None  # any DP size, any ZeRO stage (stages.check_stage_change checks the stage change itself)

@@ -88,14 +88,14 @@ def classify_tag_files(names: Sequence[str], where: str = "", layout: str = "dp"
     kept by its full rank coordinates, so a file of another stage or TP rank is never taken for a duplicate.
 
     Raises:
-        UnsupportedCheckpointError: NVMe-offloaded optimizer state.
+        UnsupportedCheckpointError: NVMe-offloaded optimizer state in a layout other than data parallel.
         CheckpointNotFoundError: no optimizer or model-state files at all.
     """
     where = where or "the tag folder"
-    if "offloaded_tensors" in names:
+    if "offloaded_tensors" in names and layout != "dp":  # the data-parallel ZeRO layout reads swap files
         raise UnsupportedCheckpointError(
-            f"{where} holds NVMe-offloaded optimizer state (offloaded_tensors/); its fp32 weights live in "
-            "per-rank swap files that ckpttools cannot read offline. Load it in DeepSpeed and save without NVMe offload"
+            f"{where} holds NVMe-offloaded optimizer state (offloaded_tensors/) in a {layout} layout; ckpttools reads "
+            "swap files of data-parallel ZeRO-3 runs only. Load it in DeepSpeed and save without NVMe offload"
         )
     optim: dict[tuple[int, int], str] = {}
     prefixes: set[str] = set()

@@ -285,11 +285,8 @@ def refuse_unsupported(f: RankFile) -> None:
     dims = dims or {}
     if dims.get("pp_degree", 1) != 1 or dims.get("tp_degree", 1) != 1:
         raise UnsupportedCheckpointError(f"{f.path}: pipeline/tensor parallel degrees {dims} are not supported")
-    offload = dict_at(model_state, "ds_config", "zero_optimization", "offload_optimizer")
-    if offload.get("device") == "nvme":
-        raise UnsupportedCheckpointError(
-            f"{f.path}: the optimizer state was offloaded to NVMe; its fp32 weights are not in the checkpoint files"
-        )
+    # NVMe optimizer offload is read by the ZeRO layout (layouts/zero/nvme.py): ZeRO-3's swapped sub-groups from
+    # the swap files, everything else from these files as with any other run
 
 
 def dict_at(obj: Any, *keys: str) -> dict[str, Any]:

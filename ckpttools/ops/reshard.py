@@ -25,7 +25,7 @@ from ckpttools.io.torchwriter import NewTensor, ProgressFn, Slice, write_torch_f
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import layout_of, open_checkpoint
-from ckpttools.layouts.zero import stages
+from ckpttools.layouts.zero import nvme, stages
 from ckpttools.model.checkpoint import Checkpoint
 from ckpttools.ops import hf
 from ckpttools.ranks import executor
@@ -359,6 +359,7 @@ def _finish_folder(
         )
     elif dp is not None and dp == result.dp_from:
         result.notes.append(f"the checkpoint is already at DP {dp}; rewritten as it is, every record checked")
+    result.notes += nvme.resume_notes(ckpt)  # the offload config an NVMe-offloaded run's output resumes with
     skip = {loc.tag, "latest", "latest_universal"}
     written: list[str] = []
     result.notes += _copy_root_files(loc.root, tmp, result.dp_from, dp, skip, written)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 NCCL_START_ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor
+DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
 
 
 @dataclass(frozen=True)
@@ -82,3 +83,20 @@ def zero3_subgroup_offsets(numels: Sequence[int], dp: int) -> list[int]:
         offsets.append(pos)
         pos += zero3_partition_numel(numel, dp)
     return offsets
+
+
+def split_subgroups(partition_numels: Sequence[int], sub_group_size: int) -> list[list[int]]:
+    """DeepSpeed's `_create_fp16_sub_groups`: the params of one param group (their ZeRO-3 partition numels), split
+    into sub-groups, each closed once it reaches sub_group_size elements (indices into the group)."""
+    if not partition_numels:
+        return []
+    if sub_group_size >= sum(partition_numels):
+        return [list(range(len(partition_numels)))]
+    groups, current, size = [], [], 0
+    for i, n in enumerate(partition_numels):
+        current.append(i)
+        size += n
+        if size >= sub_group_size or i == len(partition_numels) - 1:
+            groups.append(current)
+            current, size = [], 0
+    return groups

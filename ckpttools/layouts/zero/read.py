@@ -51,7 +51,7 @@ from ckpttools.layouts.rankfile import (
     undeclared_aliases,
     zero_stage_of,
 )
-from ckpttools.layouts.zero import partition
+from ckpttools.layouts.zero import nvme, partition
 from ckpttools.layouts.zero.pieces import MUON_MOMENTUM, is_muon_group, whole_params_in_partition
 from ckpttools.model.checkpoint import (
     Checkpoint,
@@ -162,7 +162,7 @@ class Zero12Reader:
             frozen_excluded=saved_without_frozen(self.loc, by_name, bit16),
             ds_config=dict_at(f0.obj, "ds_config"),
             model_files=[f0.obj],
-            layout=ParallelLayout("dp", dp=self.dp),
+            layout=ParallelLayout("dp", dp=self.dp, details=nvme.zero12_details(f0.obj.get("ds_config"))),
         )
 
     def _check_ranks_agree(self, num_groups: int) -> None:
@@ -391,6 +391,7 @@ class _Zero3Reader:
     ) -> None:
         self.loc, self.models, self.optims, self.dp, self.reader = loc, models, optims, dp, reader
         self.osds = [f.obj["optimizer_state_dict"] for f in optims]
+        self.offloaded = nvme.Offloaded(loc, models[0])  # NVMe-swapped sub-groups: bytes from the swap files
 
     def read(self) -> Checkpoint:
         f0 = self.models[0]
@@ -399,6 +400,7 @@ class _Zero3Reader:
         subgroups = param_shapes_of(f0, f0.get(f0.obj, "param_shapes", list), "param_shapes")
         check_unique_names(f0, subgroups)
         group_of, scalars, common = zero3_optimizer_parts(self.optims[0], self.osds[0], len(subgroups))
+        self.offloaded.check_subgroups(f0, subgroups, group_of, self.dp)
         params: list[Param] = []
         for sg, shapes in enumerate(subgroups):
             params += self._subgroup_params(sg, shapes, group_of[sg])
@@ -433,8 +435,11 @@ class _Zero3Reader:
             frozen_excluded=saved_without_frozen(self.loc, by_name, frozen),
             ds_config=dict_at(f0.obj, "ds_config"),
             model_files=[m.obj for m in self.models],
-            layout=ParallelLayout("dp", dp=self.dp),
+            layout=ParallelLayout("dp", dp=self.dp, details=self._details(len(subgroups))),
         )
+
+    def _details(self, num_subgroups: int) -> dict[str, Any]:
+        return {"nvme_offload": self.offloaded.facts(num_subgroups)} if self.offloaded.active else {}
 
     def _check_ranks_agree(self) -> None:
         for m, f, osd in zip(self.models, self.optims, self.osds, strict=True):
@@ -472,11 +477,12 @@ class _Zero3Reader:
         offsets = partition.zero3_subgroup_offsets(numels, self.dp)
         flat_len = sum(partition.zero3_partition_numel(n, self.dp) for n in numels)
         flats = []
-        for f, osd in zip(self.optims, self.osds, strict=True):
+        for r, (f, osd) in enumerate(zip(self.optims, self.osds, strict=True)):
             groups = osd["fp32_flat_groups"]
             if sg >= len(groups):
                 raise f.fail(f"has no fp32 partition for sub-group {sg}")
             t = f.master(groups[sg], f"the fp32 partition of sub-group {sg}")
+            t = self.offloaded.resolve(f, r, sg, None, t, flat_len)
             if t.numel() != flat_len:
                 raise CorruptCheckpointError(
                     f"{f.path}: sub-group {sg} should hold {flat_len} fp32 elements, found {t.numel()}; "
@@ -510,6 +516,8 @@ class _Zero3Reader:
         t = f.tensor(
             state.get(key) if isinstance(state, dict) else None, f"optimizer state {short(key)} of sub-group {sg}"
         )
+        if t.dim() == 1:
+            t = self.offloaded.resolve(f, r, sg, key, t, flat_len)
         if t.dim() != 1 or t.numel() != flat_len:
             raise f.fail(
                 f"optimizer state {short(key)} of sub-group {sg} holds {t.numel()} elements, the partition {flat_len}"

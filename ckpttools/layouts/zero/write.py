@@ -15,7 +15,8 @@ from ckpttools.io.torchfile import LazyTensor, TorchSize, load_pickle
 from ckpttools.io.torchwriter import NewTensor, Slice
 from ckpttools.layouts import zero0
 from ckpttools.layouts.base import ReshardTarget
-from ckpttools.layouts.zero import partition, stages
+from ckpttools.layouts.zero import nvme, partition, stages
+from ckpttools.layouts.zero.partition import split_subgroups  # tests and older callers import it from here
 from ckpttools.layouts.zero.pieces import (
     Flat,
     Pieces,
@@ -31,9 +32,6 @@ from ckpttools.layouts.zero.pieces import (
     state_of,
 )
 from ckpttools.model.checkpoint import MASTER, Checkpoint, Param, TensorSource, strip_prefixes
-
-DEFAULT_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
-
 
 # --- Native ZeRO-1/2 rank files -----------------------------------------------------------------------------
 
@@ -80,22 +78,6 @@ def _zero12_files(ckpt: Checkpoint, dp: int, stage: int) -> tuple[list[dict[str,
 # --- Native ZeRO-3 rank files -------------------------------------------------------------------------------
 
 
-def split_subgroups(partition_numels: Sequence[int], sub_group_size: int) -> list[list[int]]:
-    """DeepSpeed's `_create_fp16_sub_groups`: close a sub-group once it reaches sub_group_size elements."""
-    if not partition_numels:
-        return []
-    if sub_group_size >= sum(partition_numels):
-        return [list(range(len(partition_numels)))]
-    groups, current, size = [], [], 0
-    for i, n in enumerate(partition_numels):
-        current.append(i)
-        size += n
-        if size >= sub_group_size or i == len(partition_numels) - 1:
-            groups.append(current)
-            current, size = [], 0
-    return groups
-
-
 def _zero3_slice(flat: Flat, numel: int, dp: int, rank: int) -> Pieces:
     """Rank `rank`'s ceil(numel/dp) elements of a parameter; padding is zero, never uninitialised memory."""
     p = partition.zero3_partition_numel(numel, dp)
@@ -106,7 +88,7 @@ def _zero3_slice(flat: Flat, numel: int, dp: int, rank: int) -> Pieces:
 def _sub_group_size(ckpt: Checkpoint) -> int:
     zero_cfg = (ckpt.optimizer.file_meta.get("ds_config") or {}).get("zero_optimization") or {}
     try:
-        size = int(float(zero_cfg.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE)))
+        size = int(float(zero_cfg.get("sub_group_size", partition.DEFAULT_SUB_GROUP_SIZE)))
     except (TypeError, ValueError, OverflowError) as e:
         raise CorruptCheckpointError(
             f"the run's zero_optimization.sub_group_size {short(zero_cfg.get('sub_group_size'), 30)} is not a number"
@@ -132,6 +114,8 @@ def _zero3_files(ckpt: Checkpoint, dp: int) -> tuple[list[dict[str, Any]], list[
         stages.optimizer_common(ckpt, 3) if changed else {k: v for k, v in opt.common.items() if k != "param_groups"}
     )
     meta = stages.file_meta_at(ckpt, 3) if changed else opt.file_meta
+    if "ds_config" in meta:  # an NVMe run's output holds every byte in its rank files: resumed with CPU offload
+        meta = {**meta, "ds_config": nvme.without_nvme(meta["ds_config"])}
     keys_of = {g: group_keys(group_params(ckpt, g)) for g in range(len(groups))}
     flats = _Flats()
     optim_files = []
@@ -186,6 +170,8 @@ def _zero3_model_files(ckpt: Checkpoint, subgroups: list[list[Param]], dp: int) 
     frozen_raw = frozen_shapes if changed else (model0.get("frozen_param_shapes") or {})
     extra = {"module": module, "frozen_param_shapes": frozen_shapes,
              "ds_config": stages.ds_config_at(model0.get("ds_config"), 3)} if changed else {}  # fmt: skip
+    if "ds_config" in model0:
+        extra["ds_config"] = nvme.without_nvme(extra.get("ds_config", model0["ds_config"]))
     files = []
     for r in range(dp):
         fragments = OrderedDict()
