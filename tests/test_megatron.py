@@ -115,6 +115,18 @@ def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: st
     assert _logits_error(tmp_path / "hf", name) <= TOLERANCE
 
 
+def test_verify_against_the_megatron_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    consolidate(_run(MOE), tmp_path / "hf")
+    r = _cli("verify", str(tmp_path / "hf"), "--against", str(_run(MOE)))
+    assert r.returncode == 0 and "all 25 tensors bit-identical" in r.stdout + r.stderr, r.stdout + r.stderr
+    targets, _ = megatron_gpt.LAYER["self_attention.linear_qkv.weight"]
+    monkeypatch.setitem(megatron_gpt.LAYER, "self_attention.linear_qkv.weight", (targets, _naive_qkv))
+    consolidate(_run(LLAMA), tmp_path / "naive")  # written with the wrong split: verify must not vouch for it
+    monkeypatch.undo()
+    r = _cli("verify", str(tmp_path / "naive"), "--against", str(_run(LLAMA)))
+    assert r.returncode == 1 and "q_proj" in r.stdout + r.stderr
+
+
 def test_without_args_needs_config(tmp_path: Path) -> None:
     r = _cli("consolidate", str(_run(NOARGS)), "--out", str(tmp_path / "hf"))
     assert r.returncode == 1 and r.stderr.count("\n") <= 3, r.stderr

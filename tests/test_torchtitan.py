@@ -45,6 +45,13 @@ def test_equal_to_torchtitans_own_to_hf_and_its_logits(tmp_path: Path) -> None:
     assert _logits_error(tmp_path / "hf") <= 1e-5
 
 
+def test_verify_against_the_torchtitan_checkpoint(tmp_path: Path) -> None:
+    consolidate(RUN, tmp_path / "hf", config=CONFIG)
+    r = subprocess.run([sys.executable, "-m", "ckpttools.cli", "verify", str(tmp_path / "hf"), "--against", str(RUN)],
+                       capture_output=True, text=True)  # fmt: skip
+    assert r.returncode == 0 and "all 21 tensors bit-identical" in r.stdout + r.stderr, r.stdout + r.stderr
+
+
 def test_without_the_rope_permutation_the_logits_differ(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torchtitan_llama, "permuted_rows", lambda src, order, name: renamed(src, name))
     consolidate(RUN, tmp_path / "hf", config=CONFIG)

@@ -392,6 +392,7 @@ def check_against(
     from ckpttools.ops.consolidate import plan_tensors
 
     ckpt = open_checkpoint(against, tag=tag, step=step)
+    ckpt = _mapped(ckpt, folder)  # a trainer's own names (Megatron, torchtitan) mapped as consolidate maps them
     report.against = f"{ckpt.location.root} (tag {ckpt.location.tag})"
     floats = Counter(t.dtype for t in tensors.values() if t.is_floating)
     dtype = dtypes.BY_NAME.get(floats.most_common(1)[0][0], dtypes.FLOAT32) if floats else dtypes.FLOAT32
@@ -446,6 +447,15 @@ def check_against(
             report.problems.append(f"{label}: {hf.names(items)}")
     if not (differing or wrong_dtype or absent or extra):
         report.checks.append(f"all {len(tensors)} tensors bit-identical to {where} (tag {ckpt.location.tag})")
+
+
+def _mapped(ckpt: Any, folder: Path) -> Any:
+    """The checkpoint under the Hugging Face names an architecture adapter gives it with the folder's config.json
+    (`ckpt consolidate`'s mapping); as it is when no adapter claims it."""
+    from ckpttools import adapters
+
+    mapped = adapters.adapt(ckpt, hf.read_config(folder / "config.json"))
+    return ckpt if mapped is None else mapped.checkpoint
 
 
 def _adapter_plan(ckpt: Any, dtype: dtypes.DType) -> dict[str, Any] | None:
