@@ -1,0 +1,149 @@
+"""Megatron-Core MoE `torch_dist` input mapped to Mixtral / Qwen3-MoE, against Megatron's own forward.
+
+The fixtures (fixtures/megatron_moe_*) were saved by megatron-core 0.19.2 itself (fixtures/build/
+fixture_megatron_moe.py, expert-parallel 2 over gloo on CPU, sequential experts of the local spec); each carries the
+logits of the Megatron model's forward on a fixed input. The oracle is behaviour: the model transformers builds from
+`ckpt consolidate`'s output gives the same logits (fp32, <= 1e-5). Negative controls (the experts swapped under
+their router, each expert's gate and up halves swapped) must fail the same comparison. megatron-core is not needed
+here: only the committed folders are read.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckpttools import consolidate
+from ckpttools.adapters import adapt, megatron_moe
+from ckpttools.adapters.segments import permuted_rows
+from ckpttools.errors import UnsupportedCheckpointError
+from ckpttools.layouts.registry import open_checkpoint
+from ckpttools.model.checkpoint import TensorSource
+
+from .conftest import FIXTURES
+
+MIXTRAL = "megatron_moe_ep2_mixtral"  # EP 2: each rank saved 2 of the 4 experts
+QWEN3_MOE = "megatron_moe_tp2_ep2_qwen3"  # TP 2 x EP 2: each expert split over 2 ranks, softmax before the top-k
+TOLERANCE = 1e-5
+FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+
+
+def _run(name: str) -> Path:
+    return FIXTURES / name / "checkpoint"
+
+
+def _logits_error(out: Path, name: str) -> float:
+    """Largest |HF logits - Megatron logits| over the fixture's input (the padded vocabulary columns left out)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ref = load_file(FIXTURES / name / "reference" / "logits.safetensors")
+    with torch.no_grad():
+        logits = model(ref["input_ids"]).logits
+    return float((logits - ref["logits"][..., : logits.shape[-1]]).abs().max())
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ckpttools.cli", *args], capture_output=True, text=True)
+
+
+def test_experts_of_every_expert_parallel_rank_read_as_one_stack() -> None:
+    ckpt = open_checkpoint(_run(MIXTRAL))
+    assert ckpt.layout.kind == "megatron" and ckpt.layout.details["args"]["expert_model_parallel_size"] == 2
+    assert ckpt.masters[FC1].shape == (2, 4, 48, 32)  # [L, E, 2F, H]: experts 0-1 from rank 0, 2-3 from rank 1
+    segments = ckpt.masters[FC1].segments  # per layer, expert and half (Megatron saves gate and up apart)
+    assert len(segments) == 2 * 4 * 2
+    assert {seg.tensor.storage.record.path.name for seg in segments} == {"__0_0.distcp", "__1_0.distcp"}
+
+
+@pytest.mark.parametrize(
+    ("name", "arch", "fields"),
+    [(MIXTRAL, "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24}),
+     (QWEN3_MOE, "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 16, "norm_topk_prob": False})],
+)  # fmt: skip
+def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str, fields: dict[str, Any]) -> None:
+    result = consolidate(_run(name), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [arch] and config["vocab_size"] == 61  # padded 64 -> the run's 61
+    assert {k: config[k] for k in fields} == fields
+    assert any("generated from the run's arguments" in n for n in result.notes)
+    assert _logits_error(tmp_path / "hf", name) <= TOLERANCE
+
+
+def test_the_adapter_reads_no_bytes_and_keeps_the_experts_fused() -> None:
+    mapped = adapt(open_checkpoint(_run(MIXTRAL)), None)
+    assert mapped is not None and mapped.adapter == "megatron-core -> MixtralForCausalLM"
+    sources = {s.name: s for s in mapped.checkpoint.sources(mapped.checkpoint.train_dtype)}
+    gate_up = sources["model.layers.1.mlp.experts.gate_up_proj"]
+    assert gate_up.shape == (4, 48, 32) and sum(seg.count for seg in gate_up.segments) == 4 * 48 * 32
+    assert sources["model.layers.1.mlp.experts.down_proj"].shape == (4, 32, 24)
+    assert sources["model.layers.0.mlp.gate.weight"].shape == (4, 32)
+    assert not [n for n in sources if "q_norm" in n or n.startswith("decoder.")]
+
+
+def _experts_swapped(src: TensorSource, name: str, m: megatron_moe.Moe) -> TensorSource:
+    """Experts 0 and 1 exchanged (fc1 and fc2 alike), the router left as it is."""
+    return permuted_rows(src, [1, 0, *range(2, m.experts)], name)
+
+
+def _halves_swapped(src: TensorSource, name: str, m: megatron_moe.Moe) -> TensorSource:
+    """Each expert's fc1 read as [up; gate]: rows of [2E, F, H] blocks, each expert's two halves exchanged."""
+    blocks = TensorSource(src.name, (2 * m.experts, m.expert_ffn, m.dense.hidden), src.dtype, src.segments, src.kind)
+    swapped = permuted_rows(blocks, [b ^ 1 for b in range(2 * m.experts)], name)
+    return TensorSource(name, src.shape, src.dtype, swapped.segments, src.kind)
+
+
+@pytest.mark.parametrize(
+    "patches",
+    [{megatron_moe.FC1: _experts_swapped, megatron_moe.FC2: _experts_swapped}, {megatron_moe.FC1: _halves_swapped}],
+    ids=["experts-swapped", "gate-up-swapped"],
+)
+def test_negative_controls_fail_the_comparison(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, patches: dict[str, Any]
+) -> None:
+    for key, op in patches.items():
+        target, _ = megatron_moe.MOE_LAYER[key]
+        monkeypatch.setitem(megatron_moe.MOE_LAYER, key, (target, op))
+    consolidate(_run(MIXTRAL), tmp_path / "hf")
+    assert _logits_error(tmp_path / "hf", MIXTRAL) > 1e-2  # the comparison catches a wrong mapping
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "tensor"),
+    [("num_local_experts", 8, "decoder.layers.mlp.router.weight"),
+     ("intermediate_size", 16, FC1),
+     ("num_hidden_layers", 3, "decoder.layers.")],
+)  # fmt: skip
+def test_a_config_not_the_runs_is_refused_naming_the_tensor(
+    tmp_path: Path, field: str, value: int, tensor: str
+) -> None:
+    consolidate(_run(MIXTRAL), tmp_path / "ref")
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    (tmp_path / "wrong").mkdir()
+    (tmp_path / "wrong" / "config.json").write_text(json.dumps({**config, field: value}))
+    r = _cli("consolidate", str(_run(MIXTRAL)), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "wrong"))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("Error: ") and tensor in last, r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [({"moe_shared_expert_intermediate_size": 32}, "shared experts"),
+     ({"moe_router_score_function": "sigmoid"}, "sigmoid MoE router"),
+     ({"moe_router_enable_expert_bias": True}, "expert_bias"),
+     ({"moe_layer_freq": "([0]+[1]*1)"}, "MoE on some layers only"),
+     ({"moe_router_pre_softmax": True}, "without renormalising")],
+)  # fmt: skip
+def test_runs_using_what_is_not_mapped_are_refused(change: dict[str, Any], what: str) -> None:
+    args = open_checkpoint(_run(MIXTRAL)).layout.details["args"]
+    with pytest.raises(UnsupportedCheckpointError, match=what) as caught:
+        megatron_moe.config_from_args({**args, **change})
+    assert "nothing written" in str(caught.value)
