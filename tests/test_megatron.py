@@ -79,6 +79,19 @@ def test_pipeline_stages_read_as_one_layer_stack() -> None:
     assert ckpt.masters["decoder.layers.mlp.linear_fc1.weight"].shape == (4, 96, 32)
 
 
+def test_the_tracker_file_chooses_the_iteration(tmp_path: Path) -> None:
+    import shutil
+
+    run = tmp_path / "checkpoint"
+    shutil.copytree(_run(LLAMA), run)
+    (run / "latest_checkpointed_iteration.txt").write_text("5")  # names a save that is not there
+    r = _cli("consolidate", str(run), "--out", str(tmp_path / "o"))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "iteration 5" in last and "--step" in last, r.stderr
+    assert open_checkpoint(run, step=2).location.tag == "iter_0000002"
+    assert open_checkpoint(run / "iter_0000002").location.tag == "iter_0000002"  # the iteration folder itself
+
+
 def test_which_keys_are_weights() -> None:
     assert is_weight("decoder.layers.mlp.linear_fc1.weight")
     for fqn in ("decoder.layers.mlp.linear_fc1._extra_state/shard_0_2", "common_state/shard_0_1",
