@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -127,7 +128,8 @@ def diff(
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise UsageError("--atol and --rtol must be zero or more")
     asked = _dtype(dtype)
-    side_a, side_b = reduce.open_side(a, dtype=asked), reduce.open_side(b, dtype=asked)
+    with ThreadPoolExecutor(2, thread_name_prefix="ckpt-diff-open") as pool:  # two remote sides' pickles at once
+        side_a, side_b = pool.map(lambda path: reduce.open_side(path, dtype=asked), (a, b))
     notes: list[str] = []
     if asked is None:
         side_a, side_b = _match_dtypes(side_a, side_b)
