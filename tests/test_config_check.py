@@ -139,6 +139,10 @@ def test_config_that_differs_from_the_checkpoints_own_is_a_usage_error(tmp_path)
 
     same = consolidate(TRAINER, tmp_path / "same", config=TRAINER_CONFIG)  # identical: no conflict, no note
     assert not [n for n in same.notes if "config" in n]
+    saver = json.loads(TRAINER_CONFIG.read_text()) | {"transformers_version": "4.0.0", "dtype": "float16"}
+    (tmp_path / "saver").mkdir()
+    (tmp_path / "saver" / "config.json").write_text(json.dumps(saver))  # only who saved it differs: the same model
+    assert not [n for n in consolidate(TRAINER, tmp_path / "o2", config=tmp_path / "saver").notes if "config" in n]
     with pytest.raises(UsageError, match="pass --config too"):
         consolidate(TRAINER, tmp_path / "x", replace_config=True)
 

@@ -247,3 +247,8 @@ def test_cli_usage_and_missing_paths(made, tmp_path):
     assert res.exit_code == 1 and res.stderr.startswith("Error: ") and "is not a folder" in res.stderr
     res = run("verify", made / "bf16", "--against", tmp_path)
     assert res.exit_code == 1 and "Error: " in res.stderr and "Traceback" not in res.output
+
+
+def test_base_on_a_model_folder_is_a_usage_error_not_a_note(made):
+    res = run("verify", made, "--base", made)
+    assert res.exit_code == 2 and "has no adapter_config.json; drop --base" in res.output, res.output

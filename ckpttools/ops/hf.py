@@ -102,11 +102,12 @@ def check_config_override(root: Path, given: Path | str | None, model_config: Mo
     own = root / "config.json"
     if given is None or model_config is None or not own.is_file() or own.resolve() == model_config.path.resolve():
         return []
-    theirs = load_config(own)
-    if theirs == model_config.config:
+    theirs, ours = load_config(own), model_config.config
+    keys = (k for k in theirs.keys() | ours.keys() if k not in _NOT_THE_MODEL)
+    differing = sorted((k for k in keys if theirs.get(k, _ABSENT) != ours.get(k, _ABSENT)), key=str)
+    if not differing:
         return []
-    key = next(k for k in sorted(theirs.keys() | model_config.config.keys(), key=str)
-               if theirs.get(k, _ABSENT) != model_config.config.get(k, _ABSENT))  # fmt: skip
+    key = differing[0]
     if not replace:
         raise UsageError(
             f"--config {given} differs from the checkpoint's own {own} (first at {key!r}); drop --config to keep "
@@ -116,6 +117,8 @@ def check_config_override(root: Path, given: Path | str | None, model_config: Mo
 
 
 _ABSENT = object()
+# Keys that do not describe the model: ckpt writes the dtype itself; the others record who saved it.
+_NOT_THE_MODEL = frozenset({"dtype", "torch_dtype", "transformers_version", "_name_or_path"})
 
 
 def read_config(path: Path) -> dict[str, Any] | None:

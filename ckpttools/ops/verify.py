@@ -658,8 +658,9 @@ def verify_folder(
             check_against(folder, tensors, against, report, tag=tag, step=step, on_start=on_start,
                           on_progress=on_progress, adapter=True)  # fmt: skip
         return report
-    if base is not None:
-        report.notes.append("--base applies to PEFT adapter folders; this one has no adapter_config.json")
+    if base is not None:  # an option asked for that cannot apply is refused, never skipped with a note
+        raise UsageError(f"--base is the base model of a PEFT adapter folder, and {folder} has no "
+                         "adapter_config.json; drop --base")  # fmt: skip
     _refuse_training_checkpoint(folder)
     tensors = collect_tensors(folder, report)
     if report.files:
