@@ -31,6 +31,7 @@ from .conftest import FIXTURES
 LLAMA, NOARGS, QWEN3 = "megatron_tp2_llama", "megatron_tp2_llama_noargs", "megatron_tp2_qwen3"
 ADAM, ADAM_FULL = "megatron_tp2_llama_adam", "megatron_tp2_llama_adam_full"  # distributed optimizer state saved
 MOE = "megatron_tp2_qwen3_moe"  # 4 experts top-2 on every layer, grouped [L, E, 2F, H] expert stacks
+COMMON_PT = "megatron_tp2_llama_commonpt"  # the args in common.pt (megatron-core < 0.19's layout)
 PP2 = "megatron_tp2_pp2_llama"  # 4 layers over 2 pipeline stages: each stage saved its slice of the layer axis
 TOLERANCE = 1e-5
 
@@ -118,7 +119,8 @@ def test_inspect_tells_megatron_from_fsdp2() -> None:
 @pytest.mark.parametrize(
     ("name", "arch"),
     [(LLAMA, "LlamaForCausalLM"), (QWEN3, "Qwen3ForCausalLM"), (ADAM, "LlamaForCausalLM"),
-     (ADAM_FULL, "LlamaForCausalLM"), (PP2, "LlamaForCausalLM"), (MOE, "Qwen3MoeForCausalLM")],
+     (ADAM_FULL, "LlamaForCausalLM"), (PP2, "LlamaForCausalLM"), (MOE, "Qwen3MoeForCausalLM"),
+     (COMMON_PT, "LlamaForCausalLM")],
 )  # fmt: skip
 def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str) -> None:
     result = consolidate(_run(name), tmp_path / "hf")

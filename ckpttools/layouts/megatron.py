@@ -166,23 +166,25 @@ class _ArgsGlobals(dict[tuple[str, str], Any]):
 
 
 def _common(files: ChunkFiles, folder: Path, meta: DcpMetadata) -> tuple[dict[str, Any] | None, str]:
-    """The run's args as plain values, and why they could not be read ("" when they were, or were not saved)."""
+    """The run's args as plain values, and why they could not be read ("" when they were, or were not saved):
+    from the `common_state` object (megatron-core >= 0.19), else `common.pt` (older saves)."""
     stored = next((s for fqn, s in sorted(meta.byte_storage.items()) if fqn.startswith(f"{COMMON_STATE}/")), None)
     try:
-        if stored is not None:
-            common = _load_common_bytes(files, folder, stored)
-        elif (folder / COMMON_FILE).is_file():
-            common = torchfile.load_pickle(folder / COMMON_FILE, extra_globals=_ArgsGlobals())
-        else:
-            return None, ""
+        args = _args(_load_common_bytes(files, folder, stored)) if stored is not None else None
+        if args is None and (folder / COMMON_FILE).is_file():
+            args = _args(torchfile.load_pickle(folder / COMMON_FILE, extra_globals=_ArgsGlobals()))
     except CkptError as e:
         return None, str(e)
+    return args, ""
+
+
+def _args(common: Any) -> dict[str, Any] | None:
     if isinstance(common, list) and len(common) == 1:
         common = common[0]  # ShardedObject data is saved as [data]
     args = common.get("args") if isinstance(common, dict) else None
     if not isinstance(args, PickledObject):
-        return None, ""
-    return {k: plain(v) for k, v in vars(args).items() if k != "args"}, ""
+        return None
+    return {k: plain(v) for k, v in vars(args).items() if k != "args"}
 
 
 def _load_common_bytes(files: ChunkFiles, folder: Path, stored: StoredChunk) -> Any:
