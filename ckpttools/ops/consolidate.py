@@ -235,14 +235,21 @@ def consolidate(
         to: "safetensors" or "pt".
         dtype: "fp32" (bit-identical to zero_to_fp32) or "bf16"/"fp16" (bit-identical to the engine's
             16-bit weights when that is the training dtype).
-        max_shard_size: largest shard, e.g. "5GB".
+        max_shard_size: largest shard, e.g. "5GB"; a tensor larger than that is never split: it gets a shard of its
+            own, as save_pretrained does, and a note names it.
         overwrite: replace an existing output folder.
         check_existing: compare with 16-bit weights a Trainer already saved beside the shards.
         config: the model's config.json, or a folder holding it (tokenizer files come from there too), for
-            checkpoints saved without one (accelerate's save_state); default: the one beside the checkpoint.
-        check_keys: also build the model from config.json on the meta device (in a child process that
-            imports transformers and torch: about 3 s and 350 MB more) and fail on missing or unexpected
-            keys. `ckpt verify` always does this check.
+            checkpoints saved without one (accelerate's save_state); default: the one beside the checkpoint. One
+            that differs from the checkpoint's own (beyond dtype, transformers_version, _name_or_path) is refused
+            (UsageError) unless `replace_config`.
+        replace_config: write `config` although the checkpoint has its own, different config.json (a note says so).
+        check_keys: whenever a config.json is written and transformers is installed, the output's keys and shapes
+            are checked against the class it names (built on the meta device in a child process while the shards
+            are written: about 5 s of CPU and 400 MB, whatever the model's size) and a mismatch fails before
+            anything is published; `check_keys` also makes a check that cannot run (no config.json, no class,
+            no transformers) a failure instead of a note, and on a PEFT adapter folder checks its keys against
+            PeftModel of the base model (`config`). `ckpt verify` always checks the keys.
         merge: a PEFT (LoRA) run: write the full model with the adapters merged into the base weights,
             bit-identical to PEFT's merge_and_unload() in that dtype on CPU. Without it, a PEFT run gives the
             adapter folder PEFT's save_pretrained writes.
