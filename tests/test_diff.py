@@ -63,6 +63,13 @@ def test_dcp_folders_and_their_references_are_identical(name, reference):
     assert d["counts"]["identical"] == d["b"]["num_tensors"] and d["tensors"] == []
 
 
+def test_one_accelerate_run_saved_two_ways_is_identical():
+    """accelerate's SHARDED_STATE_DICT DCP folder and its use_dcp=False per-rank DTensor files of the same run."""
+    code, d, _ = run_json("diff", FIXTURES / "accelerate_fsdp2_sharded" / "checkpoint",
+                          FIXTURES / "accelerate_fsdp2_rankfiles" / "checkpoint")  # fmt: skip
+    assert code == 0 and d["counts"]["identical"] == 21
+
+
 @pytest.mark.parametrize("name", PEFT)
 def test_a_peft_merge_against_its_base_reports_exactly_the_changed_tensors(name):
     base, merged = FIXTURES / name / "base", FIXTURES / name / "reference" / "merged_fp32.safetensors"

@@ -112,8 +112,23 @@ def test_layers_are_summed_in_model_order(tmp_path):
     assert nine["l2"] == pytest.approx(math.sqrt(4 * 100.0)) and nine["max_abs"] == 10.0
 
 
+@pytest.mark.parametrize("name", ["fsdp2_dcp_dp2_fp32", "fsdp2_dcp_dp3_bf16", "accelerate_fsdp2_sharded"])
+def test_torch_dcp_optimizer_states_equal_torch_on_dcp_to_torch_save(name):
+    """The moments of an FSDP2 save (in the model's DCP folder, or accelerate's optimizer_0/ beside it) against
+    reference/optim.safetensors: torch's dcp_to_torch_save of the same save, keys flattened."""
+    ref = load_file(FIXTURES / name / "reference" / "optim.safetensors")
+    result = stats(FIXTURES / name / "checkpoint")
+    states = [t for t in result.tensors if t.what != "weight"]
+    seen = set()
+    for t in states:
+        key = next(k for k in (f"optim.state.{t.name}.{t.what}", f"optimizer.state.{t.name}.{t.what}") if k in ref)
+        assert_matches(t.moments.to_dict(), torch_stats(ref[key]))
+        seen.add(key)
+    assert seen == {k for k in ref if k.endswith((".exp_avg", ".exp_avg_sq"))}  # every moment, each once
+
+
 def test_a_layout_whose_optimizer_states_are_not_read_says_so():
-    result = stats(FIXTURES / "fsdp2_dcp_dp2_fp32" / "checkpoint")
+    result = stats(FIXTURES / "megatron_tp2_llama_adam" / "checkpoint")
     assert {t.what for t in result.tensors} == {"weight"}
     assert any("exp_avg" in n and "not read as tensors" in n for n in result.notes)
 
