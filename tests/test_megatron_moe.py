@@ -31,6 +31,7 @@ from .conftest import FIXTURES
 
 MIXTRAL = "megatron_moe_ep2_mixtral"  # EP 2: each rank saved 2 of the 4 experts
 QWEN3_MOE = "megatron_moe_tp2_ep2_qwen3"  # TP 2 x EP 2: each expert split over 2 ranks, softmax before the top-k
+QWEN2_MOE = "megatron_moe_ep2_qwen2_shared"  # EP 2, a shared expert behind a sigmoid gate
 TOLERANCE = 1e-5
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 
@@ -66,7 +67,8 @@ def test_experts_of_every_expert_parallel_rank_read_as_one_stack() -> None:
 @pytest.mark.parametrize(
     ("name", "arch", "fields"),
     [(MIXTRAL, "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24}),
-     (QWEN3_MOE, "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 16, "norm_topk_prob": False})],
+     (QWEN3_MOE, "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 16, "norm_topk_prob": False}),
+     (QWEN2_MOE, "Qwen2MoeForCausalLM", {"num_experts": 4, "shared_expert_intermediate_size": 32, "qkv_bias": False})],
 )  # fmt: skip
 def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str, fields: dict[str, Any]) -> None:
     result = consolidate(_run(name), tmp_path / "hf")
@@ -115,6 +117,14 @@ def test_negative_controls_fail_the_comparison(
     assert _logits_error(tmp_path / "hf", MIXTRAL) > 1e-2  # the comparison catches a wrong mapping
 
 
+def test_shared_expert_halves_swapped_fail_the_comparison(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    key = "mlp.shared_experts.linear_fc1.weight"
+    (gate, up), op = megatron_moe.SHARED_LAYER[key]
+    monkeypatch.setitem(megatron_moe.SHARED_LAYER, key, ((up, gate), op))
+    consolidate(_run(QWEN2_MOE), tmp_path / "hf")
+    assert _logits_error(tmp_path / "hf", QWEN2_MOE) > 1e-2
+
+
 @pytest.mark.parametrize(
     ("field", "value", "tensor"),
     [("num_local_experts", 8, "decoder.layers.mlp.router.weight"),
@@ -136,11 +146,11 @@ def test_a_config_not_the_runs_is_refused_naming_the_tensor(
 
 @pytest.mark.parametrize(
     ("change", "what"),
-    [({"moe_shared_expert_intermediate_size": 32}, "shared experts"),
+    [({"moe_shared_expert_intermediate_size": 32}, "shared experts without a gate"),
      ({"moe_router_score_function": "sigmoid"}, "sigmoid MoE router"),
      ({"moe_router_enable_expert_bias": True}, "expert_bias"),
      ({"moe_layer_freq": "([0]+[1]*1)"}, "MoE on some layers only"),
-     ({"moe_router_pre_softmax": True}, "without renormalising")],
+     ({"moe_router_pre_softmax": True}, "unrenormalised top-k")],
 )  # fmt: skip
 def test_runs_using_what_is_not_mapped_are_refused(change: dict[str, Any], what: str) -> None:
     args = open_checkpoint(_run(MIXTRAL)).layout.details["args"]

@@ -1,4 +1,4 @@
-"""Megatron-Core GPT with MoE layers (`torch_dist`) -> MixtralForCausalLM or Qwen3MoeForCausalLM.
+"""Megatron-Core GPT with MoE layers (`torch_dist`) -> MixtralForCausalLM, Qwen3MoeForCausalLM or Qwen2MoeForCausalLM.
 
 The attention, norms, embedding and output layer follow the dense Megatron GPT table (`megatron_gpt`, reused as
 it is); this module adds the MoE layer's conventions (megatron/core/transformer/moe/*):
@@ -8,11 +8,15 @@ it is); this module adds the MoE layer's conventions (megatron/core/transformer/
   tensor-parallel sizes: `SequentialMLP.sharded_state_dict` (the local spec's `local_experts.<n>`) maps each local
   expert onto the global expert axis, and the grouped MLP saves under the same keys. Each expert's fc1 is
   [gate; up], which is transformers 5's fused `experts.gate_up_proj` `[E, 2F, H]` as it is (one segment run per
-  expert-parallel shard, no byte read), and fc2 its `experts.down_proj`.
+  expert-parallel shard, no byte read), and fc2 its `experts.down_proj`;
+- a shared expert (`mlp.shared_experts.linear_fc1/fc2`, a dense SwiGLU MLP) behind a sigmoid gate
+  (`moe_shared_expert_gate`: `mlp.shared_experts.gate_weight` `[1, H]`) is Qwen2-MoE's `mlp.shared_expert.*` and
+  `mlp.shared_expert_gate.weight`.
 The router's softmax over the top-k logits (`moe_router_pre_softmax` false) is Mixtral's and Qwen3-MoE's softmax
 over all experts, top-k, renormalised; a softmax over all experts without renormalising is Qwen3-MoE with
-`norm_topk_prob` false. Shared experts, sigmoid routers (`expert_bias`), grouped routing and MoE on some layers
-only are refused naming what is not mapped, as is every shape that does not follow from the config.
+`norm_topk_prob` false. Shared experts without a gate (DeepSeek), sigmoid routers (`expert_bias`), grouped
+routing and MoE on some layers only are refused naming what is not mapped, as is every shape that does not follow
+from the config.
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from typing import Any
 
 from ckpttools.adapters import megatron_gpt as gpt
 from ckpttools.adapters.base import ConfigNeededError
-from ckpttools.adapters.segments import MappingError, expect_shape, renamed
+from ckpttools.adapters.segments import MappingError, expect_shape, renamed, split_rows
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
-ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+QWEN_MOE = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 ROUTER = "mlp.router.weight"
 FC1, FC2 = "mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight"
 # The dense table's rules that a MoE layer keeps: attention, qk-norm, the two norms (not the dense MLP's fc1/fc2).
@@ -41,19 +46,26 @@ class Moe:
     arch: str
     experts: int
     expert_ffn: int
+    shared_ffn: int = 0  # Qwen2-MoE's shared expert
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> Moe:
         try:
             arch = config["architectures"][0]
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            if arch == "Qwen3MoeForCausalLM":
+            shared_ffn = 0
+            if arch in QWEN_MOE:
                 if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
                     raise UnsupportedCheckpointError(
                         "config.json has dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step): "
                         "not mapped from Megatron yet"
                     )
                 experts, expert_ffn = int(config["num_experts"]), int(config["moe_intermediate_size"])
+                if arch == "Qwen2MoeForCausalLM":
+                    shared_ffn = int(config["shared_expert_intermediate_size"])
+                    if config.get("qkv_bias", True):  # Qwen2-MoE's default; a Megatron run with biases is refused
+                        raise MappingError("config.json has qkv_bias (q/k/v biases), but the Megatron run saved no "
+                                           "linear_qkv.bias: set qkv_bias false, or use the run's config")  # fmt: skip
             else:  # Mixtral: every layer is MoE, intermediate_size is each expert's
                 experts, expert_ffn = int(config["num_local_experts"]), int(config["intermediate_size"])
             dense = gpt.Dims(
@@ -65,7 +77,7 @@ class Moe:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise MappingError(f"config.json lacks a usable {e} for a Megatron MoE mapping") from e
-        return cls(dense, arch, experts, expert_ffn)
+        return cls(dense, arch, experts, expert_ffn, shared_ffn)
 
 
 def router(src: TensorSource, name: str, m: Moe) -> TensorSource:
@@ -83,6 +95,27 @@ def experts_fc2(src: TensorSource, name: str, m: Moe) -> TensorSource:
     return renamed(expect_shape(src, shape, "the experts' count, hidden_size and FFN size"), name)
 
 
+def shared_fc1(src: TensorSource, names: tuple[str, ...], m: Moe) -> list[TensorSource]:
+    """The shared expert's fc1 = [gate; up]."""
+    expect_shape(src, (2 * m.shared_ffn, m.dense.hidden), "shared_expert_intermediate_size and hidden_size")
+    return split_rows(src, (m.shared_ffn, m.shared_ffn), names)
+
+
+def shared_fc2(src: TensorSource, names: tuple[str, ...], m: Moe) -> list[TensorSource]:
+    shape = (m.dense.hidden, m.shared_ffn)
+    return [renamed(expect_shape(src, shape, "hidden_size and shared_expert_intermediate_size"), names[0])]
+
+
+def shared_gate(src: TensorSource, names: tuple[str, ...], m: Moe) -> list[TensorSource]:
+    return [renamed(expect_shape(src, (1, m.dense.hidden), "hidden_size (one sigmoid gate)"), names[0])]
+
+
+SHARED_LAYER = {
+    "mlp.shared_experts.linear_fc1.weight": (("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
+                                             shared_fc1),
+    "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_expert.down_proj.weight",), shared_fc2),
+    "mlp.shared_experts.gate_weight": (("mlp.shared_expert_gate.weight",), shared_gate),
+}  # fmt: skip
 MOE_LAYER = {
     ROUTER: ("mlp.gate.weight", router),
     FC1: ("mlp.experts.gate_up_proj", experts_fc1),
@@ -134,11 +167,14 @@ class MegatronMoe:
         for short_name, (target, moe_op) in MOE_LAYER.items():
             for i, src in gpt._layers(sources, short_name, d, used):
                 gpt._put(out, [moe_op(src, f"model.layers.{i}.{target}", m)])
+        for short_name, (targets, shared_op) in SHARED_LAYER.items():
+            for i, src in gpt._layers(sources, short_name, d, used):
+                gpt._put(out, shared_op(src, tuple(f"model.layers.{i}.{t}" for t in targets), m))
         unused = sorted(set(sources) - used)
         if unused:
             raise UnsupportedCheckpointError(
                 f"{unused[0]} has no rule in the Megatron MoE -> {m.arch} mapping ({len(unused)} such tensors); "
-                "shared experts, sigmoid routers' expert_bias, MLA and biases are not mapped yet"
+                "shared experts without a gate, sigmoid routers' expert_bias, MLA and biases are not mapped yet"
             )
         if "lm_head.weight" in out and d.tied:
             raise MappingError("output_layer.weight: the run kept its own output layer, but config.json ties word "
@@ -163,7 +199,10 @@ def _order(m: Moe) -> list[str]:
         names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
         if m.dense.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
-        mlp = ["mlp.gate.weight", *experts] if m.arch == "MixtralForCausalLM" else [*experts, "mlp.gate.weight"]
+        mlp = [*experts, "mlp.gate.weight"] if m.arch == "Qwen3MoeForCausalLM" else ["mlp.gate.weight", *experts]
+        if m.arch == "Qwen2MoeForCausalLM":
+            mlp += [f"mlp.shared_expert.{x}_proj.weight" for x in ("gate", "up", "down")]
+            mlp += ["mlp.shared_expert_gate.weight"]
         names += [p + x for x in mlp]
         names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
     return [*names, "model.norm.weight", "lm_head.weight"]
@@ -173,15 +212,25 @@ def _order(m: Moe) -> list[str]:
 
 
 def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
-    """Mixtral (no qk-norm) or Qwen3-MoE (qk-norm): the dense GPT's config (its refusals included) plus the MoE
-    fields, or a refusal naming the MoE feature not mapped yet."""
+    """Mixtral (no qk-norm), Qwen3-MoE (qk-norm) or Qwen2-MoE (a gated shared expert): the dense GPT's config
+    (its refusals included) plus the MoE fields, or a refusal naming the MoE feature not mapped yet."""
     _refuse_unmapped(args)
-    dense_args = {**args, "num_experts": None, "qk_layernorm": False}  # the dense refusals, without MoE's
+    dense_args = {
+        **args,
+        "num_experts": None,
+        "qk_layernorm": False,
+        "moe_shared_expert_intermediate_size": None,
+    }  # the dense refusals, without MoE's
     config = gpt.config_from_args(dense_args)
     topk, experts = int(args.get("moe_router_topk") or 2), int(args["num_experts"])
     expert_ffn = int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"])
     common = {"num_experts_per_tok": topk, "router_aux_loss_coef": 0.0, "output_router_logits": False}
-    if args.get("qk_layernorm"):
+    if args.get("moe_shared_expert_intermediate_size"):
+        config.update(common, architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_experts=experts,
+                      moe_intermediate_size=expert_ffn, norm_topk_prob=not args.get("moe_router_pre_softmax"),
+                      shared_expert_intermediate_size=int(args["moe_shared_expert_intermediate_size"]),
+                      decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=False, use_sliding_window=False)  # fmt: skip
+    elif args.get("qk_layernorm"):
         config.update(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=experts,
                       moe_intermediate_size=expert_ffn, norm_topk_prob=not args.get("moe_router_pre_softmax"),
                       decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
@@ -196,20 +245,25 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
 def _refuse_unmapped(args: dict[str, Any]) -> None:
     scaling = args.get("moe_router_topk_scaling_factor")
     checks = [
-        (not args.get("moe_shared_expert_intermediate_size"), "shared experts"),
+        (not args.get("moe_shared_expert_intermediate_size") or bool(args.get("moe_shared_expert_gate")),
+         "shared experts without a gate (DeepSeek's)"),
+        (not (args.get("moe_shared_expert_intermediate_size") and args.get("qk_layernorm")),
+         "a shared expert with qk-norm (no transformers class has both with this attention)"),
+        (not args.get("moe_shared_expert_glu_interleave_size"), "an interleaved shared-expert fc1"),
         (args.get("moe_router_score_function", "softmax") == "softmax",
          f"a {args.get('moe_router_score_function')} MoE router"),
         (not args.get("moe_router_enable_expert_bias"), "a router expert_bias"),
         (not args.get("moe_router_num_groups"), "grouped routing (moe_router_num_groups)"),
         (scaling in (None, 1, 1.0), f"a top-k scaling factor {scaling}"),
         (str(args.get("moe_layer_freq") or 1) == "1", "MoE on some layers only (moe_layer_freq)"),
-        (not (args.get("moe_router_pre_softmax") and not args.get("qk_layernorm")),
-         "a softmax over all experts without renormalising the top-k (moe_router_pre_softmax), which Mixtral does"),
+        (not args.get("moe_router_pre_softmax") or bool(args.get("qk_layernorm"))
+         or bool(args.get("moe_shared_expert_intermediate_size")),
+         "an unrenormalised top-k (moe_router_pre_softmax) in a Mixtral-like model (Mixtral renormalises)"),
     ]  # fmt: skip
     for ok, what in checks:
         if not ok:
             raise UnsupportedCheckpointError(
-                f"the Megatron run uses {what}, which the Mixtral/Qwen3-MoE mapping does not cover yet; nothing written"
+                f"the Megatron run uses {what}, which the Mixtral/Qwen-MoE mapping does not cover yet; nothing written"
             )
     if not args.get("num_experts"):
         raise ConfigNeededError("the run's arguments lack num_experts for its MoE router: pass --config")
