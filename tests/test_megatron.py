@@ -32,6 +32,7 @@ LLAMA, NOARGS, QWEN3 = "megatron_tp2_llama", "megatron_tp2_llama_noargs", "megat
 ADAM, ADAM_FULL = "megatron_tp2_llama_adam", "megatron_tp2_llama_adam_full"  # distributed optimizer state saved
 MOE = "megatron_tp2_qwen3_moe"  # 4 experts top-2 on every layer, grouped [L, E, 2F, H] expert stacks
 COMMON_PT = "megatron_tp2_llama_commonpt"  # the args in common.pt (megatron-core < 0.19's layout)
+TIED = "megatron_tp2_llama_tied"  # output layer tied to the embedding: no output_layer saved
 PP2 = "megatron_tp2_pp2_llama"  # 4 layers over 2 pipeline stages: each stage saved its slice of the layer axis
 TOLERANCE = 1e-5
 
@@ -120,7 +121,7 @@ def test_inspect_tells_megatron_from_fsdp2() -> None:
     ("name", "arch"),
     [(LLAMA, "LlamaForCausalLM"), (QWEN3, "Qwen3ForCausalLM"), (ADAM, "LlamaForCausalLM"),
      (ADAM_FULL, "LlamaForCausalLM"), (PP2, "LlamaForCausalLM"), (MOE, "Qwen3MoeForCausalLM"),
-     (COMMON_PT, "LlamaForCausalLM")],
+     (COMMON_PT, "LlamaForCausalLM"), (TIED, "LlamaForCausalLM")],
 )  # fmt: skip
 def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str) -> None:
     result = consolidate(_run(name), tmp_path / "hf")
