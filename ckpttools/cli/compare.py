@@ -105,6 +105,8 @@ def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, optimi
         from ckpttools.ops.diff import diff
 
         ctx = click.get_current_context()
+        if "://" in a or "://" in b:
+            import ckpttools.io.remote  # noqa: F401 - here, not on two threads at once (see reduce.preload)
         with ThreadPoolExecutor(2) as pool:  # two remote checkpoints listed (and small files fetched) at once
             path_a, path_b = pool.map(lambda p: CHECKPOINT_PATH.convert(p, None, ctx), (a, b))  # here, not at parse
         with progress_callbacks("diff", quiet) as progress:

@@ -128,6 +128,7 @@ def diff(
     if atol < 0 or rtol < 0 or math.isnan(atol) or math.isnan(rtol):
         raise UsageError("--atol and --rtol must be zero or more")
     asked = _dtype(dtype)
+    reduce.preload()
     with ThreadPoolExecutor(2, thread_name_prefix="ckpt-diff-open") as pool:  # two remote sides' pickles at once
         side_a, side_b = pool.map(lambda path: reduce.open_side(path, dtype=asked), (a, b))
     notes: list[str] = []

@@ -109,6 +109,20 @@ def _is_training_checkpoint(path: Path) -> bool:
         return True
 
 
+def preload() -> None:
+    """Import what `open_side` imports on first use, on this thread: two sides opened on two threads would otherwise
+    import the layouts' modules at once, and their import cycles then show a thread a half-imported module."""
+    import ckpttools.adapters
+    import ckpttools.layouts.crosscheck
+    import ckpttools.layouts.dcp.chunks
+    import ckpttools.layouts.dcp.hf_shards
+    import ckpttools.layouts.dcp.optim
+    import ckpttools.layouts.locate
+    import ckpttools.layouts.registry
+    import ckpttools.ops.consolidate
+    import ckpttools.ops.hf  # noqa: F401 - imported for the side effect of being imported
+
+
 def _open_checkpoint(path: Path, **select: Any) -> Checkpoint:
     from ckpttools.layouts.crosscheck import check_module_copies
     from ckpttools.layouts.registry import open_checkpoint
