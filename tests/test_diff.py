@@ -63,6 +63,24 @@ def test_dcp_folders_and_their_references_are_identical(name, reference):
     assert d["counts"]["identical"] == d["b"]["num_tensors"] and d["tensors"] == []
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["z0_dp2_bf16", "z1_dp3_bf16", "z2_dp4_bf16", "z3_dp3_bf16", "pp2_dp2_z1_bf16", "pp2_tp2_dp1_z1_bf16_megatron",
+     "moe_ep2_dp2_z2_bf16", "muon_z3_dp2_bf16", "keep_fp32_z3_bf16", "legacy_z2_dp2_bf16", "nvme_z3_dp2_bf16",
+     "lightning_z3_bf16", "peft_engine_z3_bf16", "trainer_z2_bf16"],
+)  # fmt: skip
+def test_a_checkpoint_is_identical_to_the_engines_own_16bit_state_dict(name):
+    """reference/bit16.safetensors is what the live engine gave (module_state_dict at ZeRO-1/2, the gathered
+    16-bit state dict at ZeRO-3): diff takes the checkpoint's bf16 weights from it (the file's dtype) and finds
+    every tensor bit-identical, whatever the layout."""
+    ckpt = FIXTURES / name / "checkpoint"
+    if not ckpt.is_dir():
+        ckpt = max((FIXTURES / name / "out").glob("checkpoint-*"))
+    code, d, _ = run_json("diff", ckpt, FIXTURES / name / "reference" / "bit16.safetensors")
+    assert code == 0, d
+    assert d["a"]["dtype"] == "bfloat16" and d["counts"]["identical"] == d["b"]["num_tensors"]
+
+
 def test_one_accelerate_run_saved_two_ways_is_identical():
     """accelerate's SHARDED_STATE_DICT DCP folder and its use_dcp=False per-rank DTensor files of the same run."""
     code, d, _ = run_json("diff", FIXTURES / "accelerate_fsdp2_sharded" / "checkpoint",
