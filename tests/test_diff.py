@@ -296,3 +296,41 @@ def test_a_damaged_trainer_checkpoint_is_not_replaced_by_the_weights_beside_it(t
     result = run("diff", ckpt, FIXTURES / "trainer_z3_gather_bf16" / "out" / "checkpoint-2" / "model.safetensors")
     assert result.exit_code == 2 and "rank 1 missing" in result.stderr, result.output
     assert run("stats", ckpt).exit_code == 1
+
+
+def test_a_hub_repo_against_the_checkpoint_it_was_trained_from(tmp_path, monkeypatch):
+    """ "Is the model on the Hub the one I trained?": hf://org/model (the Hub test server) against the local ZeRO-3
+    checkpoint, in the model's dtype; then a repo holding one changed element."""
+    from huggingface_hub import HfApi, constants
+
+    from ckpttools.io import remote
+    from tests.support.hub_server import LocalHub
+
+    ckpt = FIXTURES / "z3_dp2_bf16" / "checkpoint"
+    consolidate(ckpt, tmp_path / "model", dtype="bf16")
+    state = load_file(tmp_path / "model" / "model.safetensors")
+    state["fc1.bias"][5] += 1
+    (tmp_path / "changed").mkdir()
+    save_file(state, tmp_path / "changed" / "model.safetensors", metadata={"format": "pt"})
+    token = "hf_local_test_token"
+    with LocalHub(token=token) as hub:
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        monkeypatch.setenv("HF_TOKEN", token)
+        monkeypatch.setenv("HF_HUB_DISABLE_XET", "1")
+        monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.delenv(remote.MOUNTS_VAR, raising=False)
+        api = HfApi(endpoint=hub.url, token=token)
+        for repo, folder in (("org/model", tmp_path / "model"), ("org/changed", tmp_path / "changed")):
+            api.create_repo(repo)
+            api.upload_folder(folder_path=folder, repo_id=repo)
+        try:
+            code, d, result = run_json("diff", ckpt, "hf://org/model")
+            assert code == 0, result.output
+            assert d["b"]["path"] == "hf://org/model" and d["a"]["dtype"] == "bfloat16"
+            code, d, result = run_json("diff", "hf://org/model", "hf://org/changed")
+            assert code == 1, result.output
+            assert [(t["name"], t["first"]) for t in d["tensors"]] == [("fc1.bias", [5])]
+        finally:
+            remote.cleanup()
