@@ -33,7 +33,7 @@ from ckpttools.adapters.segments import (
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,6 @@ class Dims:
     vocab: int
     qk_norm: bool
     tied: bool
-    experts: int = 0  # MoE on every layer (Qwen3-MoE): experts per layer, and each expert's FFN size
-    expert_ffn: int = 0
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> Dims:
@@ -60,20 +58,11 @@ class Dims:
                 hidden=hidden, layers=int(config["num_hidden_layers"]), heads=heads,
                 groups=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads), ffn=int(config["intermediate_size"]),
-                vocab=int(config["vocab_size"]), qk_norm=config["architectures"][0].startswith("Qwen3"),
-                tied=bool(config.get("tie_word_embeddings", False)), **_moe_dims(config),
+                vocab=int(config["vocab_size"]), qk_norm=config["architectures"][0] == "Qwen3ForCausalLM",
+                tied=bool(config.get("tie_word_embeddings", False)),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise MappingError(f"config.json lacks a usable {e} for a Megatron GPT mapping") from e
-
-
-def _moe_dims(config: dict[str, Any]) -> dict[str, int]:
-    if config["architectures"][0] != "Qwen3MoeForCausalLM":
-        return {}
-    if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
-        raise UnsupportedCheckpointError("config.json mixes dense and MoE layers (mlp_only_layers, "
-                                         "decoder_sparse_step): not mapped from Megatron yet")  # fmt: skip
-    return {"experts": int(config["num_experts"]), "expert_ffn": int(config["moe_intermediate_size"])}
 
 
 # An operation: (source tensor, HF names, dims, what the shape is checked against) -> HF tensors.
@@ -121,21 +110,6 @@ def down(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSourc
     return [renamed(expect_shape(src, (d.hidden, d.ffn), "hidden_size and intermediate_size"), names[0])]
 
 
-def router(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
-    return [renamed(expect_shape(src, (d.experts, d.hidden), "num_experts and hidden_size"), names[0])]
-
-
-def experts_fc1(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
-    """Grouped experts' fc1 [E, 2F, H], each [gate; up]: transformers 5's fused `experts.gate_up_proj` as it is."""
-    shape = (d.experts, 2 * d.expert_ffn, d.hidden)
-    return [renamed(expect_shape(src, shape, "num_experts, moe_intermediate_size and hidden_size"), names[0])]
-
-
-def experts_fc2(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
-    shape = (d.experts, d.hidden, d.expert_ffn)
-    return [renamed(expect_shape(src, shape, "num_experts, hidden_size and moe_intermediate_size"), names[0])]
-
-
 def vocab(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
     """Padded vocabulary rows dropped: the first `vocab_size` rows (Megatron pads at the end)."""
     if len(src.shape) != 2 or src.shape[1] != d.hidden or src.shape[0] < d.vocab:
@@ -168,9 +142,6 @@ LAYER: dict[str, tuple[tuple[str, ...], Op]] = {
     "mlp.linear_fc1.weight_w": (("mlp.gate_proj.weight",), up_half),
     "mlp.linear_fc1.weight_v": (("mlp.up_proj.weight",), up_half),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), down),
-    "mlp.router.weight": (("mlp.gate.weight",), router),
-    "mlp.experts.experts.linear_fc1.weight": (("mlp.experts.gate_up_proj",), experts_fc1),
-    "mlp.experts.experts.linear_fc2.weight": (("mlp.experts.down_proj",), experts_fc2),
 }  # fmt: skip
 STACKED = "decoder.layers."
 
@@ -272,10 +243,7 @@ def _order(d: Dims) -> list[str]:
         names += [f"{p}self_attn.{m}.weight" for m in attn]
         if d.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
-        if d.experts:
-            names += [f"{p}mlp.experts.gate_up_proj", f"{p}mlp.experts.down_proj", f"{p}mlp.gate.weight"]
-        else:
-            names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+        names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
         names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
     return [*names, "model.norm.weight", "lm_head.weight"]
 
@@ -293,7 +261,7 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
     if not vocab:
         raise ConfigNeededError("the run's arguments give no vocabulary size: pass --config")
     theta = args.get("rotary_base") or 10000
-    config = {
+    return {
         "architectures": ["Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"],
         "model_type": "qwen3" if qk_norm else "llama",
         "hidden_size": hidden,
@@ -314,20 +282,6 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
         "attention_dropout": 0.0,
         "initializer_range": float(args.get("init_method_std") or 0.02),
     }
-    if args.get("num_experts"):
-        config.update(_moe_config(args))
-    return config
-
-
-def _moe_config(args: dict[str, Any]) -> dict[str, Any]:
-    """Qwen3-MoE: top-k of a softmax, renormalised unless Megatron took the softmax over all experts first."""
-    return {
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": int(args["num_experts"]),
-        "num_experts_per_tok": int(args.get("moe_router_topk") or 2),
-        "moe_intermediate_size": int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"]),
-        "norm_topk_prob": not args.get("moe_router_pre_softmax"), "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "router_aux_loss_coef": 0.0, "output_router_logits": False,
-    }  # fmt: skip
 
 
 def _refuse_unmapped(args: dict[str, Any]) -> None:
@@ -337,10 +291,7 @@ def _refuse_unmapped(args: dict[str, Any]) -> None:
         (args.get("position_embedding_type", "learned_absolute") == "rope",
          f"position embeddings {args.get('position_embedding_type')}"),
         (not args.get("add_bias_linear") and not args.get("add_qkv_bias"), "linear biases"),
-        (not args.get("num_experts") or bool(args.get("qk_layernorm")), "MoE experts without qk-norm (Mixtral)"),
-        (not args.get("moe_shared_expert_intermediate_size"), "shared experts"),
-        (args.get("moe_router_score_function", "softmax") == "softmax", "a non-softmax MoE router"),
-        (int(args.get("moe_layer_freq") or 1) == 1, "MoE on some layers only"),
+        (not args.get("num_experts"), "MoE experts (adapters.megatron_moe maps those it can)"),
         (not args.get("multi_latent_attention"), "multi-latent attention"),
         (not args.get("use_rope_scaling"), "RoPE scaling"),
         (float(args.get("rotary_percent") or 1.0) == 1.0, "partial rotary embeddings"),
