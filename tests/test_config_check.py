@@ -171,3 +171,15 @@ def test_base_install_says_once_which_checks_need_the_verify_extra(base_python, 
     skipped = [n for n in notes if "ckpttools[verify]" in n]
     assert len(skipped) == 1, notes
     assert "keys and shapes" in skipped[0] and "model.safetensors" in skipped[0]
+
+
+def test_the_check_runs_in_a_child_when_this_process_has_not_imported_transformers(tmp_path):
+    import subprocess
+    import sys
+
+    code = "import sys; from ckpttools.cli import main; sys.argv[0] = 'ckpt'; sys.exit(main())"
+    path = _fsdp2_copy(tmp_path, architectures=["LlamaForCausalLM"], num_hidden_layers=3)
+    proc = subprocess.run([sys.executable, "-c", code, "consolidate", path, "--out", tmp_path / "out"],
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert proc.returncode == 1 and "model.layers.2." in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

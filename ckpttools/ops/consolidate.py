@@ -134,9 +134,9 @@ def _require_libraries(*, to: str, check_keys: bool, merge: bool) -> None:
 
 
 class _KeyCheck:
-    """Builds the model config.json names on the meta device in a child process while the shards are written, and
-    fails the consolidation, before anything is published, when from_pretrained would load the output with missing
-    or unexpected keys (random weights at exit 0 otherwise).
+    """Builds the model config.json names on the meta device (in a child process while the shards are written, see
+    hf.KeyCheck), and fails the consolidation, before anything is published, when from_pretrained would load the
+    output with missing or unexpected keys (random weights at exit 0 otherwise).
 
     It runs whenever a config.json is written and transformers is installed (`asked`: `--check-keys`, which also
     makes a check that cannot run a failure instead of a note). Without transformers there is no child: the base
@@ -145,7 +145,7 @@ class _KeyCheck:
 
     def __init__(self, config: Path | None, tensors: Sequence[_Shaped], *, asked: bool = False) -> None:
         self.asked = asked
-        self.proc = hf.start_key_check(config, {t.name: tuple(t.shape) for t in tensors}) if config else None
+        self.proc = hf.KeyCheck(config, {t.name: tuple(t.shape) for t in tensors}) if config else None
 
     @classmethod
     def start(cls, model_config: hf.ModelConfig | None, tensors: Sequence[_Shaped], *, asked: bool,
@@ -156,9 +156,8 @@ class _KeyCheck:
         return cls(model_config.path if runs and model_config is not None else None, tensors, asked=asked)
 
     def cancel(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+        if self.proc is not None:
+            self.proc.cancel()
 
     def problems(self, ckpt: Checkpoint, omitted: dict[str, str], notes: list[str], *, all_weights: bool = False
                  ) -> None:  # fmt: skip
@@ -166,7 +165,7 @@ class _KeyCheck:
         checkpoint lacks them (a merge from --base)."""
         if self.proc is None:
             return
-        result = hf.finish_key_check(self.proc)
+        result = self.proc.result()
         if isinstance(result, str):
             if self.asked:
                 raise VerificationError(f"--check-keys cannot check the keys: {result}")

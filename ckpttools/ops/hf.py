@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import shutil
 import sys
@@ -311,54 +312,92 @@ def compare_keys(model: MetaModel, shapes: Mapping[str, tuple[int, ...]]) -> Key
     return report
 
 
-def start_key_check(config: Path, shapes: Mapping[str, tuple[int, ...]]) -> Any:
-    """Run `compare_keys` in a child process (importing transformers overlaps the writing); see finish_key_check.
+KeyCheckResult = tuple[str, KeyReport, str | None]  # architecture, report, the classes tried when none is named
 
-    `config` is the config.json (or the folder holding it) whose class the keys are checked against."""
-    import os
-    import subprocess
-    import sys
 
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckpttools.ops.hf", str(config)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
-    )  # fmt: skip
-    assert proc.stdin is not None
+class KeyCheck:
+    """`check_keys_against` run in a child process (importing torch and transformers, about 5 s of CPU, overlaps
+    the writing and stays out of the base install's process), or here when this process has imported both already
+    (a training script, a test: only the model's module and the build are left to pay)."""
+
+    def __init__(self, config: Path, shapes: Mapping[str, tuple[int, ...]]) -> None:
+        import subprocess
+
+        self.done: KeyCheckResult | str | None = None
+        self.proc: subprocess.Popen[str] | None = None
+        if "torch" in sys.modules and "transformers" in sys.modules:
+            self.done = _quietly(lambda: check_keys_against(config, shapes))
+            return
+        env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ckpttools.ops.hf", str(config)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True,
+        )  # fmt: skip
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps({k: list(v) for k, v in shapes.items()}))
+            self.proc.stdin.close()
+        except OSError:  # the child died early; result() reports it
+            pass
+
+    def cancel(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def result(self) -> KeyCheckResult | str:
+        """(architecture, KeyReport, the classes tried when config.json names none), or a one-line reason the keys
+        could not be checked."""
+        if self.proc is None:
+            assert self.done is not None
+            return self.done
+        assert self.proc.stdout is not None
+        out = self.proc.stdout.read()  # stdin was written and closed at the start
+        self.proc.wait()
+        try:
+            data = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return f"the model check exited with code {self.proc.returncode}"
+        if "error" in data:
+            return str(data["error"])
+        return str(data["architecture"]), KeyReport(**data["report"]), data.get("guessed")
+
+
+def check_keys_against(config: Path, shapes: Mapping[str, tuple[int, ...]]) -> KeyCheckResult | str:
+    """The keys against the class config.json names, or, when it names none, the first of the Auto classes' for its
+    model_type that they match (else the report against the first, with the classes tried)."""
+    models = build_meta_models(config, guess=True)
+    if isinstance(models, str):
+        return models
+    reports = [(m, compare_keys(m, shapes)) for m in models]
+    model, report = next(((m, r) for m, r in reports if not r.messages(m.architecture)), reports[0])
+    return model.architecture, report, " nor ".join(m.architecture for m in models) if model.guessed else None
+
+
+_R = TypeVar("_R")
+
+
+def _quietly(fn: Callable[[], _R]) -> _R:
+    """`fn()` with transformers' logging as the caller had it afterwards (building a model sets it to errors only)."""
+    import logging
+
+    import transformers
+
+    level, verbosity = logging.getLogger("transformers").level, transformers.logging.get_verbosity()
     try:
-        proc.stdin.write(json.dumps({k: list(v) for k, v in shapes.items()}))
-        proc.stdin.close()
-    except OSError:  # the child died early; finish_key_check reports it
-        pass
-    return proc
-
-
-def finish_key_check(proc: Any) -> tuple[str, KeyReport, str | None] | str:
-    """(architecture, KeyReport, the classes tried when config.json names none) from the child, or a one-line reason
-    the keys could not be checked."""
-    out = proc.stdout.read()  # stdin was written and closed at the start
-    proc.wait()
-    try:
-        data = json.loads(out.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        return f"the model check exited with code {proc.returncode}"
-    if "error" in data:
-        return str(data["error"])
-    return str(data["architecture"]), KeyReport(**data["report"]), data.get("guessed")
+        return fn()
+    finally:
+        logging.getLogger("transformers").setLevel(level)
+        transformers.logging.set_verbosity(verbosity)
 
 
 def _key_check_main(config: Path) -> dict[str, Any]:
-    """The keys on stdin against the class config.json names, or, when it names none, the first of the Auto
-    classes' for its model_type that they match (else the report against the first, marked `guessed`)."""
-    shapes = {k: tuple(v) for k, v in json.loads(sys.stdin.read()).items()}
-    models = build_meta_models(config, guess=True)
-    if isinstance(models, str):
-        return {"error": models}
-    reports = [(m, compare_keys(m, shapes)) for m in models]
-    model, report = next(((m, r) for m, r in reports if not r.messages(m.architecture)), reports[0])
-    tried = " nor ".join(m.architecture for m in models)
-    return {"architecture": model.architecture, "report": dataclasses.asdict(report),
-            "guessed": tried if model.guessed else None}  # fmt: skip
+    """The child of KeyCheck: shapes on stdin, one JSON line on stdout."""
+    result = check_keys_against(config, {k: tuple(v) for k, v in json.loads(sys.stdin.read()).items()})
+    if isinstance(result, str):
+        return {"error": result}
+    arch, report, guessed = result
+    return {"architecture": arch, "report": dataclasses.asdict(report), "guessed": guessed}
 
 
 def write_config(src: Path | dict[str, Any], dst: Path, dtype: DType) -> None:
@@ -507,5 +546,5 @@ def existing_weight_files(root: Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
-if __name__ == "__main__":  # the child process of start_key_check
+if __name__ == "__main__":  # the child process of KeyCheck
     print(json.dumps(_key_check_main(Path(sys.argv[1]))))
