@@ -114,7 +114,12 @@ def test_inspect_tells_megatron_from_fsdp2() -> None:
     r = _cli("inspect", str(_run(LLAMA)))
     assert r.returncode == 0, r.stderr
     assert "Megatron-Core torch_dist" in r.stdout and "FSDP2" not in r.stdout
-    assert "TP 2" in r.stdout
+    assert "TP 2" in r.stdout and "maps to        megatron-core -> LlamaForCausalLM" in r.stdout
+    info = json.loads(_cli("inspect", str(_run(NOARGS)), "--json").stdout)
+    assert info["adapter"].startswith("megatron-core: needs --config")
+    docs = (FIXTURES.parent / "docs" / "json.md").read_text()
+    parallel_row = next(row for row in docs.splitlines() if row.startswith("| inspect | `parallel`"))
+    assert "`adapter`" in docs and all(f"`{key}`" in parallel_row for key in info["parallel"]), info["parallel"]
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,8 @@ import functools
 import importlib
 from typing import Any
 
-from ckpttools.adapters.base import Adapter, Mapped, mapped_checkpoint
+from ckpttools.adapters.base import Adapter, ConfigNeededError, Mapped, mapped_checkpoint
+from ckpttools.errors import CkptError
 from ckpttools.model.checkpoint import Checkpoint
 
 ADAPTERS = (
@@ -48,3 +49,20 @@ def adapt(ckpt: Checkpoint, given: dict[str, Any] | None) -> Mapped | None:
     if generated:
         notes.insert(0, f"config.json generated from the run's arguments ({arch}); pass --config to use your own")
     return Mapped(mapped_checkpoint(ckpt, tensors), config, generated, f"{adapter.convention} -> {arch}", notes)
+
+
+def describe(ckpt: Checkpoint, given: dict[str, Any] | None) -> str | None:
+    """What `consolidate` would map the checkpoint to, in one line for `inspect` (no byte read); None when no
+    adapter claims it (its names are written as they are)."""
+    adapter = adapter_for(ckpt)
+    if adapter is None:
+        return None
+    try:
+        mapped = adapt(ckpt, given)
+    except ConfigNeededError:
+        return f"{adapter.convention}: needs --config (the checkpoint records no model config to map its names with)"
+    except CkptError as e:
+        return f"{adapter.convention}: not mapped ({e})"
+    assert mapped is not None  # the adapter claimed it
+    origin = "config.json generated from the run's arguments" if mapped.generated else "with config.json"
+    return f"{mapped.adapter} ({origin})"

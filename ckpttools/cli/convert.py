@@ -317,6 +317,8 @@ def _human_inspect(d: dict[str, Any]) -> str:
         "output size    " + ", ".join(f"{k} {human_size(v)}" for k, v in d["output_bytes"].items()),
     ]
     lines += _layout_lines(d.get("parallel") or {})
+    if d.get("adapter"):
+        lines.append(f"maps to        {d['adapter']}")
     if ts:
         lines.append(
             f"trainer        step {ts.get('global_step')}, epoch {_rounded(ts.get('epoch'), 2)}, "

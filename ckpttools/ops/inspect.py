@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ckpttools import adapters
 from ckpttools.io import dtypes
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import open_checkpoint
@@ -55,6 +56,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "optimizer_state_bytes": ckpt.optimizer_state_bytes,
         "optimizer_files": ckpt.optimizer.where or None,
         "format": ckpt.source_format,
+        "adapter": adapters.describe(ckpt, config),  # the trainer's names -> Hugging Face's consolidate would apply
         "parallel": ckpt.layout.as_dict(),
         "tags": tags,
         "trainer_output_dir": str(loc.output_dir) if loc.output_dir else None,
