@@ -180,6 +180,26 @@ def test_a_damaged_rank_file_cannot_be_compared_exit_2(tmp_path):
     result = run("diff", FIXTURES / "z2_dp2_bf16" / "checkpoint", ckpt)
     assert result.exit_code == 2, result.output
     assert "CRC-32" in result.stderr and result.stderr.startswith("Error: ")
+    code, d, _ = run_json("diff", FIXTURES / "z2_dp2_bf16" / "checkpoint", ckpt)
+    assert code == 2 and d["error"]["exit_code"] == 2 and "CRC-32" in d["error"]["message"]  # the JSON says 2 too
+
+
+def test_a_bug_or_a_system_error_is_could_not_compare_never_different(monkeypatch, tmp_path):
+    import ckpttools.ops.diff as diff_module
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("something unforeseen")
+
+    monkeypatch.setattr(diff_module, "diff", broken)
+    result = run("diff", tmp_path, tmp_path)
+    assert result.exit_code == 2 and "internal error (RuntimeError: something unforeseen)" in result.stderr
+
+    def no_space(*args, **kwargs):
+        raise OSError(28, "No space left on device", "/tmp/x")
+
+    monkeypatch.setattr(diff_module, "diff", no_space)
+    result = run("diff", tmp_path, tmp_path)
+    assert result.exit_code == 2 and "No space left on device: /tmp/x" in result.stderr
 
 
 def test_usage_and_missing_paths_exit_2(tmp_path):

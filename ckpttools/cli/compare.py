@@ -8,6 +8,7 @@ script can tell "the checkpoints differ" from "the comparison did not happen".
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,15 +19,16 @@ from ckpttools.cli._common import (
     CHECKPOINT_PATH,
     DTYPE,
     EPILOG,
+    INTERNAL_ERROR,
     checkpoint_selection,
     human_size,
     json_option,
     progress_callbacks,
     quiet_option,
     report,
-    run_guarded,
     workers_option,
 )
+from ckpttools.errors import CkptError
 
 TROUBLE = 2  # diff's exit code when it could not compare (GNU diff's)
 ROWS = 40  # rows of the terminal table; --json lists every tensor
@@ -48,11 +50,34 @@ Examples:
 {DIFF_EXIT_CODES}"""
 
 
-def _guarded_diff(body: Any) -> None:
-    """Run `body` at the error boundary with diff's codes: a failure other commands exit 1 for is 2 here."""
-    code = run_guarded(body, command=lambda: "diff")
-    if code:
-        raise click.exceptions.Exit(TROUBLE if code == 1 else code)
+class CouldNotCompare(CkptError):
+    """diff's "could not compare" (exit 2): a failure other commands exit 1 for."""
+
+    exit_code = TROUBLE
+
+
+def _could_not_compare(e: Exception) -> Exception:
+    """The failure as `diff` reports it: exit 2 where other commands exit 1 (a damaged or unreadable checkpoint, a
+    missing optional module, the system's error, a bug); usage (2), network (3) and authentication (4) as they are.
+    Raised, the error boundary prints it as it prints every error (its line, the JSON error object, the code)."""
+    if isinstance(e, CkptError):
+        if e.exit_code != 1:
+            return e
+        trouble = CouldNotCompare(str(e))
+        trouble.problems = e.problems
+        return trouble
+    if isinstance(e, ModuleNotFoundError):
+        from ckpttools.extras import describe_missing
+
+        line = describe_missing(e, "diff")
+        if line is not None:
+            return CouldNotCompare(line)
+    if isinstance(e, OSError):  # disk, permissions: the user's environment, not a bug
+        return CouldNotCompare(f"{e.strerror or e}{f': {e.filename}' if e.filename else ''}")
+    message = " ".join(str(e).split())
+    return CouldNotCompare(
+        INTERNAL_ERROR.format(what=f"{type(e).__name__}: {message}" if message else type(e).__name__)
+    )
 
 
 @click.command("diff", epilog=DIFF_EPILOG)
@@ -97,26 +122,29 @@ def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, optimi
     A changed tensor shows its largest absolute difference, the relative L2 change ||B - A|| / ||A|| and how
     many elements differ, with the first one located. NaN equals NaN in the same place.
     """
-    same: list[bool] = []
+    from concurrent.futures import ThreadPoolExecutor
 
-    def body() -> None:
-        from concurrent.futures import ThreadPoolExecutor
+    from ckpttools.ops.diff import diff
 
-        from ckpttools.ops.diff import diff
-
-        ctx = click.get_current_context()
+    ctx = click.get_current_context()
+    params = {p.name: p for p in ctx.command.params}
+    try:
         if "://" in a or "://" in b:
             import ckpttools.io.remote  # noqa: F401 - here, not on two threads at once (see reduce.preload)
-        with ThreadPoolExecutor(2) as pool:  # two remote checkpoints listed (and small files fetched) at once
-            path_a, path_b = pool.map(lambda p: CHECKPOINT_PATH.convert(p, None, ctx), (a, b))  # here, not at parse
+        with ThreadPoolExecutor(2) as pool:  # mounted here, not at parse: two remote checkpoints at once
+            path_a, path_b = pool.map(lambda ap: CHECKPOINT_PATH.convert(ap[1], params[ap[0]], ctx),
+                                      (("a", a), ("b", b)))  # fmt: skip
         with progress_callbacks("diff", quiet) as progress:
             result = diff(path_a, path_b, dtype=dtype, atol=atol, rtol=rtol, workers=workers,
                           optimizer_states=optimizer_states, **progress)  # fmt: skip
-        report(result.to_dict(), as_json, quiet, _human_diff)
-        same.append(result.same)
-
-    _guarded_diff(body)
-    if not same[0]:
+    except (click.ClickException, click.exceptions.Exit, click.Abort):
+        raise
+    except Exception as e:
+        if os.environ.get("CKPT_DEBUG"):
+            raise
+        raise _could_not_compare(e) from e
+    report(result.to_dict(), as_json, quiet, _human_diff)
+    if not result.same:
         raise click.exceptions.Exit(1)
 
 
