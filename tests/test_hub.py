@@ -491,19 +491,18 @@ def test_streamed_dry_run_sends_nothing_and_lists_the_shards(models):
 
 
 def test_a_shard_that_differs_from_the_checkpoint_is_refused_before_it_is_sent(hub, monkeypatch):
-    from ckpttools.ops import hf
+    from ckpttools.ops import push as push_module
 
-    write = hf.write_shards
+    write = push_module._write_shard
 
-    def write_then_flip(folder, shards, reader, **kw):
-        names = write(folder, shards, reader, **kw)
-        if "model-00002-of" in next(iter(shards)):  # the second shard: a bit flipped in its last tensor's bytes
-            data = bytearray((folder / names[0]).read_bytes())
+    def write_then_flip(file, tensors, reader, nonfinite):
+        write(file, tensors, reader, nonfinite)
+        if "model-00002-of" in file.name:  # the second shard: a bit flipped in its last tensor's bytes
+            data = bytearray(file.read_bytes())
             data[-1] ^= 0x01
-            (folder / names[0]).write_bytes(bytes(data))
-        return names
+            file.write_bytes(bytes(data))
 
-    monkeypatch.setattr(hf, "write_shards", write_then_flip)
+    monkeypatch.setattr(push_module, "_write_shard", write_then_flip)
     res = push(hub, TRAINER, "--repo", "org/flip", "--max-shard-size", "8KB", "--json")
     assert res.exit_code == 1, res.output
     assert "model-00002-of-" in res.stderr and "differ from the checkpoint" in res.stderr

@@ -277,6 +277,57 @@ def test_offline_dry_run_says_the_token_was_not_checked(model_folder):
                for n in json.loads(res.stdout)["notes"])  # fmt: skip
 
 
+def _with_a_nan(model_folder, folder):
+    """A copy of the model folder whose first weight holds one NaN."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_folder, folder)
+    state = load_file(folder / "model.safetensors")
+    name = min(state)
+    state[name].view(-1)[0] = float("nan")
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    assert torch.isnan(load_file(folder / "model.safetensors")[name]).sum() == 1
+    return name
+
+
+def test_non_finite_weights_are_refused_unless_allowed(online, model_folder, tmp_path):
+    folder = tmp_path / "nan"
+    name = _with_a_nan(model_folder, folder)
+    with LocalHub(token=TOKEN) as hub:
+        res = push(hub, folder, "--repo", "org/nan")
+        assert res.exit_code == 1 and f"non-finite weights in {name} (1 NaN)" in res.stderr, res.output
+        assert "--allow-nonfinite" in res.stderr and hub.lfs_puts == [] and "org/nan" not in hub.repos
+        res = push(hub, folder, "--repo", "org/nan", "--allow-nonfinite", "--json")
+        assert res.exit_code == 0, res.output
+        assert f"published non-finite weights (--allow-nonfinite): {name} (1 NaN)" in json.loads(res.stdout)["notes"]
+        assert hub.files("org/nan")["model.safetensors"] == (folder / "model.safetensors").read_bytes()
+
+
+def test_a_checkpoint_with_a_nan_master_weight_is_refused_before_its_shard_is_sent(online, tmp_path):
+    import torch
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "z2_dp2_bf16" / "checkpoint", ckpt)
+    rank0 = ckpt / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = torch.load(rank0, map_location="cpu", weights_only=False)  # the fixture's own rank file, DeepSpeed's
+    with torch.no_grad():  # DeepSpeed saved the fp32 partition as a parameter
+        state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][0] = float("nan")  # emb.weight[0, 0]
+    torch.save(state, rank0)
+    model = ckpt / "global_step2" / "mp_rank_00_model_states.pt"  # and the module's bf16 copy, as training would
+    module = torch.load(model, map_location="cpu", weights_only=False)
+    module["module"]["emb.weight"][0, 0] = float("nan")
+    torch.save(module, model)
+    with LocalHub(token=TOKEN) as hub:
+        res = push(hub, ckpt, "--repo", "org/nanckpt", "--force", "--max-shard-size", "8KB")
+        assert res.exit_code == 1 and "non-finite weights in emb.weight (1 NaN)" in res.stderr, res.output
+        assert hub.lfs_puts == [] and hub.commits == []  # the shard holding it was never sent, nothing committed
+        res = push(hub, ckpt, "--repo", "org/nanckpt", "--force", "--dry-run", "--allow-nonfinite", "--json")
+    assert res.exit_code == 0, res.output
+    notes = json.loads(res.stdout)["notes"]  # the tied head.weight is written from the same master: named too
+    assert "published non-finite weights (--allow-nonfinite): emb.weight (1 NaN), head.weight (1 NaN)" in notes
+
+
 def test_write_refused_at_creation_is_exit_4(online, model_folder):
     with LocalHub(token=TOKEN, writable=("org",)) as hub:  # whoami lists no orgs: the Hub's 403 decides
         res = push(hub, model_folder, "--repo", "other/m")

@@ -13,7 +13,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import yaml
+import yaml  # type: ignore[import-untyped]  # PyYAML ships no types; the test extra installs it
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "release-check"

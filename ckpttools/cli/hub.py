@@ -82,8 +82,14 @@ A commit whose answer is lost (connection dropped) is looked for on the Hub the
 same way: when it landed, push says so and exits 0.
 
 \b
-Exit codes: 0 pushed (or dry run done), 1 the folder failed verification or the
-            checkpoint is bad (nothing sent), 2 usage error or HF_HUB_OFFLINE set,
+Weights holding NaN or Inf are never published silently: counted as a
+checkpoint's shards are written (a folder's weight files are read once more),
+they are refused (exit 1) unless --allow-nonfinite.
+
+\b
+Exit codes: 0 pushed (or dry run done), 1 the folder failed verification, holds
+            NaN/Inf weights, or the checkpoint is bad (nothing published),
+            2 usage error or HF_HUB_OFFLINE set,
             3 Hub or network failure (retrying may help), 4 no token, token
             rejected or no write access (log in: retrying cannot help),
             130 SIGINT, 143 SIGTERM, 129 SIGHUP (not published, or unknown
@@ -171,6 +177,8 @@ def _human_verify(r: VerifyReport) -> str:
 @click.option("--base-model", metavar="ORG/NAME",
               help="Adapter folders: the base model for the card, when adapter_config.json names none.")  # fmt: skip
 @click.option("--force", is_flag=True, help="Push even if verification finds problems.")
+@click.option("--allow-nonfinite", is_flag=True,
+              help="Publish weights holding NaN or Inf (a note names them); without it, exit 1.")  # fmt: skip
 @click.option("--source", type=click.Path(path_type=Path), metavar="CKPT",
               help="The ZeRO checkpoint PATH was consolidated from, recorded in the model card.")  # fmt: skip
 @click.option("--dtype", type=DTYPE, default="fp32", show_default=True,
@@ -194,7 +202,7 @@ def _human_verify(r: VerifyReport) -> str:
 def push_cmd(
     path: Path, repo_id: str, private: bool | None, revision: str | None, create_pr: bool,
     commit_message: str | None, endpoint: str | None, token: str | None, dry_run: bool,
-    include: tuple[str, ...], exclude: tuple[str, ...], base_model: str | None, force: bool,
+    include: tuple[str, ...], exclude: tuple[str, ...], base_model: str | None, force: bool, allow_nonfinite: bool,
     source: Path | None, dtype: str, max_shard_size: int, config: Path | None, tag: str | None, step: int | None,
     best: bool,
     as_json: bool, quiet: bool,
@@ -216,7 +224,8 @@ def push_cmd(
             path, repo_id, private=private, revision=revision, create_pr=create_pr, commit_message=commit_message,
             endpoint=endpoint, token=token, dry_run=dry_run, force=force, source=source, dtype=dtype,
             max_shard_size=max_shard_size, tag=tag, step=step, best=best, config=config, include=include,
-            exclude=exclude, base_model=base_model, on_wait=None if quiet else _say, landed=landed,
+            exclude=exclude, base_model=base_model, allow_nonfinite=allow_nonfinite,
+            on_wait=None if quiet else _say, landed=landed,
         )  # fmt: skip
     except KeyboardInterrupt:
         if not landed:

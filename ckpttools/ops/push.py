@@ -84,6 +84,16 @@ class HubOfflineError(UsageError):
     """HF_HUB_OFFLINE is set: a push cannot work, and retrying will not help (exit 2, not 3)."""
 
 
+class NonFiniteError(VerificationError):
+    """Weights hold NaN or Inf: never published silently (--allow-nonfinite pushes them anyway, with a note)."""
+
+    def __init__(self, path: Path | str, counter: Any) -> None:
+        super().__init__(
+            f"{path}: non-finite weights in {counter.describe()}; nothing was published: fix the checkpoint (or "
+            "push an earlier step), or pass --allow-nonfinite to publish them anyway"
+        )
+
+
 class PushRefusedError(VerificationError):
     """The folder failed verification, so nothing was sent. `problems` lists why."""
 
@@ -642,6 +652,7 @@ def _prepare(
     source: Path | str | None,
     sink: _Sink,
     force: bool,
+    allow_nonfinite: bool = False,
 ) -> tuple[Path, dict[str, Any] | None, bool, _Streamed | None]:
     """The folder to push, its source checkpoint summary, whether it is a temporary consolidation, and for a
     checkpoint streamed shard by shard (`stream_checkpoint`, the shards already sent to `sink`) what that found."""
@@ -661,7 +672,8 @@ def _prepare(
     if source is not None:
         raise UsageError(f"--source names the checkpoint a model folder came from, but {path} is itself a checkpoint")
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ckpt-push-")))
-    streamed = stream_checkpoint(path, tmp, opts, sink, force=force, on_shard=SCRATCH_HOOK)
+    streamed = stream_checkpoint(path, tmp, opts, sink, force=force, on_shard=SCRATCH_HOOK,
+                                 allow_nonfinite=allow_nonfinite)  # fmt: skip
     if streamed is not None:
         notes += streamed.notes
         return streamed.folder, streamed.source, True, streamed
@@ -672,6 +684,26 @@ def _prepare(
 
 
 SCRATCH_HOOK = None  # tests: called with the scratch folder after each streamed shard is sent and freed
+
+
+def _check_finite(path: Path, folder: Path, result: PushResult, streamed: _Streamed | None, allowed: bool) -> None:
+    """No NaN or Inf in the weight files pushed, unless `allowed` (then a note names them). A streamed checkpoint's
+    shards were counted as they were written; the other weight files (a folder's) are read once more here,
+    streamed (ops.reduce.nonfinite, memory O(chunk))."""
+    from ckpttools.io.values import NonFiniteCounter
+    from ckpttools.ops.reduce import nonfinite, open_side
+
+    counter, counted = NonFiniteCounter(), set()
+    if streamed is not None and streamed.nonfinite is not None:
+        counter, counted = streamed.nonfinite, set(streamed.shards)
+    for f in result.files:
+        if WEIGHT_FILE_RE.search(f["path"]) and f["path"] not in counted and not f.get("generated"):
+            counter.found.update(nonfinite(open_side(folder / f["path"]).tensors).found)
+    if not counter.found:
+        return
+    if not allowed:
+        raise NonFiniteError(path, counter)
+    result.notes.append(f"published non-finite weights (--allow-nonfinite): {counter.describe()}")
 
 
 def _stage(folder: Path, files: list[str], stage: Path, card: str | None) -> None:
@@ -709,6 +741,7 @@ def push(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     base_model: str | None = None,
+    allow_nonfinite: bool = False,
     api: Any = None,
     on_wait: Callable[[str], None] | None = None,
     landed: list[PushResult] | None = None,
@@ -736,6 +769,8 @@ def push(
         include, exclude: upload patterns (as `hf upload`) added to / removed from the allowlist (ALLOWED);
             training state (NEVER) is never uploaded.
         base_model: for an adapter folder whose adapter_config.json names no base model: the Hub id for the card.
+        allow_nonfinite: publish weights holding NaN or Inf (noted); otherwise they are refused (NonFiniteError),
+            counted as a checkpoint's shards are written, or in one more read of a folder's weight files.
         api: an HfApi to use instead of a new one.
         on_wait: called with a line to show when a signal came while the commit request was with the Hub and
             push waits for its answer.
@@ -780,7 +815,8 @@ def push(
         target = {"endpoint": api.endpoint if api is not None else endpoint, "repo_id": repo_id,
                   "revision": revision or "main", "token": token}  # fmt: skip
         sink = _Sink(None if dry_run else api, repo_id, revision or "main", create_pr, private, access, target)
-        folder, summary, temporary, streamed = _prepare(path, stack, opts, notes, source, sink, force)
+        folder, summary, temporary, streamed = _prepare(path, stack, opts, notes, source, sink, force,
+                                                        allow_nonfinite)  # fmt: skip
         report = verify_folder(folder)
         if streamed is not None:
             report.checks += streamed.checks
@@ -798,6 +834,7 @@ def push(
         result = _plan(repo_id, folder, report, summary, problems, private, revision, dry_run, temporary, notes,
                        include, exclude, base_model, sink.sha256)  # fmt: skip
         result.endpoint = (api.endpoint if api is not None else None) or endpoint or _default_endpoint()
+        _check_finite(path, folder, result, streamed, allow_nonfinite)
         if dry_run or access is None:
             if access is not None and access.exists and access.private is not None:
                 result.visibility = "private" if access.private else "public"  # an existing repo keeps its own
@@ -1229,17 +1266,24 @@ class _Streamed:
     problems: list[str]
     checks: list[str]
     peak_bytes: int  # the most bytes of shard data the scratch held at once
+    nonfinite: Any = None  # io.values.NonFiniteCounter: NaN and Inf per tensor, counted as the shards were written
+    shards: list[str] = field(default_factory=list)  # the shard files written (and counted)
 
 
 def stream_checkpoint(path: Path, scratch: Path, opts: dict[str, Any], sink: _Sink, *, force: bool,
-                      on_shard: Any = None) -> _Streamed | None:  # fmt: skip
+                      on_shard: Any = None, allow_nonfinite: bool = False) -> _Streamed | None:  # fmt: skip
     """Consolidate the checkpoint at `path` into `scratch` one shard at a time, as `ckpt consolidate` writes it
     (same shards, same bytes): each shard is written, checked (`_check_shard`), handed to `sink`, and its data
     freed before the next one; the index, config and companion files follow. Peak scratch: the largest shard.
     None for a PEFT run (its adapters are consolidated whole).
 
+    NaN and Inf are counted from the very bytes each shard is written with (no second read); a shard holding any
+    is refused before it is sent unless `allow_nonfinite`.
+
     `on_shard(scratch)` runs after each shard is freed (tests measure the scratch there)."""
+    from ckpttools.io.safetensors_writer import reused_buffers
     from ckpttools.io.torchfile import RecordReader
+    from ckpttools.io.values import NonFiniteCounter
     from ckpttools.layouts.crosscheck import check_module_copies
     from ckpttools.layouts.registry import open_checkpoint
     from ckpttools.ops import peft
@@ -1260,12 +1304,15 @@ def stream_checkpoint(path: Path, scratch: Path, opts: dict[str, Any], sink: _Si
     folder.mkdir(parents=True)
     problems: list[str] = []
     peak = 0
-    with RecordReader() as reader:
+    nonfinite = NonFiniteCounter()
+    with RecordReader() as reader, reused_buffers():  # each shard reuses the last one's chunk buffers
         check_module_copies(ckpt)
         for fname, group in output.shards.items():
             file = folder / fname
-            hf.write_shards(folder, {fname: group}, reader)
+            _write_shard(file, group, reader, nonfinite)
             peak = max(peak, _data_bytes(folder))
+            if nonfinite.found and not allow_nonfinite:  # this shard holds some: refused before it is sent
+                raise NonFiniteError(path, nonfinite)
             found = _check_shard(file, group, reader)
             if found and not force:
                 raise PushRefusedError(
@@ -1283,7 +1330,14 @@ def stream_checkpoint(path: Path, scratch: Path, opts: dict[str, Any], sink: _Si
         reader.finish()  # CRC-32 of every record read; raises before anything is committed
     n = len(output.shards)
     checks = [f"every tensor of the {n} shard(s) bit-identical to the checkpoint, each checked before it was sent"]
-    return _Streamed(folder, source_summary(ckpt), output.notes, problems, checks, peak)
+    return _Streamed(folder, source_summary(ckpt), output.notes, problems, checks, peak, nonfinite, list(output.shards))
+
+
+def _write_shard(file: Path, tensors: Sequence[Any], reader: Any, nonfinite: Any) -> None:
+    """One shard, as `ckpt consolidate` writes it; NaN and Inf counted into `nonfinite` from the bytes written."""
+    from ckpttools.io.safetensors_writer import write_safetensors
+
+    write_safetensors(file, tensors, reader, metadata={"format": "pt"}, nonfinite=nonfinite)
 
 
 def _data_bytes(folder: Path) -> int:
