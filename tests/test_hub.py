@@ -225,7 +225,7 @@ def test_not_a_model_nor_a_checkpoint(tmp_path):
     res = push(None, tmp_path, "--repo", "org/x", "--dry-run")
     _one_error_line(res, 1, "neither a model folder", "nor a DeepSpeed checkpoint")
     res = push(None, tmp_path / "missing", "--repo", "org/x", "--dry-run")
-    _one_error_line(res, 1, "does not exist")
+    assert res.exit_code == 2 and "does not exist" in res.stderr, res.output  # a usage error, as for --config
     res = push(None, tmp_path, "--repo", "not-a-repo-id", "--dry-run")
     _one_error_line(res, 2, "ORG/NAME")
 
