@@ -154,7 +154,7 @@ def test_nan_against_a_number_differs_with_an_infinite_distance(tmp_path):
     code, d, _ = run_json("diff", tmp_path / "a.safetensors", tmp_path / "b.safetensors")
     assert code == 1
     (t,) = d["tensors"]
-    assert t["differing"] == 1 and t["first"] == [1] and t["max_abs_diff"] == "inf"
+    assert t["differing"] == 1 and t["first"] == [1] and t["max_abs_diff"] == "inf" and t["rel_l2"] == "inf"
     assert t["first_values"][0] == 2.0 and math.isnan(float(t["first_values"][1]))
 
 

@@ -7,7 +7,6 @@ script can tell "the checkpoints differ" from "the comparison did not happen".
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -151,8 +150,8 @@ def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, optimi
 def _num(x: Any) -> str:
     if x is None:
         return "-"
-    if isinstance(x, str) or (isinstance(x, float) and math.isinf(x)):
-        return "inf"
+    if isinstance(x, str):  # what JSON cannot hold: "inf", "-inf", "nan"
+        return x
     return f"{x:.3g}" if x else "0"
 
 

@@ -512,7 +512,8 @@ class Comparison:
 
     An element differs when not |a - b| <= atol + rtol * |a| (NaN equals NaN in the same place; an Inf equals the
     same Inf). `identical`: same dtype and every byte equal. `max_abs_diff` and `rel_l2` (||b - a|| / ||a||) are
-    over the elements finite on both sides; `first` locates the first differing element.
+    over the elements finite on both sides, and infinite when a NaN or Inf meets a number; `first` locates the
+    first differing element.
     """
 
     atol: float = 0.0
@@ -525,6 +526,7 @@ class Comparison:
     a_squares: float = 0.0
     first: int | None = None  # flat index of the first differing element
     first_values: tuple[float, float] | None = None
+    unbounded: bool = False  # a NaN or Inf met a number: the distance is infinite
 
     def add(self, start: int, a_raw: np.ndarray, a_dtype: DType, b_raw: np.ndarray, b_dtype: DType,
             workers: Workers | None = None) -> None:  # fmt: skip
@@ -542,6 +544,7 @@ class Comparison:
             self.identical = self.identical and p.identical
             self.differing += p.differing
             self.max_abs_diff = max(self.max_abs_diff, p.max_abs_diff)
+            self.unbounded = self.unbounded or p.unbounded
             self.diff_squares += p.diff_squares
             self.a_squares += p.a_squares
             if self.first is None and p.first is not None:
@@ -583,9 +586,12 @@ class Comparison:
                 self.first, self.first_values = start + i, (float(a[i]), float(b[i]))
             if not both[off].all():  # a NaN or Inf against a number: no finite difference says how far
                 self.max_abs_diff = math.inf
+                self.unbounded = True
 
     @property
     def rel_l2(self) -> float:
+        if self.unbounded:
+            return math.inf
         if self.diff_squares == 0:
             return 0.0
         return math.sqrt(self.diff_squares / self.a_squares) if self.a_squares else math.inf
