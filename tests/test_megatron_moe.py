@@ -32,6 +32,7 @@ from .conftest import FIXTURES
 MIXTRAL = "megatron_moe_ep2_mixtral"  # EP 2: each rank saved 2 of the 4 experts
 QWEN3_MOE = "megatron_moe_tp2_ep2_qwen3"  # TP 2 x EP 2: each expert split over 2 ranks, softmax before the top-k
 QWEN2_MOE = "megatron_moe_ep2_qwen2_shared"  # EP 2, a shared expert behind a sigmoid gate
+DEEPSEEK = "megatron_moe_ep2_deepseek_v3"  # EP 2, MLA, sigmoid router with expert_bias, groups, ungated shared expert
 TOLERANCE = 1e-5
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 
@@ -68,7 +69,9 @@ def test_experts_of_every_expert_parallel_rank_read_as_one_stack() -> None:
     ("name", "arch", "fields"),
     [(MIXTRAL, "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 24}),
      (QWEN3_MOE, "Qwen3MoeForCausalLM", {"num_experts": 4, "moe_intermediate_size": 16, "norm_topk_prob": False}),
-     (QWEN2_MOE, "Qwen2MoeForCausalLM", {"num_experts": 4, "shared_expert_intermediate_size": 32, "qkv_bias": False})],
+     (QWEN2_MOE, "Qwen2MoeForCausalLM", {"num_experts": 4, "shared_expert_intermediate_size": 32, "qkv_bias": False}),
+     (DEEPSEEK, "DeepseekV3ForCausalLM", {"n_routed_experts": 4, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+                                          "routed_scaling_factor": 2.5, "q_lora_rank": 16, "rope_interleave": True})],
 )  # fmt: skip
 def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str, fields: dict[str, Any]) -> None:
     result = consolidate(_run(name), tmp_path / "hf")
@@ -125,6 +128,22 @@ def test_shared_expert_halves_swapped_fail_the_comparison(tmp_path: Path, monkey
     assert _logits_error(tmp_path / "hf", QWEN2_MOE) > 1e-2
 
 
+def test_expert_bias_is_the_routers_correction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DeepSeek's router picks experts by sigmoid score + expert_bias: the bias mapped to the wrong experts changes
+    the routing, and the comparison fails."""
+    key = "mlp.router.expert_bias"
+    target, op = megatron_moe.MOE_LAYER[key]
+    mapped = adapt(open_checkpoint(_run(DEEPSEEK)), None)
+    assert mapped is not None
+    bias = {s.name: s for s in mapped.checkpoint.params}["model.layers.0.mlp.gate.e_score_correction_bias"]
+    assert bias.shape == (4,) and bias.fp32.dtype.name == "float32"
+    # the groups' biases exchanged (within a group, a swap would keep the group's score: 2 of 2 experts are taken)
+    swapped = lambda src, name, m: permuted_rows(op(src, name, m), [2, 3, 0, 1], name)  # noqa: E731
+    monkeypatch.setitem(megatron_moe.MOE_LAYER, key, (target, swapped))
+    consolidate(_run(DEEPSEEK), tmp_path / "hf")
+    assert _logits_error(tmp_path / "hf", DEEPSEEK) > 1e-2
+
+
 @pytest.mark.parametrize(
     ("field", "value", "tensor"),
     [("num_local_experts", 8, "decoder.layers.mlp.router.weight"),
@@ -150,7 +169,9 @@ def test_a_config_not_the_runs_is_refused_naming_the_tensor(
      ({"moe_router_score_function": "sigmoid"}, "sigmoid MoE router"),
      ({"moe_router_enable_expert_bias": True}, "expert_bias"),
      ({"moe_layer_freq": "([0]+[1]*1)"}, "MoE on some layers only"),
-     ({"moe_router_pre_softmax": True}, "unrenormalised top-k")],
+     ({"moe_router_pre_softmax": True}, "unrenormalised top-k"),
+     ({"multi_latent_attention": True, "rope_type": "yarn", "moe_router_score_function": "sigmoid"}, "YaRN"),
+     ({"multi_latent_attention": True}, "DeepSeek-V2")],
 )  # fmt: skip
 def test_runs_using_what_is_not_mapped_are_refused(change: dict[str, Any], what: str) -> None:
     args = open_checkpoint(_run(MIXTRAL)).layout.details["args"]

@@ -1,4 +1,4 @@
-"""Megatron-Core GPT with MoE layers (`torch_dist`) -> MixtralForCausalLM, Qwen3MoeForCausalLM or Qwen2MoeForCausalLM.
+"""Megatron-Core GPT with MoE layers (`torch_dist`) -> Mixtral, Qwen3-MoE, Qwen2-MoE or DeepSeek-V3 (...ForCausalLM).
 
 The attention, norms, embedding and output layer follow the dense Megatron GPT table (`megatron_gpt`, reused as
 it is); this module adds the MoE layer's conventions (megatron/core/transformer/moe/*):
@@ -11,7 +11,13 @@ it is); this module adds the MoE layer's conventions (megatron/core/transformer/
   expert-parallel shard, no byte read), and fc2 its `experts.down_proj`;
 - a shared expert (`mlp.shared_experts.linear_fc1/fc2`, a dense SwiGLU MLP) behind a sigmoid gate
   (`moe_shared_expert_gate`: `mlp.shared_experts.gate_weight` `[1, H]`) is Qwen2-MoE's `mlp.shared_expert.*` and
-  `mlp.shared_expert_gate.weight`.
+  `mlp.shared_expert_gate.weight`;
+- DeepSeek-V3: multi-latent attention (`linear_q_down_proj` / `q_layernorm` / `linear_q_up_proj` or
+  `linear_q_proj`, `linear_kv_down_proj` = [kv latent; shared rope key], `kv_layernorm`, `linear_kv_up_proj`
+  per head [k nope; v]: HF's q_a_proj / q_a_layernorm / q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj
+  as they are; Megatron's MLA RoPE is always the interleaved one, HF's `rope_interleave`), a sigmoid router with
+  `expert_bias` (`mlp.gate.e_score_correction_bias`), group-limited routing, top-k scaling
+  (`routed_scaling_factor`) and a shared expert without a gate (`mlp.shared_experts.*`).
 The router's softmax over the top-k logits (`moe_router_pre_softmax` false) is Mixtral's and Qwen3-MoE's softmax
 over all experts, top-k, renormalised; a softmax over all experts without renormalising is Qwen3-MoE with
 `norm_topk_prob` false. Shared experts without a gate (DeepSeek), sigmoid routers (`expert_bias`), grouped
@@ -21,6 +27,7 @@ from the config.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +37,8 @@ from ckpttools.adapters.segments import MappingError, expect_shape, renamed, spl
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
-ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
+ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "DeepseekV3ForCausalLM")
+DEEPSEEK = "DeepseekV3ForCausalLM"
 QWEN_MOE = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM")
 ROUTER = "mlp.router.weight"
 FC1, FC2 = "mlp.experts.experts.linear_fc1.weight", "mlp.experts.experts.linear_fc2.weight"
@@ -46,15 +54,29 @@ class Moe:
     arch: str
     experts: int
     expert_ffn: int
-    shared_ffn: int = 0  # Qwen2-MoE's shared expert
+    shared_ffn: int = 0  # Qwen2-MoE's and DeepSeek's shared expert
+    mla: tuple[int, int, int, int, int] | None = None  # DeepSeek: q_lora_rank (0: none), kv_lora_rank, nope, rope, v
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> Moe:
         try:
             arch = config["architectures"][0]
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
-            shared_ffn = 0
-            if arch in QWEN_MOE:
+            shared_ffn, mla = 0, None
+            if arch == DEEPSEEK:
+                if int(config.get("first_k_dense_replace") or 0):
+                    raise UnsupportedCheckpointError("config.json has dense layers first (first_k_dense_replace): "
+                                                     "not mapped from Megatron yet")  # fmt: skip
+                experts, expert_ffn = int(config["n_routed_experts"]), int(config["moe_intermediate_size"])
+                shared_ffn = expert_ffn * int(config.get("n_shared_experts") or 0)
+                mla = (
+                    int(config.get("q_lora_rank") or 0),
+                    int(config["kv_lora_rank"]),
+                    int(config["qk_nope_head_dim"]),
+                    int(config["qk_rope_head_dim"]),
+                    int(config["v_head_dim"]),
+                )
+            elif arch in QWEN_MOE:
                 if config.get("mlp_only_layers") or int(config.get("decoder_sparse_step") or 1) != 1:
                     raise UnsupportedCheckpointError(
                         "config.json has dense layers among the MoE ones (mlp_only_layers, decoder_sparse_step): "
@@ -71,13 +93,13 @@ class Moe:
             dense = gpt.Dims(
                 hidden=hidden, layers=int(config["num_hidden_layers"]), heads=heads,
                 groups=int(config.get("num_key_value_heads") or heads),
-                head_dim=int(config.get("head_dim") or hidden // heads), ffn=expert_ffn,
+                head_dim=mla[4] if mla else int(config.get("head_dim") or hidden // heads), ffn=expert_ffn,
                 vocab=int(config["vocab_size"]), qk_norm=arch == "Qwen3MoeForCausalLM",
                 tied=bool(config.get("tie_word_embeddings", False)),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise MappingError(f"config.json lacks a usable {e} for a Megatron MoE mapping") from e
-        return cls(dense, arch, experts, expert_ffn, shared_ffn)
+        return cls(dense, arch, experts, expert_ffn, shared_ffn, mla)
 
 
 def router(src: TensorSource, name: str, m: Moe) -> TensorSource:
@@ -116,10 +138,58 @@ SHARED_LAYER = {
     "mlp.shared_experts.linear_fc2.weight": (("mlp.shared_expert.down_proj.weight",), shared_fc2),
     "mlp.shared_experts.gate_weight": (("mlp.shared_expert_gate.weight",), shared_gate),
 }  # fmt: skip
+
+
+def expert_bias(src: TensorSource, name: str, m: Moe) -> TensorSource:
+    return renamed(expect_shape(src, (m.experts,), "the experts' count"), name)
+
+
+def _mla_op(rows_of: Callable[[Moe], int], cols_of: Callable[[Moe], int | None], why: str) -> Callable[..., Any]:
+    """An MLA projection or norm kept as it is, its shape checked: [rows, cols] (cols None: a norm's [rows])."""
+
+    def op(src: TensorSource, names: tuple[str, ...], m: Moe) -> list[TensorSource]:
+        cols = cols_of(m)
+        return [renamed(expect_shape(src, (rows_of(m),) if cols is None else (rows_of(m), cols), why), names[0])]
+
+    return op
+
+
+def _heads(m: Moe, width: int) -> int:
+    return m.dense.heads * width
+
+
+_MLA = {  # (q_lora, kv_lora, nope, rope, v)
+    "q_down": _mla_op(lambda m: m.mla[0], lambda m: m.dense.hidden, "q_lora_rank and hidden_size"),  # type: ignore[index]
+    "q_norm": _mla_op(lambda m: m.mla[0], lambda m: None, "q_lora_rank"),  # type: ignore[index]
+    "q_up": _mla_op(lambda m: _heads(m, m.mla[2] + m.mla[3]), lambda m: m.mla[0],  # type: ignore[index]
+                    "heads x (qk_nope_head_dim + qk_rope_head_dim) and q_lora_rank"),
+    "q": _mla_op(lambda m: _heads(m, m.mla[2] + m.mla[3]), lambda m: m.dense.hidden,  # type: ignore[index]
+                 "heads x (qk_nope_head_dim + qk_rope_head_dim) and hidden_size"),
+    "kv_down": _mla_op(lambda m: m.mla[1] + m.mla[3], lambda m: m.dense.hidden,  # type: ignore[index]
+                       "kv_lora_rank + qk_rope_head_dim and hidden_size"),
+    "kv_norm": _mla_op(lambda m: m.mla[1], lambda m: None, "kv_lora_rank"),  # type: ignore[index]
+    "kv_up": _mla_op(lambda m: _heads(m, m.mla[2] + m.mla[4]), lambda m: m.mla[1],  # type: ignore[index]
+                     "heads x (qk_nope_head_dim + v_head_dim) and kv_lora_rank"),
+}  # fmt: skip
+MLA_LAYER = {  # two spellings of the fused norms: the local spec's own module, Transformer Engine's layer_norm_weight
+    "self_attention.linear_q_down_proj.weight": (("self_attn.q_a_proj.weight",), _MLA["q_down"]),
+    "self_attention.q_layernorm.weight": (("self_attn.q_a_layernorm.weight",), _MLA["q_norm"]),
+    "self_attention.linear_q_up_proj.layer_norm_weight": (("self_attn.q_a_layernorm.weight",), _MLA["q_norm"]),
+    "self_attention.linear_q_up_proj.weight": (("self_attn.q_b_proj.weight",), _MLA["q_up"]),
+    "self_attention.linear_q_proj.weight": (("self_attn.q_proj.weight",), _MLA["q"]),
+    "self_attention.linear_kv_down_proj.weight": (("self_attn.kv_a_proj_with_mqa.weight",), _MLA["kv_down"]),
+    "self_attention.kv_layernorm.weight": (("self_attn.kv_a_layernorm.weight",), _MLA["kv_norm"]),
+    "self_attention.linear_kv_up_proj.layer_norm_weight": (("self_attn.kv_a_layernorm.weight",), _MLA["kv_norm"]),
+    "self_attention.linear_kv_up_proj.weight": (("self_attn.kv_b_proj.weight",), _MLA["kv_up"]),
+}
+# What a DeepSeek layer keeps of the dense table: the two norms and the output projection (linear_proj).
+_MLA_KEEPS = ("linear_proj.weight", "linear_fc1.layer_norm_weight")
+MLA_DENSE_KEPT = {k: rule for k, rule in DENSE_KEPT.items() if "norm" in k.split(".")[0] or k.endswith(_MLA_KEEPS)}
 MOE_LAYER = {
     ROUTER: ("mlp.gate.weight", router),
     FC1: ("mlp.experts.gate_up_proj", experts_fc1),
     FC2: ("mlp.experts.down_proj", experts_fc2),
+    "mlp.router.expert_bias": ("mlp.gate.e_score_correction_bias", expert_bias),
 }
 
 
@@ -161,20 +231,26 @@ class MegatronMoe:
             if name in sources:
                 used.add(name)
                 gpt._put(out, op(sources[name], targets, d))
-        for short_name, (targets, op) in DENSE_KEPT.items():
+        for short_name, (targets, op) in (MLA_DENSE_KEPT if m.mla else DENSE_KEPT).items():
             for i, src in gpt._layers(sources, short_name, d, used):
                 gpt._put(out, op(src, tuple(f"model.layers.{i}.{t}" for t in targets), d))
+        for short_name, (targets, mla_op) in (MLA_LAYER if m.mla else {}).items():
+            for i, src in gpt._layers(sources, short_name, d, used):
+                gpt._put(out, mla_op(src, tuple(f"model.layers.{i}.{t}" for t in targets), m))
         for short_name, (target, moe_op) in MOE_LAYER.items():
             for i, src in gpt._layers(sources, short_name, d, used):
                 gpt._put(out, [moe_op(src, f"model.layers.{i}.{target}", m)])
         for short_name, (targets, shared_op) in SHARED_LAYER.items():
+            if m.arch == DEEPSEEK and short_name.endswith("gate_weight"):
+                continue  # DeepSeek's shared expert has no gate: a gate_weight is left unused, refused below
             for i, src in gpt._layers(sources, short_name, d, used):
-                gpt._put(out, shared_op(src, tuple(f"model.layers.{i}.{t}" for t in targets), m))
+                names = tuple(f"model.layers.{i}.{_shared_name(t, m)}" for t in targets)
+                gpt._put(out, shared_op(src, names, m))
         unused = sorted(set(sources) - used)
         if unused:
             raise UnsupportedCheckpointError(
                 f"{unused[0]} has no rule in the Megatron MoE -> {m.arch} mapping ({len(unused)} such tensors); "
-                "shared experts without a gate, sigmoid routers' expert_bias, MLA and biases are not mapped yet"
+                "biases, and a sigmoid router's or MLA's tensors outside a DeepSeek-V3 config, are not mapped"
             )
         if "lm_head.weight" in out and d.tied:
             raise MappingError("output_layer.weight: the run kept its own output layer, but config.json ties word "
@@ -187,7 +263,20 @@ class MegatronMoe:
         if missing:  # from_pretrained would fill it with random weights at exit 0
             raise MappingError(f"{missing[0]} has no Megatron tensor ({len(missing)} missing); a layer's weights are "
                                "absent from the checkpoint, or the config is not the run's")  # fmt: skip
-        return [out[n] for n in expected], []
+        return [out[n] for n in expected], _notes(m, config)
+
+
+def _shared_name(target: str, m: Moe) -> str:
+    """Qwen2-MoE's `mlp.shared_expert.*`, DeepSeek's `mlp.shared_experts.*`."""
+    return target.replace("shared_expert.", "shared_experts.") if m.arch == DEEPSEEK else target
+
+
+def _notes(m: Moe, config: dict[str, Any]) -> list[str]:
+    eps = float(config.get("rms_norm_eps") or 1e-6)
+    if m.mla and eps != 1e-6:  # DeepseekV3RMSNorm(q_lora_rank) / (kv_lora_rank): the class's default eps
+        note = f"transformers' DeepSeek-V3 normalises the MLA latents with eps 1e-6, the run with {eps:g}"
+        return [f"{note}: logits differ from the run's by about that much"]
+    return []
 
 
 def _order(m: Moe) -> list[str]:
@@ -196,6 +285,9 @@ def _order(m: Moe) -> list[str]:
     experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     for i in range(m.dense.layers):
         p = f"model.layers.{i}."
+        if m.mla:
+            names += _order_deepseek(p, m)
+            continue
         names += [f"{p}self_attn.{x}_proj.weight" for x in "qkvo"]
         if m.dense.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
@@ -208,6 +300,17 @@ def _order(m: Moe) -> list[str]:
     return [*names, "model.norm.weight", "lm_head.weight"]
 
 
+def _order_deepseek(p: str, m: Moe) -> list[str]:
+    attn = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if m.mla and m.mla[0] else ["q_proj"]
+    attn += ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
+    names = [f"{p}self_attn.{x}.weight" for x in attn]
+    names += [f"{p}mlp.experts.gate_up_proj", f"{p}mlp.experts.down_proj", f"{p}mlp.gate.weight",
+              f"{p}mlp.gate.e_score_correction_bias"]  # fmt: skip
+    if m.shared_ffn:
+        names += [f"{p}mlp.shared_experts.{x}_proj.weight" for x in ("gate", "up", "down")]
+    return [*names, f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
+
+
 # --- config.json from Megatron-LM's arguments -----------------------------------------------------------------
 
 
@@ -215,6 +318,8 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
     """Mixtral (no qk-norm), Qwen3-MoE (qk-norm) or Qwen2-MoE (a gated shared expert): the dense GPT's config
     (its refusals included) plus the MoE fields, or a refusal naming the MoE feature not mapped yet."""
     _refuse_unmapped(args)
+    if args.get("multi_latent_attention"):
+        return _deepseek_config(args)
     dense_args = {
         **args,
         "num_experts": None,
@@ -242,7 +347,36 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _deepseek_config(args: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3: the dense GPT's config for the common fields, MLA's and the sigmoid router's added."""
+    config = gpt.config_from_args({**args, "num_experts": None, "qk_layernorm": False, "multi_latent_attention": False,
+                                   "moe_shared_expert_intermediate_size": None, "group_query_attention": False,
+                                   "moe_router_score_function": "softmax"})  # fmt: skip
+    expert_ffn = int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"])
+    shared = int(args.get("moe_shared_expert_intermediate_size") or 0)
+    if shared % expert_ffn:
+        raise UnsupportedCheckpointError(f"the Megatron run's shared expert FFN {shared} is not a multiple of the "
+                                         f"experts' {expert_ffn} (DeepSeek's n_shared_experts)")  # fmt: skip
+    heads, topk = int(args["num_attention_heads"]), int(args.get("moe_router_topk") or 2)
+    rope = int(args["qk_pos_emb_head_dim"])
+    scaling = args.get("moe_router_topk_scaling_factor")
+    for key in ("mlp_bias", "head_dim"):
+        config.pop(key, None)
+    config.update(
+        architectures=[DEEPSEEK], model_type="deepseek_v3", num_key_value_heads=heads,
+        n_routed_experts=int(args["num_experts"]), num_experts_per_tok=topk, moe_intermediate_size=expert_ffn,
+        n_shared_experts=shared // expert_ffn, n_group=int(args.get("moe_router_num_groups") or 1),
+        topk_group=int(args.get("moe_router_group_topk") or 1), routed_scaling_factor=float(scaling or 1.0),
+        norm_topk_prob=topk > 1, first_k_dense_replace=0, q_lora_rank=args.get("q_lora_rank") or None,
+        kv_lora_rank=int(args["kv_lora_rank"]), qk_nope_head_dim=int(args["qk_head_dim"]), qk_rope_head_dim=rope,
+        v_head_dim=int(args["v_head_dim"]), head_dim=rope, rope_interleave=True, attention_bias=False,
+    )  # fmt: skip
+    return config
+
+
 def _refuse_unmapped(args: dict[str, Any]) -> None:
+    if args.get("multi_latent_attention"):
+        return _refuse_unmapped_deepseek(args)
     scaling = args.get("moe_router_topk_scaling_factor")
     checks = [
         (not args.get("moe_shared_expert_intermediate_size") or bool(args.get("moe_shared_expert_gate")),
@@ -267,6 +401,30 @@ def _refuse_unmapped(args: dict[str, Any]) -> None:
             )
     if not args.get("num_experts"):
         raise ConfigNeededError("the run's arguments lack num_experts for its MoE router: pass --config")
+
+
+def _refuse_unmapped_deepseek(args: dict[str, Any]) -> None:
+    """What DeepSeek-V3's transformers class computes: a sigmoid router (renormalised when top-k > 1, as Megatron
+    does for sigmoid), group scores as the sum of each group's best 2 experts (Megatron: top-k / group top-k)."""
+    groups, group_topk = int(args.get("moe_router_num_groups") or 1), int(args.get("moe_router_group_topk") or 1)
+    topk = int(args.get("moe_router_topk") or 2)
+    checks = [
+        (args.get("moe_router_score_function") == "sigmoid",
+         f"multi-latent attention with a {args.get('moe_router_score_function', 'softmax')} router (DeepSeek-V2)"),
+        (args.get("rope_type", "yarn") == "rope", f"MLA with {args.get('rope_type', 'yarn')} RoPE (YaRN)"),
+        (groups == 1 or topk // group_topk == 2,
+         f"group-limited routing scoring groups by their best {topk // group_topk} experts (DeepSeek-V3: 2)"),
+        (not args.get("moe_shared_expert_gate"), "a gated shared expert with MLA"),
+        (str(args.get("moe_layer_freq") or 1) == "1", "MoE on some layers only (first_k_dense_replace)"),
+        (not args.get("moe_router_pre_softmax"), "a pre-softmax sigmoid router"),
+        (not args.get("moe_shared_expert_glu_interleave_size"), "an interleaved shared-expert fc1"),
+        (bool(args.get("kv_lora_rank")) and bool(args.get("qk_pos_emb_head_dim")), "MLA without its dimensions"),
+    ]  # fmt: skip
+    for ok, what in checks:
+        if not ok:
+            raise UnsupportedCheckpointError(
+                f"the Megatron run uses {what}, which the DeepSeek-V3 mapping does not cover yet; nothing written"
+            )
 
 
 ADAPTER = MegatronMoe()
