@@ -25,24 +25,26 @@ from .conftest import FIXTURES
 
 FIXTURE = FIXTURES / "torchtitan_llama3_step2"
 RUN, CONFIG = FIXTURE / "checkpoint", FIXTURE / "reference" / "config.json"
+QWEN3 = FIXTURES / "torchtitan_qwen3_step2"  # qk-norm, cos/sin RoPE (no permutation), tied embeddings
 
 
-def _logits_error(out: Path) -> float:
+def _logits_error(out: Path, fixture: Path = FIXTURE) -> float:
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ref = load_file(FIXTURE / "reference" / "logits.safetensors")
+    ref = load_file(fixture / "reference" / "logits.safetensors")
     with torch.no_grad():
         return float((model(ref["input_ids"]).logits - ref["logits"]).abs().max())
 
 
-def test_equal_to_torchtitans_own_to_hf_and_its_logits(tmp_path: Path) -> None:
-    consolidate(RUN, tmp_path / "hf", config=CONFIG)
+@pytest.mark.parametrize("fixture", [FIXTURE, QWEN3], ids=["llama3", "qwen3"])
+def test_equal_to_torchtitans_own_to_hf_and_its_logits(tmp_path: Path, fixture: Path) -> None:
+    consolidate(fixture / "checkpoint", tmp_path / "hf", config=fixture / "reference" / "config.json")
     ours = load_file(tmp_path / "hf" / "model.safetensors")
-    theirs = load_file(FIXTURE / "reference" / "hf_state.safetensors")
+    theirs = load_file(fixture / "reference" / "hf_state.safetensors")
     assert sorted(ours) == sorted(theirs)
-    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # the wq/wk RoPE permutation included
-    assert _logits_error(tmp_path / "hf") <= 1e-5
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)  # Llama's wq/wk RoPE permutation included
+    assert _logits_error(tmp_path / "hf", fixture) <= 1e-5
 
 
 def test_verify_against_the_torchtitan_checkpoint(tmp_path: Path) -> None:
@@ -56,6 +58,12 @@ def test_without_the_rope_permutation_the_logits_differ(tmp_path: Path, monkeypa
     monkeypatch.setattr(torchtitan_llama, "permuted_rows", lambda src, order, name: renamed(src, name))
     consolidate(RUN, tmp_path / "hf", config=CONFIG)
     assert _logits_error(tmp_path / "hf") > 1e-2  # the negative control: the comparison catches it
+
+
+def test_qwen3_rows_are_not_permuted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torchtitan_llama, "PERMUTED", ("LlamaForCausalLM", "Qwen3ForCausalLM"))
+    consolidate(QWEN3 / "checkpoint", tmp_path / "hf", config=QWEN3 / "reference" / "config.json")
+    assert _logits_error(tmp_path / "hf", QWEN3) > 1e-2  # permuting Qwen3's rows as Llama's would be wrong
 
 
 def test_rope_order_is_torchtitans_permute() -> None:
