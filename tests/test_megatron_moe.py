@@ -144,6 +144,17 @@ def test_expert_bias_is_the_routers_correction(tmp_path: Path, monkeypatch: pyte
     assert _logits_error(tmp_path / "hf", DEEPSEEK) > 1e-2
 
 
+def test_expert_bias_stays_fp32_in_16_bit_output(tmp_path: Path) -> None:
+    from safetensors import safe_open
+
+    consolidate(_run(DEEPSEEK), tmp_path / "hf", dtype="bf16")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
+    kept = {k for k, dt in dtypes.items() if dt == torch.float32}
+    assert kept == {f"model.layers.{i}.mlp.gate.e_score_correction_bias" for i in range(2)}
+    assert dtypes["model.layers.0.mlp.gate.weight"] == torch.bfloat16
+
+
 @pytest.mark.parametrize(
     ("field", "value", "tensor"),
     [("num_local_experts", 8, "decoder.layers.mlp.router.weight"),

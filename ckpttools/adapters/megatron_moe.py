@@ -141,7 +141,11 @@ SHARED_LAYER = {
 
 
 def expert_bias(src: TensorSource, name: str, m: Moe) -> TensorSource:
-    return renamed(expect_shape(src, (m.experts,), "the experts' count"), name)
+    """A buffer, in Megatron (fp32 whatever the model's dtype) and in transformers (`_keep_in_fp32_modules_strict`):
+    written as one, a 16-bit output keeps it fp32 (`io.safetensors_writer.written_dtype`), since rounding it to
+    bf16 changes which experts tokens are routed to."""
+    bias = expect_shape(src, (m.experts,), "the experts' count")
+    return TensorSource(name, bias.shape, bias.dtype, bias.segments, "buffer")
 
 
 def _mla_op(rows_of: Callable[[Moe], int], cols_of: Callable[[Moe], int | None], why: str) -> Callable[..., Any]:
