@@ -156,19 +156,22 @@ def test_expert_bias_stays_fp32_in_16_bit_output(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "tensor"),
-    [("num_local_experts", 8, "decoder.layers.mlp.router.weight"),
-     ("intermediate_size", 16, FC1),
-     ("num_hidden_layers", 3, "decoder.layers.")],
+    ("name", "field", "value", "tensor"),
+    [(MIXTRAL, "num_local_experts", 8, "decoder.layers.mlp.router.weight"),
+     (MIXTRAL, "intermediate_size", 16, FC1),
+     (MIXTRAL, "num_hidden_layers", 3, "decoder.layers."),
+     (DEEPSEEK, "kv_lora_rank", 8, "decoder.layers.self_attention.linear_kv_down_proj.weight"),
+     (DEEPSEEK, "n_shared_experts", 2, "decoder.layers.mlp.shared_experts.linear_fc1.weight"),
+     (DEEPSEEK, "n_routed_experts", 8, "decoder.layers.mlp.router.weight")],
 )  # fmt: skip
 def test_a_config_not_the_runs_is_refused_naming_the_tensor(
-    tmp_path: Path, field: str, value: int, tensor: str
+    tmp_path: Path, name: str, field: str, value: int, tensor: str
 ) -> None:
-    consolidate(_run(MIXTRAL), tmp_path / "ref")
+    consolidate(_run(name), tmp_path / "ref")
     config = json.loads((tmp_path / "ref" / "config.json").read_text())
     (tmp_path / "wrong").mkdir()
     (tmp_path / "wrong" / "config.json").write_text(json.dumps({**config, field: value}))
-    r = _cli("consolidate", str(_run(MIXTRAL)), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "wrong"))
+    r = _cli("consolidate", str(_run(name)), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "wrong"))
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 1 and last.startswith("Error: ") and tensor in last, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "hf").exists()
