@@ -162,17 +162,22 @@ def _heads(m: Moe, width: int) -> int:
     return m.dense.heads * width
 
 
+def _la(m: Moe) -> tuple[int, int, int, int, int]:
+    """MLA's dims (q_lora_rank, kv_lora_rank, nope, rope, v); the rules using them apply to DeepSeek configs only."""
+    return m.mla or (0, 0, 0, 0, 0)
+
+
 _MLA = {  # (q_lora, kv_lora, nope, rope, v)
-    "q_down": _mla_op(lambda m: m.mla[0], lambda m: m.dense.hidden, "q_lora_rank and hidden_size"),  # type: ignore[index]
-    "q_norm": _mla_op(lambda m: m.mla[0], lambda m: None, "q_lora_rank"),  # type: ignore[index]
-    "q_up": _mla_op(lambda m: _heads(m, m.mla[2] + m.mla[3]), lambda m: m.mla[0],  # type: ignore[index]
+    "q_down": _mla_op(lambda m: _la(m)[0], lambda m: m.dense.hidden, "q_lora_rank and hidden_size"),
+    "q_norm": _mla_op(lambda m: _la(m)[0], lambda m: None, "q_lora_rank"),
+    "q_up": _mla_op(lambda m: _heads(m, _la(m)[2] + _la(m)[3]), lambda m: _la(m)[0],
                     "heads x (qk_nope_head_dim + qk_rope_head_dim) and q_lora_rank"),
-    "q": _mla_op(lambda m: _heads(m, m.mla[2] + m.mla[3]), lambda m: m.dense.hidden,  # type: ignore[index]
+    "q": _mla_op(lambda m: _heads(m, _la(m)[2] + _la(m)[3]), lambda m: m.dense.hidden,
                  "heads x (qk_nope_head_dim + qk_rope_head_dim) and hidden_size"),
-    "kv_down": _mla_op(lambda m: m.mla[1] + m.mla[3], lambda m: m.dense.hidden,  # type: ignore[index]
+    "kv_down": _mla_op(lambda m: _la(m)[1] + _la(m)[3], lambda m: m.dense.hidden,
                        "kv_lora_rank + qk_rope_head_dim and hidden_size"),
-    "kv_norm": _mla_op(lambda m: m.mla[1], lambda m: None, "kv_lora_rank"),  # type: ignore[index]
-    "kv_up": _mla_op(lambda m: _heads(m, m.mla[2] + m.mla[4]), lambda m: m.mla[1],  # type: ignore[index]
+    "kv_norm": _mla_op(lambda m: _la(m)[1], lambda m: None, "kv_lora_rank"),
+    "kv_up": _mla_op(lambda m: _heads(m, _la(m)[2] + _la(m)[4]), lambda m: _la(m)[1],
                      "heads x (qk_nope_head_dim + v_head_dim) and kv_lora_rank"),
 }  # fmt: skip
 MLA_LAYER = {  # two spellings of the fused norms: the local spec's own module, Transformer Engine's layer_norm_weight
