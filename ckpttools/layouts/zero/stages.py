@@ -20,6 +20,7 @@ from typing import Any
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.io.torchfile import TorchSize, ZeroStageEnum
 from ckpttools.io.torchwriter import NewTensor, whole_tensor
+from ckpttools.layouts.zero import nvme
 from ckpttools.model.checkpoint import Checkpoint, strip_prefixes
 
 ZERO12_ONLY = ("group_paddings", "param_alignment_paddings", "clip_grad", "ds_version", "param_slice_mappings")
@@ -48,9 +49,11 @@ def _zero_config(ckpt: Checkpoint) -> dict[str, Any]:
 
 
 def ds_config_at(config: Any, stage: int) -> Any:
-    """The recorded ds_config with the new stage: the files then say what wrote them, as DeepSpeed's do."""
+    """The recorded ds_config with the new stage: the files then say what wrote them, as DeepSpeed's do (and CPU
+    offload for an NVMe-offloaded run: every byte is in the rank files now)."""
     if not isinstance(config, dict):
         return config
+    config = nvme.without_nvme(config)
     zero = config.get("zero_optimization")
     return {**config, "zero_optimization": {**(zero if isinstance(zero, dict) else {}), "stage": stage}}
 
