@@ -22,9 +22,11 @@ from safetensors.torch import load_file
 from ckpttools import consolidate
 from ckpttools.adapters import ConfigNeededError, MappingError, adapt, megatron_gpt
 from ckpttools.adapters.segments import grouped_rows, split_rows
+from ckpttools.errors import VerificationError
 from ckpttools.layouts.dcp.metadata import parse_metadata
 from ckpttools.layouts.megatron import is_weight
 from ckpttools.layouts.registry import open_checkpoint
+from ckpttools.ops import consolidate as consolidate_module
 
 from .conftest import FIXTURES
 
@@ -134,6 +136,28 @@ def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: st
     assert config["architectures"] == [arch] and config["vocab_size"] == 61  # padded 64 -> the run's 61
     assert any("generated from the run's arguments" in n for n in result.notes)
     assert _logits_error(tmp_path / "hf", name) <= TOLERANCE
+
+
+def test_a_generated_config_is_key_checked_like_any_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config.json generated from the run's arguments has no file until the output is published: the key check
+    builds the class from a private copy of it (it once looked for the checkpoint's own config.json, found none,
+    and only noted 'keys not checked'); --check-keys with a generated config runs instead of exiting 1."""
+    result = consolidate(_run(LLAMA), tmp_path / "hf", check_keys=True)
+    assert not any("keys not checked" in n for n in result.notes), result.notes
+    seen: list[Path] = []
+    real = consolidate_module.hf.KeyCheck
+
+    def wrong_class(config: Path, shapes: Any) -> Any:  # the check reads the generated config, made Qwen3's here
+        seen.append(config)
+        data = json.loads(config.read_text())
+        config.write_text(json.dumps({**data, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
+        return real(config, shapes)
+
+    monkeypatch.setattr(consolidate_module.hf, "KeyCheck", wrong_class)
+    with pytest.raises(VerificationError, match="do not match Qwen3ForCausalLM"):
+        consolidate(_run(LLAMA), tmp_path / "wrong")
+    assert not (tmp_path / "wrong").exists()
+    assert seen and not seen[0].exists(), "the private copy of the config is left behind"
 
 
 def test_verify_against_the_megatron_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
@@ -143,9 +145,27 @@ class _KeyCheck:
     install imports nothing heavy.
     """
 
-    def __init__(self, config: Path | None, tensors: Sequence[_Shaped], *, asked: bool = False) -> None:
+    def __init__(self, config: hf.ModelConfig | None, tensors: Sequence[_Shaped], *, asked: bool = False) -> None:
         self.asked = asked
-        self.proc = hf.KeyCheck(config, {t.name: tuple(t.shape) for t in tensors}) if config else None
+        self.scratch: Path | None = None  # a private copy of a config.json that has no file of its own
+        self.proc = None
+        if config is not None:
+            self.proc = hf.KeyCheck(self._config_file(config), {t.name: tuple(t.shape) for t in tensors})
+
+    def _config_file(self, config: hf.ModelConfig) -> Path:
+        """The file the model is built from: the config.json itself, or, for one generated from the run's arguments
+        or rewritten by an architecture adapter, a private copy of the config that will be written (the check is of
+        the output as it will be loaded, never of a file that is not there)."""
+        if config.path.is_file() and hf.load_config(config.path) == config.config:
+            return config.path
+        self.scratch = Path(tempfile.mkdtemp(prefix="ckpt-keycheck-"))
+        (self.scratch / "config.json").write_text(json.dumps(config.config))
+        return self.scratch / "config.json"
+
+    def _remove_scratch(self) -> None:
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)  # made by _config_file; nothing else is in it
+            self.scratch = None
 
     @classmethod
     def start(cls, model_config: hf.ModelConfig | None, tensors: Sequence[_Shaped], *, asked: bool,
@@ -153,11 +173,12 @@ class _KeyCheck:
         """A check of `tensors` against `model_config`'s class, when there is a config, this is the rank that
         writes it, and transformers is installed (`asked` has required it already)."""
         runs = model_config is not None and rank0 and (asked or not _lacking("torch", "transformers"))
-        return cls(model_config.path if runs and model_config is not None else None, tensors, asked=asked)
+        return cls(model_config if runs else None, tensors, asked=asked)
 
     def cancel(self) -> None:
         if self.proc is not None:
             self.proc.cancel()
+        self._remove_scratch()
 
     def problems(self, ckpt: Checkpoint, omitted: dict[str, str], notes: list[str], *, all_weights: bool = False
                  ) -> None:  # fmt: skip
@@ -165,7 +186,10 @@ class _KeyCheck:
         checkpoint lacks them (a merge from --base)."""
         if self.proc is None:
             return
-        result = self.proc.result()
+        try:
+            result = self.proc.result()
+        finally:
+            self._remove_scratch()
         if isinstance(result, str):
             if self.asked:
                 raise VerificationError(f"--check-keys cannot check the keys: {result}")
@@ -404,8 +428,13 @@ def _plan_output(
     ckpt: Checkpoint, dtype: DType, to: str, max_shard_size: int | str, config: Path | str | None, *,
     replace_config: bool = False, check_keys: bool = False,
 ) -> _Output:  # fmt: skip
-    model_config, config_notes = _model_config(ckpt.location.root, config, replace_config, check_keys)
+    model_config, config_notes = _model_config(ckpt.location.root, config, replace_config)
     ckpt, model_config, adapter_notes = _adapted(ckpt, model_config)  # trainer names -> Hugging Face's (adapters)
+    if model_config is None and check_keys:  # after the adapter: it may generate config.json from the run's args
+        raise VerificationError(
+            f"--check-keys needs a config.json to build the model from, and {ckpt.location.root} has none; "
+            "pass --config (the model's config.json, or the folder save_pretrained wrote)"
+        )
     config_notes = adapter_notes + config_notes
     tensors, omitted = plan_tensors(ckpt, dtype, hf_folder=model_config is not None,
                                     config=model_config.config if model_config else {})  # fmt: skip
@@ -430,19 +459,11 @@ def _adapted(ckpt: Checkpoint, model_config: hf.ModelConfig | None
     return mapped.checkpoint, replace(model_config, config=mapped.config), mapped.notes
 
 
-def _model_config(root: Path, given: Path | str | None, replace: bool,
-                  check_keys: bool) -> tuple[hf.ModelConfig | None, list[str]]:  # fmt: skip
+def _model_config(root: Path, given: Path | str | None, replace: bool) -> tuple[hf.ModelConfig | None, list[str]]:
     """The config.json to write (`given`, else the one at `root`) and notes, read once and refused before writing:
-    a `given` one that differs from `root`'s own without `replace`, or none at all when `--check-keys` asked for a
-    check of the keys against it."""
+    a `given` one that differs from `root`'s own without `replace`."""
     model_config = hf.find_config(root, given)
-    notes = hf.check_config_override(root, given, model_config, replace)
-    if model_config is None and check_keys:
-        raise VerificationError(
-            f"--check-keys needs a config.json to build the model from, and {root} has none; "
-            "pass --config (the model's config.json, or the folder save_pretrained wrote)"
-        )
-    return model_config, notes
+    return model_config, hf.check_config_override(root, given, model_config, replace)
 
 
 _NO_CONFIG_NOTE = (
@@ -594,7 +615,7 @@ class _PeftJob:
         local folder adapter_config.json names; else the check cannot run, which fails before any writing."""
         extras.require("torch", "transformers", "peft")  # PeftModel is built on the meta device
         root = self.ckpt.location.root
-        model_config, _ = _model_config(root, config, self.replace_config, False)
+        model_config, _ = _model_config(root, config, self.replace_config)
         if model_config is not None:  # the folder when it can be: PEFT looks for config.json in the base's folder
             return model_config.folder if model_config.standard_name else model_config.path
         named = run.adapters[0].config.get("base_model_name_or_path")
@@ -628,7 +649,7 @@ class _PeftJob:
             raise peft.PeftError(f"{ckpt.location.root} holds no trained LoRA adapter tensors: nothing to merge")
         base_dir = peft.find_base(base)
         model_config, config_notes = _model_config(base_dir if base_dir is not None else ckpt.location.root, config,
-                                                   self.replace_config, False)  # fmt: skip
+                                                   self.replace_config)  # fmt: skip
         if model_config is None and base_dir is not None:
             raise peft.PeftError(f"--base {base_dir} holds no config.json; pass the folder the base model's "
                                  "save_pretrained wrote (or --config)")  # fmt: skip
