@@ -6,7 +6,8 @@ config.json on the meta device (as `from_pretrained` would build it). With `agai
 also compared bit for bit with the one reconstructed from the ZeRO shards, one tensor at a time.
 
 A PEFT adapter folder (adapter_config.json) is checked as PEFT will read it: the config, the adapter weights'
-headers, PEFT's key layout, and with a base model, the keys and shapes of the PeftModel built on the meta device.
+headers, PEFT's key layout, and with a base model, the keys and shapes of the PeftModel built on the meta device;
+with `against=CKPT` (a PEFT run), every adapter tensor bit for bit against the one `ckpt consolidate` writes from it.
 """
 
 from __future__ import annotations
@@ -632,10 +633,11 @@ def verify_folder(
 
     Args:
         folder: the folder holding model.safetensors (or shards and their index) and config.json.
-        against: a ZeRO checkpoint; every tensor must then be bit-identical to the one rebuilt from its shards.
+        against: a ZeRO checkpoint; every tensor must then be bit-identical to the one rebuilt from its shards (for
+            an adapter folder: to the run's adapter tensors; a checkpoint that is not a PEFT run is a problem).
         tag, step: which tag / checkpoint-N of `against` to read (default: `latest` / the newest).
         base: for a PEFT adapter folder, the base model (folder or Hub id): the PeftModel is built on the meta
-            device and its keys and shapes compared with the adapter's.
+            device and its keys and shapes compared with the adapter's. Given for a model folder: UsageError.
         on_start, on_progress: with `against`, called with the bytes to compare, then with each tensor's bytes.
 
     Returns:
