@@ -399,6 +399,33 @@ def test_deepspeed_resumes_the_resharded_checkpoint_exactly(dp, offload, univers
             assert _wrong(f, "equal_after_step") == [], f"rank {f['rank']}"
 
 
+VARIANTS = {  # NVMe runs no committed fixture holds, built by the slow test (7.8 MB each)
+    "dp1": {"world_size": 1, "dp": 1},  # sub-groups cut at DP 1: emb + 4 weights swapped (0_7), the next 4 weights
+    # hold 1,040,400 bytes, just under the 1 MiB threshold, and stay in the .pt files
+    "intra_op2": {"aio": {"intra_op_parallelism": 2}},  # swap files padded to 2048 bytes
+}
+
+
+@slow
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_nvme_runs_no_fixture_holds_read_bit_identically(variant, tmp_path, monkeypatch):
+    if not _libaio():
+        pytest.skip("DeepSpeed's async_io op needs libaio (apt-get install -y libaio-dev) to run an NVMe engine")
+    from fixtures.build import fixture_nvme, make_fixtures
+
+    name = f"nvme_{variant}"
+    spec = {**fixture_nvme.spec_of(SWAPPED), **VARIANTS[variant], "name": name, "worker": WORKER}
+    monkeypatch.setitem(make_fixtures.SPECS, name, spec)
+    folder = make_fixtures.make_fixture(name, tmp_path)
+    ref = json.loads((folder / "reference" / "full_state.json").read_text())
+    assert _differences(_read_states(folder / "checkpoint"), ref) == []
+    facts = read_checkpoint(folder / "checkpoint").layout.details["nvme_offload"]
+    assert [e["sub_group"] for e in facts["swapped"]] == [0]
+    consolidate(folder / "checkpoint", tmp_path / "bf16", dtype="bf16")
+    ours, ref16 = _load_output(tmp_path / "bf16"), load_file(folder / "reference" / "bit16.safetensors")
+    assert set(ours) == set(ref16) and all(torch.equal(ours[k], ref16[k]) for k in ref16)
+
+
 def _libaio() -> bool:
     from deepspeed.ops.op_builder import AsyncIOBuilder
 

@@ -70,9 +70,7 @@ class Offloaded:
 
     def _refuse_unseen(self, f0: RankFile, offload: dict[str, Any]) -> None:
         """Swapper variants whose files were never seen written: refused by name rather than guessed."""
-        unseen = []
-        if self.intra_op != 1:
-            unseen.append(f"aio.intra_op_parallelism {self.intra_op} (padding to {1024 * self.intra_op} bytes)")
+        unseen = []  # (aio.intra_op_parallelism 2 was seen: files padded to 2048 bytes, as `swap_tensor` expects)
         if offload.get("pipeline_read") or offload.get("pipeline_write") or offload.get("pipeline"):
             unseen.append("the pipelined swapper (offload_optimizer.pipeline_read/pipeline_write)")
         if dict_at(f0.obj.get("ds_config"), "fp16").get("enabled") is True:
