@@ -55,8 +55,16 @@ FAMILIES: dict[str, str] = {
     "dcp peft": "fsdp2_peft_dcp/checkpoint",
     "accelerate fsdp2": "accelerate_fsdp2_sharded/checkpoint",
     "accelerate fsdp2 rank files": "accelerate_fsdp2_rankfiles/checkpoint",
+    "nvme zero3": "nvme_z3_dp2_bf16/checkpoint",
+    "nvme zero3 unswapped": "nvme_z3_dp2_bf16_unswapped/checkpoint",
+    "nvme zero2": "nvme_z2_dp2_bf16/checkpoint",
+    "megatron llama": "megatron_tp2_llama/checkpoint",
+    "megatron pp x tp": "megatron_tp2_pp2_llama/checkpoint",
+    "megatron moe": "megatron_moe_tp2_ep2_qwen3/checkpoint",
+    "megatron deepseek-v3": "megatron_moe_ep2_deepseek_v3/checkpoint",
+    "torchtitan (needs --config)": "torchtitan_llama3_step2/checkpoint",
 }
-DCP_FAMILIES = {name for name, path in FAMILIES.items() if "fsdp2" in path}
+DCP_FAMILIES = {name for name, path in FAMILIES.items() if "fsdp2" in path or "megatron" in path or "titan" in path}
 
 
 def family_path(name: str) -> Path:

@@ -1,4 +1,4 @@
-"""A summary of a ZeRO checkpoint without reading any tensor bytes."""
+"""A summary of a checkpoint without reading any tensor bytes."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttools import adapters
+from ckpttools.errors import CkptError
 from ckpttools.io import dtypes
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import open_checkpoint
@@ -42,8 +43,9 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     trainable = list(ckpt.masters.values())
     frozen = [ckpt.bit16[n] for n in ckpt.frozen_names]
     sizes, elements = {}, 0
+    written, written_config = _as_written(ckpt, config)
     for dtype in DTYPES.values():
-        tensors, _ = plan_tensors(ckpt, dtype, hf_folder=config is not None, config=config or {})
+        tensors, _ = plan_tensors(written, dtype, hf_folder=written_config is not None, config=written_config or {})
         sizes[dtype.name] = sum(t.nbytes for t in tensors)  # float32/bfloat16/float16, as every --json spells it
         elements = sum(t.source.numel() for t in tensors)  # what consolidate writes and verify counts
     tags = loc.tags if loc.tags is not None else _deepspeed_tags(loc.root)
@@ -75,6 +77,17 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         # fp32 masters as stored: DeepSpeed always keeps them; a 16-bit FSDP2 save holds none
         "fp32_master_bytes": sum(s.numel() for s in trainable if s.dtype is dtypes.FLOAT32) * dtypes.FLOAT32.itemsize,
     }
+
+
+def _as_written(ckpt: Checkpoint, config: dict[str, Any] | None) -> tuple[Checkpoint, dict[str, Any] | None]:
+    """The checkpoint as consolidate writes it, to count what it writes: under Hugging Face names when an
+    architecture adapter maps it (padded vocabulary rows dropped), with the config it loads with; as it is when no
+    adapter claims it, or when the mapping needs what inspect does not have (--config): the trainer's own counts."""
+    try:
+        mapped = adapters.adapt(ckpt, config)
+    except CkptError:
+        return ckpt, config
+    return (mapped.checkpoint, mapped.config) if mapped is not None else (ckpt, config)
 
 
 def _deepspeed_tags(root: Path) -> list[str]:
