@@ -217,7 +217,8 @@ def test_bad_config_is_one_line_error_and_nothing_is_written(case, tmp_path):
             assert res.exit_code == 2 and "does not exist" in res.stderr, res.output
         else:
             _one_error_line(res, 1, needle)
-    assert runs[-1].stdout == ""
+    error = json.loads(runs[-1].stdout)["error"]  # --json: the failure as one JSON object on stdout
+    assert error["exit_code"] == runs[-1].exit_code and (case == "missing" or needle in error["message"])
 
     assert list(work.iterdir()) == []  # no output folder, no partial sibling
     assert sorted(p.name for p in _state(name).parent.iterdir()) == ["checkpoint", "meta.json", "model_config",
