@@ -1072,7 +1072,6 @@ def _send_commit(api: Any, result: PushResult, stage: Path, head: str | None, cr
     failed answer is raised as before, marked with what the head showed (COMMIT_STATE).
     """
     wait = _commit_wait()
-    signals.raise_if_received()  # a signal recorded but not raised yet: the request is not sent
     seen = signals.count()
     if after_commit is not None:
         after_commit.enter_context(signals.disarmed())
@@ -1082,7 +1081,7 @@ def _send_commit(api: Any, result: PushResult, stage: Path, head: str | None, cr
         name = signals.signal_name(signals.received() or 2)
         if on_wait is not None:
             on_wait(f"Interrupted ({name}) while the commit request was with the Hub: waiting up to {wait:g} s for "
-                    "its answer (again to stop waiting)")  # fmt: skip
+                    "its answer (a second signal stops waiting)")  # fmt: skip
         call.wait(wait, signals.count())
     signum = signals.received() if signals.count() > seen else None
     if call.answered:
