@@ -399,10 +399,15 @@ def test_deepspeed_resumes_the_resharded_checkpoint_exactly(dp, offload, univers
             assert _wrong(f, "equal_after_step") == [], f"rank {f['rank']}"
 
 
-VARIANTS = {  # NVMe runs no committed fixture holds, built by the slow test (7.8 MB each)
-    "dp1": {"world_size": 1, "dp": 1},  # sub-groups cut at DP 1: emb + 4 weights swapped (0_7), the next 4 weights
-    # hold 1,040,400 bytes, just under the 1 MiB threshold, and stay in the .pt files
-    "intra_op2": {"aio": {"intra_op_parallelism": 2}},  # swap files padded to 2048 bytes
+# NVMe runs no committed fixture holds (7.8 MB each), built by the slow test: spec changes, and the sub-groups read
+# from swap files / saved whole in the .pt files
+VARIANTS = {
+    # sub-groups cut at DP 1: emb + 4 weights swapped (0_7); the next 4 weights hold 1,040,400 bytes, just under
+    # the 1 MiB threshold, and stay in the .pt files
+    "dp1": ({"world_size": 1, "dp": 1}, [0], []),
+    "intra_op2": ({"aio": {"intra_op_parallelism": 2}}, [0], []),  # swap files padded to 2048 bytes
+    # the pipelined swapper holds the sub-group at the save: the .pt files hold it whole (the swap files equal it)
+    "pipelined": ({"swapper": {"pipeline_read": True, "pipeline_write": True}}, [], [0]),
 }
 
 
@@ -414,13 +419,14 @@ def test_nvme_runs_no_fixture_holds_read_bit_identically(variant, tmp_path, monk
     from fixtures.build import fixture_nvme, make_fixtures
 
     name = f"nvme_{variant}"
-    spec = {**fixture_nvme.spec_of(SWAPPED), **VARIANTS[variant], "name": name, "worker": WORKER}
+    changes, swapped, saved_whole = VARIANTS[variant]
+    spec = {**fixture_nvme.spec_of(SWAPPED), **changes, "name": name, "worker": WORKER}
     monkeypatch.setitem(make_fixtures.SPECS, name, spec)
     folder = make_fixtures.make_fixture(name, tmp_path)
     ref = json.loads((folder / "reference" / "full_state.json").read_text())
     assert _differences(_read_states(folder / "checkpoint"), ref) == []
     facts = read_checkpoint(folder / "checkpoint").layout.details["nvme_offload"]
-    assert [e["sub_group"] for e in facts["swapped"]] == [0]
+    assert [e["sub_group"] for e in facts["swapped"]] == swapped and facts["saved_whole"] == saved_whole
     consolidate(folder / "checkpoint", tmp_path / "bf16", dtype="bf16")
     ours, ref16 = _load_output(tmp_path / "bf16"), load_file(folder / "reference" / "bit16.safetensors")
     assert set(ours) == set(ref16) and all(torch.equal(ours[k], ref16[k]) for k in ref16)

@@ -67,12 +67,13 @@ class Offloaded:
         if self.active:
             self._refuse_unseen(f0, offload)
         self.swapped: dict[int, dict[str, Any]] = {}  # sub-group -> what `inspect` says of it
+        self.saved_whole: set[int] = set()  # swapped sub-groups the .pt files hold whole
 
     def _refuse_unseen(self, f0: RankFile, offload: dict[str, Any]) -> None:
         """Swapper variants whose files were never seen written: refused by name rather than guessed."""
-        unseen = []  # (aio.intra_op_parallelism 2 was seen: files padded to 2048 bytes, as `swap_tensor` expects)
-        if offload.get("pipeline_read") or offload.get("pipeline_write") or offload.get("pipeline"):
-            unseen.append("the pipelined swapper (offload_optimizer.pipeline_read/pipeline_write)")
+        # Seen and read: aio.intra_op_parallelism 2 (files padded to 2048 bytes, as `swap_tensor` expects) and the
+        # pipelined swapper (pipeline_read/pipeline_write: the same files)
+        unseen = []
         if dict_at(f0.obj.get("ds_config"), "fp16").get("enabled") is True:
             unseen.append("fp16 training")
         if unseen:
@@ -90,13 +91,16 @@ class Offloaded:
         self, f: RankFile, rank: int, sg: int, key: str | None, stored: LazyTensor, flat_len: int
     ) -> LazyTensor:
         """Sub-group `sg`'s fp32 partition (`key` None) or optimizer state `key` on `rank`: `stored` itself, or the
-        swap file its placeholder names. The sub-group must be swapped exactly when DeepSpeed swaps it."""
+        swap file its placeholder names. A placeholder must be of a sub-group DeepSpeed swaps; a swapped sub-group
+        may also be saved whole (the pipelined swapper holds it in memory at the save: the .pt data is complete)."""
         what = f"the fp32 partition of sub-group {sg}" if key is None else f"optimizer state {key} of sub-group {sg}"
         placeholder = stored.numel() == 0 and flat_len > 0
-        if placeholder != self.swaps(flat_len):
-            raise f.fail(self._mismatch(what, placeholder, flat_len))
-        if not placeholder:
+        if not placeholder:  # kept in memory, or swapped but resident at the save (the pipelined swapper's)
+            if key is None and self.swaps(flat_len) and flat_len:
+                self.saved_whole.add(sg)
             return stored
+        if not self.swaps(flat_len):
+            raise f.fail(self._mismatch(what, flat_len))
         ds_id = stored.attrs.get("ds_id")
         if key is not None and not STATE_KEY.fullmatch(key):  # a file name part: never a path
             raise f.fail(f"{what} is an NVMe placeholder under a key that cannot name a swap file")
@@ -118,15 +122,13 @@ class Offloaded:
             entry["files"].append(path.name)
         return tensor
 
-    def _mismatch(self, what: str, placeholder: bool, flat_len: int) -> str:
-        size = f"{flat_len} fp32 elements per rank ({flat_len * 4} bytes)"
-        if placeholder and not self.active:
+    def _mismatch(self, what: str, flat_len: int) -> str:
+        if not self.active:
             return f"{what} is an empty NVMe placeholder, but ds_config records no offload_optimizer nvme"
-        if placeholder:
-            return (f"{what} is an empty NVMe placeholder, but its {size} are below DeepSpeed's swap threshold of "
-                    f"{self.threshold} bytes, so it was never swapped")  # fmt: skip
-        return (f"{what} holds data, but its {size} reach DeepSpeed's swap threshold of {self.threshold} bytes, so an "
-                "NVMe run keeps it in offloaded_tensors/ and saves a placeholder")  # fmt: skip
+        return (
+            f"{what} is an empty NVMe placeholder, but its {flat_len} fp32 elements per rank ({flat_len * 4} bytes) "
+            f"are below DeepSpeed's swap threshold of {self.threshold} bytes, so it was never swapped"
+        )
 
     def _subgroup_id(self, f: RankFile, sg: int) -> str:
         if sg not in self.swapped:
@@ -172,6 +174,7 @@ class Offloaded:
             "swap_threshold_bytes": self.threshold,
             "sub_groups": num_subgroups,
             "swapped": [{**e, "bytes_per_rank": e["numel_per_rank"] * 4} for e in swapped],
+            "saved_whole": sorted(self.saved_whole),
         }
 
 
@@ -187,13 +190,15 @@ def describe(parallel: dict[str, Any]) -> list[str]:
         )
         return [below]
     swapped = facts.get("swapped") or []
+    whole = facts.get("saved_whole") or []
     if not swapped:
-        threshold = facts.get("swap_threshold_bytes")
-        none = (
-            f"NVMe offload: no sub-group reached the {threshold}-byte swap threshold; every byte is in the .pt files "
-            "(offloaded_tensors/ holds nothing)"
+        why = (
+            f"sub-groups {', '.join(map(str, whole))} reach the swap threshold but were saved whole (the pipelined "
+            "swapper holds them at the save)"
+            if whole
+            else f"no sub-group reached the {facts.get('swap_threshold_bytes')}-byte swap threshold"
         )
-        return [none]
+        return [f"NVMe offload: {why}; every byte is read from the .pt files"]
     head = (
         f"NVMe offload: {len(swapped)} of {facts.get('sub_groups')} sub-groups swapped, read from "
         f"{OFFLOADED}/rank*/ (the rest from the .pt files)"
