@@ -400,8 +400,8 @@ def test_universal_folder_holds_every_param_once_and_the_stage_files(name: str, 
     tag = tmp_path / "u" / meta["tag"]
     per_param = [f"zero/{n}/{k}.pt" for n in meta["trainable"] for k in ("fp32", *STATES, "step")]
     stage_files = [f"mp_rank_{s:02d}_model_states.pt" for s in range(meta["stages"])]
-    assert sorted(result.files) == sorted(f"{meta['tag']}/{f}" for f in [*per_param, "zero/optimizer_state.pt",
-                                                                           *stage_files])  # fmt: skip
+    in_tag = [f"{meta['tag']}/{f}" for f in [*per_param, "zero/optimizer_state.pt", *stage_files]]
+    assert sorted(result.files) == sorted([*in_tag, "latest_universal"])
     assert (tmp_path / "u" / "latest_universal").read_text() == meta["tag"]
     full = reference(name, "full_state.safetensors")
     for n in meta["trainable"]:
@@ -470,8 +470,8 @@ def test_universal_on_two_ranks_is_byte_identical_to_one_process(tmp_path: Path)
     assert data["ranks"][f"{data['tag']}/zero/optimizer_state.pt"] == 0
     folders: dict[str, set[int]] = {}
     for name, rank in data["ranks"].items():
-        parts = name.split("/")
-        if parts[1] == "zero" and len(parts) > 3:
+        parts = name.split("/")  # the tag's files; `latest_universal` beside the tag is rank 0's
+        if len(parts) > 3 and parts[1] == "zero":
             folders.setdefault(parts[2], set()).add(rank)
     assert sorted(folders) == sorted(fixture_meta("pp2_dp2_z1_bf16")["trainable"])
     assert all(len(ranks) == 1 for ranks in folders.values())
