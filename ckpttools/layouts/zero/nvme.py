@@ -233,7 +233,7 @@ def resume_notes(ckpt: Checkpoint) -> list[str]:
         return []
     note = (
         "the input was NVMe-offloaded (offload_optimizer nvme): the output holds every fp32 master and optimizer "
-        "state in its rank files and records offload_optimizer cpu; resume it with offload_optimizer "
+        "state in its own files (no offloaded_tensors/); resume it with offload_optimizer "
         '{"device": "cpu"} (or none) in the DeepSpeed config, not nvme: with nvme, DeepSpeed\'s load_checkpoint '
         "never reads the optimizer files"
     )
