@@ -223,11 +223,17 @@ def test_trainer_output_dir_with_a_final_model_pushes_that_model(models, tmp_pat
 
 def test_not_a_model_nor_a_checkpoint(tmp_path):
     res = push(None, tmp_path, "--repo", "org/x", "--dry-run")
-    _one_error_line(res, 1, "neither a model folder", "nor a DeepSpeed checkpoint")
+    _one_error_line(res, 1, "neither a model folder", "nor a checkpoint ckpt reads")
     res = push(None, tmp_path / "missing", "--repo", "org/x", "--dry-run")
     assert res.exit_code == 2 and "does not exist" in res.stderr, res.output  # a usage error, as for --config
     res = push(None, tmp_path, "--repo", "not-a-repo-id", "--dry-run")
     _one_error_line(res, 2, "ORG/NAME")
+
+
+def test_a_checkpoint_selection_on_a_model_folder_is_refused_not_ignored(models):
+    for option in (["--step", "3"], ["--tag", "global_step2"], ["--best"]):
+        res = push(None, models / "fp32", "--repo", "org/x", "--dry-run", *option)
+        _one_error_line(res, 2, f"{option[0]} cannot apply", "model folder")
 
 
 def _closed_port():

@@ -17,6 +17,7 @@ from ckpttools.cli._common import (
     CHECKPOINT_PATH,
     DTYPE,
     SIZE,
+    STEP,
     echo_error,
     echo_json,
     echo_notes,
@@ -103,11 +104,12 @@ Set CKPT_DEBUG=1 to see tracebacks."""
     "--against",
     type=CHECKPOINT_PATH,
     metavar="CKPT",
-    help="ZeRO checkpoint (a folder, or s3://, gs://, az://, hf:// read by range): every tensor must be "
-    "bit-identical to the one rebuilt from its shards.",
+    help="The checkpoint the folder was consolidated from (anything consolidate reads: DeepSpeed, FSDP2 / torch "
+    "DCP, Megatron-Core, torchtitan, Trainer/accelerate/Lightning folders, or s3://, gs://, az://, hf:// read by "
+    "range): every tensor must be bit-identical to the one rebuilt from its shards.",
 )
 @click.option("--tag", help="With --against: tag folder to read (default: the content of `latest`).")
-@click.option("--step", type=int, help="With --against and a Trainer output_dir: use checkpoint-STEP.")
+@click.option("--step", type=STEP, help="With --against and a run folder: its checkpoint-STEP or step-STEP folder.")
 @click.option(
     "--base",
     metavar="PATH|ORG/NAME",
@@ -180,7 +182,7 @@ def _human_verify(r: VerifyReport) -> str:
 @click.option("--allow-nonfinite", is_flag=True,
               help="Publish weights holding NaN or Inf (a note names them); without it, exit 1.")  # fmt: skip
 @click.option("--source", type=click.Path(path_type=Path), metavar="CKPT",
-              help="The ZeRO checkpoint PATH was consolidated from, recorded in the model card.")  # fmt: skip
+              help="The checkpoint PATH was consolidated from, recorded in the model card.")  # fmt: skip
 @click.option("--dtype", type=DTYPE, default="fp32", show_default=True,
               help="When PATH is a checkpoint: dtype of the consolidated weights.")  # fmt: skip
 @click.option(
@@ -195,7 +197,7 @@ def _human_verify(r: VerifyReport) -> str:
 @click.option("--config", type=click.Path(exists=True, path_type=Path), metavar="PATH",
               help="When PATH is a checkpoint without one: the model's config.json (or its folder).")  # fmt: skip
 @click.option("--tag", help="When PATH is a checkpoint: tag folder to read (default: `latest`).")
-@click.option("--step", type=int, help="When PATH is a Trainer output_dir: use checkpoint-STEP.")
+@click.option("--step", type=STEP, help="When PATH is a run folder: its checkpoint-STEP or step-STEP folder.")
 @click.option("--best", is_flag=True, help="When PATH is a Trainer output_dir: use best_model_checkpoint.")
 @json_option
 @quiet_option
@@ -207,7 +209,8 @@ def push_cmd(
     best: bool,
     as_json: bool, quiet: bool,
 ) -> None:  # fmt: skip
-    """Verify a model or adapter folder (or consolidate a ZeRO checkpoint) and upload it to the Hugging Face Hub.
+    """Verify a model or adapter folder (or consolidate a sharded training checkpoint: DeepSpeed ZeRO, FSDP2 / torch
+    DCP, Megatron-Core, torchtitan) and upload it to the Hugging Face Hub.
 
     PATH may be remote (s3://, gs://, az://, hf://): a checkpoint there is read by byte range, never copied
     whole. A checkpoint (remote or local) is streamed: its shards are written one at a time into a local

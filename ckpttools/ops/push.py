@@ -260,9 +260,13 @@ def _is_checkpoint(path: Path, opts: dict[str, Any]) -> bool:
     except CkptError as e:
         if has_weights and not explicit:
             return False
+        if has_weights:  # an option asked for that cannot apply is refused, never ignored
+            given = ", ".join(f"--{k}" for k in ("tag", "step", "best") if opts.get(k))
+            raise UsageError(f"{given} cannot apply: {path} is a model folder holding no checkpoint to choose from; "
+                             f"push it without {given}") from e  # fmt: skip
         raise CheckpointNotFoundError(
             f"{path} is neither a model folder ({' / '.join(WEIGHT_NAMES[:2])}, or a PEFT adapter folder) "
-            f"nor a DeepSpeed checkpoint: {e}"
+            f"nor a checkpoint ckpt reads: {e}"
         ) from e
     # A Trainer output_dir with its final model saved at the top: that model is what the user means.
     return not (has_weights and loc.output_dir is not None and not explicit)
