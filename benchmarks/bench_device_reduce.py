@@ -120,7 +120,7 @@ def build(work: Path, size: str) -> dict[str, Any]:
             size_now = 0
         shards[-1].append(name)
         size_now += nbytes
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, group in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file({n: (b_value if n == changed else state[n]) for n in group}, str(work / "B" / fname),
@@ -226,7 +226,7 @@ def _load_hf(folder: Path) -> dict[str, Any]:
 def _compare(ta: dict[str, Any], tb: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    changed = {}
+    changed: dict[str, float | str] = {}
     for name, x in ta.items():
         y = tb.get(name)
         if y is None:

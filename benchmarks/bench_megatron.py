@@ -223,7 +223,7 @@ def _save_shards(tensors: dict[str, Any], out: Path) -> None:
             used = 0
         groups[-1].append(name)
         used += n
-    weight_map = {}
+    weight_map: dict[str, str] = {}
     for i, group in enumerate(groups):
         fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         save_file({n: tensors[n] for n in group}, str(out / fname), metadata={"format": "pt"})
