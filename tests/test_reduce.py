@@ -1,5 +1,7 @@
 """The streaming reduction loop (ops/reduce.py) and the non-finite count (io/values.py), piece by piece."""
 
+import shutil
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -133,3 +135,28 @@ def test_chunks_split_over_threads_reduce_to_the_same_numbers():
     assert p["l2"] == pytest.approx(s["l2"], rel=1e-12) and p["mean"] == pytest.approx(s["mean"], rel=1e-9)
     assert (many.differing, many.first, many.count, many.identical) == (2, 2_000_001, 3 << 20, False)
     assert (many.max_abs_diff, many.rel_l2) == (one.max_abs_diff, pytest.approx(one.rel_l2, rel=1e-12))
+
+
+@pytest.mark.parametrize("to", ["safetensors", "pt"])
+def test_consolidate_notes_nonfinite_values_counted_as_it_writes(tmp_path, to):
+    """A NaN planted in an fp32 master of a real rank file (torch.load / torch.save) is named in consolidate's
+    notes, from the bytes it writes; a clean checkpoint gets no such note."""
+    from ckpttools.ops.consolidate import consolidate
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(FIXTURES / "z2_dp2_bf16" / "checkpoint", ckpt)
+    rank0 = ckpt / "global_step2" / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    state = torch.load(rank0, map_location="cpu", weights_only=False)
+    with torch.no_grad():  # the fp32 partition is saved as a Parameter
+        state["optimizer_state_dict"]["single_partition_of_fp32_groups"][0][3] = float("nan")  # emb.weight[0, 3]
+    torch.save(state, rank0)
+    module = ckpt / "global_step2" / "mp_rank_00_model_states.pt"  # the bf16 module copy, as the engine keeps it
+    model_states = torch.load(module, map_location="cpu", weights_only=False)
+    model_states["module"]["emb.weight"][0, 3] = float("nan")
+    torch.save(model_states, module)
+    result = consolidate(ckpt, tmp_path / "out", to=to)
+    expected = ("non-finite values in the output: 2 NaN in 2 tensors (emb.weight (1 NaN), head.weight (1 NaN)); "
+                "check the run before publishing it")  # head.weight: the tie, written too (no config.json) # fmt: skip
+    assert [n for n in result.notes if "non-finite" in n] == [expected]
+    clean = consolidate(FIXTURES / "z2_dp2_bf16" / "checkpoint", tmp_path / "clean", to=to)
+    assert not [n for n in clean.notes if "non-finite" in n]

@@ -307,15 +307,22 @@ def read_tensor(source: ElementSource, reader: RecordReader, dtype: DType | None
 
 
 def write_pt(
-    path: Path, tensors: Sequence[OutputTensor], reader: RecordReader, on_progress: ProgressFn | None = None
+    path: Path,
+    tensors: Sequence[OutputTensor],
+    reader: RecordReader,
+    on_progress: ProgressFn | None = None,
+    nonfinite: NonFiniteCounter | None = None,
 ) -> int:
-    """Write a `torch.save` state dict (`--to pt`); holds one shard in memory, as torch.save must."""
+    """Write a `torch.save` state dict (`--to pt`); holds one shard in memory, as torch.save must. With `nonfinite`,
+    NaN and Inf are counted per tensor from the values written."""
+    import torch
+
     state = {}
     for t in tensors:
         state[t.name] = read_tensor(t.source, reader, t.dtype)
+        if nonfinite is not None and t.dtype.is_floating_point:
+            nonfinite.add(t.name, t.dtype, state[t.name].contiguous().reshape(-1).view(torch.uint8).numpy())
         if on_progress:
             on_progress(t.nbytes)
-    import torch
-
     torch.save(state, path)
     return path.stat().st_size

@@ -18,7 +18,7 @@ from ckpttools.io.dtypes import DType
 _BF16_EXP, _BF16_MANT, _BF16_SIGN = 0x7F80, 0x007F, 0x8000
 
 
-def raw(chunk: memoryview | bytes | bytearray, dtype: DType) -> np.ndarray:
+def raw(chunk: memoryview | bytes | bytearray | np.ndarray, dtype: DType) -> np.ndarray:
     """The chunk's elements as stored (bfloat16 as its uint16 bits); a view, no copy."""
     if dtype.numpy is None:
         raise TypeError(f"{dtype} has no numpy equivalent")
@@ -100,10 +100,11 @@ class NonFiniteCounter:
         self.found: dict[str, NonFinite] = {}
 
     def add(self, name: str, dtype: DType, chunk: memoryview | bytes | bytearray | np.ndarray) -> None:
-        """Take in a chunk of the tensor `name`: its bytes, or its `raw` values."""
+        """Take in a chunk of the tensor `name`: its bytes (as bytes or a uint8 array), or its `raw` values."""
         if not is_float(dtype):
             return
-        counts = count_nonfinite(chunk if isinstance(chunk, np.ndarray) else raw(chunk, dtype), dtype)
+        values = raw(chunk.reshape(-1).view(np.uint8), dtype) if isinstance(chunk, np.ndarray) else raw(chunk, dtype)
+        counts = count_nonfinite(values, dtype)
         if counts:
             self.found.setdefault(name, NonFinite()).add(counts)
 

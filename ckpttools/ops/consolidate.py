@@ -24,6 +24,7 @@ from ckpttools.io.safetensors_writer import OutputTensor, ProgressFn, output_dty
 from ckpttools.io.source import location_name
 from ckpttools.io.staging import check_output_dir
 from ckpttools.io.torchfile import Record, RecordReader
+from ckpttools.io.values import NonFiniteCounter
 from ckpttools.layouts.crosscheck import check_module_copies
 from ckpttools.layouts.registry import layout_of, open_checkpoint
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
@@ -304,6 +305,12 @@ def consolidate(
     return executor.run_job(job, group)
 
 
+def nonfinite_note(counter: NonFiniteCounter) -> str:
+    """The note for NaN/Inf found in the output (`push` refuses such weights unless --allow-nonfinite)."""
+    return (f"non-finite values in the output: {counter.total().describe()} in {len(counter.found)} tensors "
+            f"({counter.describe()}); check the run before publishing it")  # fmt: skip
+
+
 def default_output_dir(root: Path) -> Path:
     """`hf-<checkpoint>` beside the checkpoint root (a name Trainer's checkpoint rotation never matches)."""
     return root.parent / f"hf-{root.name}"
@@ -350,7 +357,12 @@ class _Consolidation:
             shards = {f.name: output.shards[f.name] for f in mine}
             if self.on_start:
                 self.on_start(sum(t.nbytes for group in shards.values() for t in group))
-            hf.write_shards(tmp, shards, reader, fmt=output.to, on_progress=self.on_progress)
+            # NaN/Inf counted from the bytes written (issue 34); one process only: ranks would need their counts
+            # gathered before rank 0's result, and a note that saw only rank 0's shards would mislead
+            counter = NonFiniteCounter() if self.group is None else None
+            hf.write_shards(tmp, shards, reader, fmt=output.to, on_progress=self.on_progress, nonfinite=counter)
+            if counter is not None and counter.found:
+                output.notes.append(nonfinite_note(counter))
 
         def finish(tmp: Path, reader: RecordReader) -> list[str]:
             return output.finish_folder(tmp, keycheck, reader, self.opts.check_existing)

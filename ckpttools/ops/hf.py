@@ -24,6 +24,7 @@ from ckpttools.io.safetensors_writer import (
     write_safetensors,
 )
 from ckpttools.io.torchfile import RecordReader
+from ckpttools.io.values import NonFiniteCounter
 
 
 class ConfigError(CkptError):
@@ -483,16 +484,19 @@ def write_shards(
     fmt: str = "safetensors",
     on_progress: ProgressFn | None = None,
     write_one: Callable[[Path, Sequence[Any], RecordReader, ProgressFn | None], object] | None = None,
+    nonfinite: NonFiniteCounter | None = None,
 ) -> list[str]:
-    """Write the shards (`write_one` for tensors computed on the way, such as merged ones); their names."""
+    """Write the shards (`write_one` for tensors computed on the way, such as merged ones); their names. With
+    `nonfinite`, NaN and Inf are counted per tensor from the bytes written (not for `write_one`'s tensors)."""
     with reused_buffers():  # each shard reuses the last one's chunk buffers
         for fname, group in shards.items():
             if write_one is not None:
                 write_one(tmp / fname, group, reader, on_progress)
             elif fmt == "safetensors":
-                write_safetensors(tmp / fname, group, reader, metadata={"format": "pt"}, on_progress=on_progress)
+                write_safetensors(tmp / fname, group, reader, metadata={"format": "pt"}, on_progress=on_progress,
+                                  nonfinite=nonfinite)  # fmt: skip
             else:
-                write_pt(tmp / fname, group, reader, on_progress=on_progress)
+                write_pt(tmp / fname, group, reader, on_progress=on_progress, nonfinite=nonfinite)
     return list(shards)
 
 
