@@ -160,3 +160,11 @@ def test_consolidate_notes_nonfinite_values_counted_as_it_writes(tmp_path, to):
     assert [n for n in result.notes if "non-finite" in n] == [expected]
     clean = consolidate(FIXTURES / "z2_dp2_bf16" / "checkpoint", tmp_path / "clean", to=to)
     assert not [n for n in clean.notes if "non-finite" in n]
+    from ckpttools.ops.verify import verify_folder  # verify --against fails on them (the bytes it reads anyway)
+
+    report = verify_folder(tmp_path / "out", against=ckpt)
+    assert not report.ok
+    assert [p for p in report.problems if "NaN" in p] == [
+        "tensors holding NaN or Inf: emb.weight (1 NaN, 0 Inf), head.weight (1 NaN, 0 Inf)"
+    ]
+    assert verify_folder(tmp_path / "clean", against=FIXTURES / "z2_dp2_bf16" / "checkpoint").ok

@@ -410,7 +410,7 @@ def check_against(
         n for n in plan if n not in tensors and not (n in ckpt.shared_params and ckpt.shared_params[n] in tensors)
     ]
     extra = [n for n in tensors if n not in plan]
-    differing, wrong_dtype = [], []
+    differing, wrong_dtype, nonfinite = [], [], []
     with RecordReader() as reader:
         try:
             check_module_copies(ckpt, full=True)  # a mixed-up checkpoint cannot vouch for anything
@@ -431,6 +431,8 @@ def check_against(
                     wrong_dtype.append(f"{name} is {str(ours.dtype).removeprefix('torch.')}, expected {out.dtype.name}")
                 elif tuple(ours.shape) != out.shape or not _bit_equal(ours, read_tensor(out.source, reader, out.dtype)):
                     differing.append(name)
+                if ours.is_floating_point() and not bool(ours.isfinite().all()):  # issue 34: never silently
+                    nonfinite.append(f"{name} ({int(ours.isnan().sum())} NaN, {int(ours.isinf().sum())} Inf)")
                 if on_progress:
                     on_progress(ours.numel() * ours.element_size())
         try:
@@ -443,6 +445,7 @@ def check_against(
         (f"tensors in a dtype the {dtype.name} consolidation of {where} does not give", wrong_dtype),
         (f"tensors of {where} missing from the folder", absent),
         (f"tensors not in {where}", extra),
+        ("tensors holding NaN or Inf", nonfinite),
     ):
         if items:
             report.problems.append(f"{label}: {hf.names(items)}")
