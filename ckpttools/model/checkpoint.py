@@ -10,7 +10,7 @@ for them through the segments.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +80,9 @@ class OptimizerState:
     stored_bytes: int | None = None  # bytes of the state tensors from metadata; None: not described apart
     where: str = ""  # files beside the model's holding it (accelerate's optimizer_0/); "" in the same files
     problem: str = ""  # why its description could not be read (the model is read all the same)
+    # Such a source reads its state tensors on demand: (parameter, state key, tensor) in the parameters' order
+    # (torch DCP: the optimizer chunks are opened only when a command asks for them, never by consolidate)
+    read_states: Callable[[], list[tuple[str, str, TensorSource]]] | None = None
 
     @property
     def param_groups(self) -> list[dict[str, Any]] | None:

@@ -279,54 +279,10 @@ def state_tensors(ckpt: Checkpoint) -> list[tuple[str, OutputTensor]]:
     no tensor of the model's shape and is left out)."""
     found = [(key, OutputTensor(p.name, src, src.dtype)) for p in ckpt.params for key, src in p.states.items()
              if src.dtype.numpy is not None]  # fmt: skip
-    if not found and ckpt.layout.kind == "dcp":
-        found = _dcp_states(ckpt)
+    if not found and ckpt.optimizer.read_states is not None:  # a source that reads its states on demand
+        found = [(key, OutputTensor(param, src, src.dtype)) for param, key, src in ckpt.optimizer.read_states()
+                 if src.dtype.numpy is not None]  # fmt: skip
     return found
-
-
-def _dcp_states(ckpt: Checkpoint) -> list[tuple[str, OutputTensor]]:
-    """A torch DCP save's optimizer states, read where they lie: in the model's own folder (`dcp.save({"model",
-    "optim"})`, torchtitan's flattened `state.<fqn>.<key>`) or in accelerate's `optimizer_N/` beside
-    `pytorch_model_fsdp_N/`. (accelerate's per-rank `optimizer_N_rank*.bin` files are not read as tensors.)"""
-    from ckpttools.io.source import list_names
-    from ckpttools.layouts.dcp.chunks import ChunkFiles, chunk_tensor, tensor_segments
-    from ckpttools.layouts.dcp.optim import MODEL_FOLDER_RE, read_metadata
-
-    loc = ckpt.location
-    folders = [loc.tag_dir]
-    if m := MODEL_FOLDER_RE.match(loc.tag):
-        folders.append(loc.root / f"optimizer_{m['n']}")
-    out: list[tuple[str, OutputTensor]] = []
-    for folder in folders:
-        names = set(list_names(folder)) if folder.is_dir() else set()
-        if ".metadata" not in names:
-            continue
-        meta = read_metadata(folder)
-        files = ChunkFiles(folder, names)
-        try:
-            for fqn, entry in meta.tensors.items():
-                key_path = meta.key_paths.get(fqn) or (fqn,)  # torchtitan: ("optimizer", "state.<fqn>.exp_avg")
-                found = _state_of(tuple(".".join(map(str, key_path)).split(".")))
-                if found is None or found[1] == "step":
-                    continue
-                param, key = found
-                segments = tensor_segments(entry, [chunk_tensor(files, entry, c) for c in entry.chunks])
-                source = TensorSource(param, entry.size, entry.dtype, segments, "state")
-                out.append((key, OutputTensor(param, source, source.dtype)))
-        finally:
-            files.close()
-    return out
-
-
-def _state_of(path: tuple[str, ...]) -> tuple[str, str] | None:
-    """(parameter, state key) of a DCP key path `optim.state.<param>.<key>` or torchtitan's `state.<param>.<key>`."""
-    from ckpttools.model.checkpoint import strip_prefixes
-
-    if len(path) >= 4 and path[1] == "state":
-        return strip_prefixes(".".join(path[2:-1])), path[-1]
-    if len(path) >= 3 and path[0] == "state":
-        return strip_prefixes(".".join(path[1:-1])), path[-1]
-    return None
 
 
 def cast_to(side: Side, dtype: DType) -> Side:

@@ -11,6 +11,7 @@ and from a tied weight's second name (FSDP2's `named_parameters()` yields a shar
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,7 @@ from ckpttools.io.source import list_names, open_source, read_full
 from ckpttools.io.torchfile import LazyTensor, load_pickle
 from ckpttools.layouts.dcp.metadata import MAX_METADATA_BYTES, METADATA_FILE, DcpMetadata, parse_metadata
 from ckpttools.layouts.dcp.rankfiles import DTENSOR_GLOBALS
-from ckpttools.model.checkpoint import OptimizerState, shape_numel, strip_prefixes
+from ckpttools.model.checkpoint import OptimizerState, TensorSource, shape_numel, strip_prefixes
 
 OPTIM_ROOTS = frozenset({"optim", "optimizer", "optimizers", "optim_state", "state", "param_groups"})
 NON_MODEL_ROOTS = OPTIM_ROOTS | {
@@ -52,9 +53,11 @@ class OptimizerFacts:
     where: str = ""  # beside the model's files (optimizer_0/, optimizer_0_rank*.bin); "" in the model's own
     problem: str = ""  # why its description could not be read
 
-    def state(self) -> OptimizerState:
+    def state(self, folder: Path, root: Path, tag: str) -> OptimizerState:
+        """The neutral description, with the reader of the state tensors of the save whose model is `folder`."""
         return OptimizerState([], {}, {}, saved=self.saved, stored_keys=list(self.keys), stored_bytes=self.nbytes,
-                              where=self.where, problem=self.problem)  # fmt: skip
+                              where=self.where, problem=self.problem,
+                              read_states=functools.partial(state_tensors, folder, root, tag))  # fmt: skip
 
 
 NONE_SAVED = OptimizerFacts(saved=False)
@@ -160,3 +163,43 @@ def _whole_bytes(value: Any) -> int:
     if isinstance(size, tuple) and isinstance(itemsize, int):  # a DTensor: its global size
         return shape_numel(int(s) for s in size) * itemsize
     return 0  # a python number (step as int)
+
+
+def state_tensors(folder: Path, root: Path, tag: str) -> list[tuple[str, str, TensorSource]]:
+    """The optimizer state tensors of the save whose model is `folder`, as (parameter, state key, tensor), read where
+    they lie: the model's own DCP folder (`dcp.save({"model", "optim"})`, torchtitan's flattened
+    `state.<fqn>.<key>`) or accelerate's `optimizer_N/` beside `pytorch_model_fsdp_N/`; step counters left out.
+    accelerate's per-rank `optimizer_N_rank*.bin` files are described (`optimizer_facts`), not read as tensors."""
+    from ckpttools.layouts.dcp.chunks import ChunkFiles, chunk_tensor, tensor_segments
+
+    folders = [folder]
+    if m := MODEL_FOLDER_RE.match(tag):
+        folders.append(root / f"optimizer_{m['n']}")
+    out: list[tuple[str, str, TensorSource]] = []
+    for where in folders:
+        names = set(list_names(where)) if where.is_dir() else set()
+        if METADATA_FILE not in names:
+            continue
+        meta = read_metadata(where)
+        files = ChunkFiles(where, names)
+        try:
+            for fqn, entry in meta.tensors.items():
+                key_path = meta.key_paths.get(fqn) or (fqn,)  # torchtitan: ("optimizer", "state.<fqn>.exp_avg")
+                found = _state_of(tuple(".".join(map(str, key_path)).split(".")))
+                if found is None or found[1] == "step":
+                    continue
+                param, key = found
+                segments = tensor_segments(entry, [chunk_tensor(files, entry, c) for c in entry.chunks])
+                out.append((param, key, TensorSource(param, entry.size, entry.dtype, segments, "state")))
+        finally:
+            files.close()
+    return out
+
+
+def _state_of(path: tuple[str, ...]) -> tuple[str, str] | None:
+    """(parameter, state key) of a DCP key path `optim.state.<param>.<key>` or torchtitan's `state.<param>.<key>`."""
+    if len(path) >= 4 and path[1] == "state":
+        return strip_prefixes(".".join(path[2:-1])), path[-1]
+    if len(path) >= 3 and path[0] == "state":
+        return strip_prefixes(".".join(path[1:-1])), path[-1]
+    return None

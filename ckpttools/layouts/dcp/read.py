@@ -254,7 +254,8 @@ def _checkpoint(
     return Checkpoint(
         location=loc, zero_stage=0, dp_world_size=world, train_dtype=train_dtype, optimizer_kind="",
         ds_version="", global_steps=int(step["n"]) if step else None, keys=list(sources), params=params,
-        optimizer=optim.state(), bit16=bit16, buffers={}, shared_params=ties, frozen_excluded=False,
+        optimizer=optim.state(found.folder, found.root, found.tag), bit16=bit16, buffers={}, shared_params=ties,
+        frozen_excluded=False,
         layout=ParallelLayout(kind=KIND, dp=world, details=details),
     )  # fmt: skip
 
