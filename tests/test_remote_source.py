@@ -199,7 +199,9 @@ def test_transient_errors_are_retried_with_backoff(fake: FakeFS) -> None:
 def test_a_store_that_keeps_failing_gives_one_remote_error_line(fake: FakeFS) -> None:
     source = open_source("s3://bucket/obj")
     fake.faults = [ConnectionResetError("reset")] * remote.TRIES
-    with pytest.raises(RemoteError, match=r"s3://bucket/obj: reading bytes 0-10 \(5 tries\) failed \(ConnectionResetError"):
+    with pytest.raises(
+        RemoteError, match=r"s3://bucket/obj: reading bytes 0-10 \(5 tries\) failed \(ConnectionResetError"
+    ):
         source.read_into(0, memoryview(bytearray(10)))
     assert remote.STATS.retries == remote.TRIES - 1
 
