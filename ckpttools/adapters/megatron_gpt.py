@@ -154,22 +154,7 @@ class MegatronGpt:
         return ckpt.layout.kind == "megatron"
 
     def config(self, ckpt: Checkpoint, given: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
-        if given is not None:
-            arch = (given.get("architectures") or [None])[0]
-            if arch not in ARCHITECTURES:
-                raise UnsupportedCheckpointError(
-                    f"--config names {arch or 'no architecture'}; Megatron GPT checkpoints are mapped to "
-                    f"{' or '.join(ARCHITECTURES)} so far"
-                )
-            return dict(given), False
-        args = ckpt.layout.details.get("args")
-        if not args:
-            why = ckpt.layout.details.get("args_problem") or "it was saved without the run's arguments"
-            raise ConfigNeededError(
-                f"{ckpt.location.tag_dir} keeps Megatron's names and {why}: pass --config with the Hugging Face "
-                "config.json of the model (LlamaForCausalLM or Qwen3ForCausalLM) to map them"
-            )
-        return config_from_args(args), True
+        return run_config(ckpt, given, ARCHITECTURES, "Megatron GPT checkpoints", config_from_args)
 
     def tensors(self, ckpt: Checkpoint, config: dict[str, Any]) -> tuple[list[TensorSource], list[str]]:
         d = Dims.of(config)
@@ -249,6 +234,29 @@ def _order(d: Dims) -> list[str]:
 
 
 # --- config.json from Megatron-LM's arguments -----------------------------------------------------------------
+
+
+def run_config(
+    ckpt: Checkpoint, given: dict[str, Any] | None, architectures: tuple[str, ...], what: str,
+    from_args: Callable[[dict[str, Any]], dict[str, Any]],
+) -> tuple[dict[str, Any], bool]:  # fmt: skip
+    """The config.json a Megatron checkpoint is mapped with, and whether it was generated: --config's (naming one
+    of `architectures`), else `from_args` of the run's Megatron arguments; neither is ConfigNeededError."""
+    if given is not None:
+        arch = (given.get("architectures") or [None])[0]
+        if arch not in architectures:
+            raise UnsupportedCheckpointError(
+                f"--config names {arch or 'no architecture'}; {what} are mapped to {' or '.join(architectures)} so far"
+            )
+        return dict(given), False
+    args = ckpt.layout.details.get("args")
+    if not args:
+        why = ckpt.layout.details.get("args_problem") or "it was saved without the run's arguments"
+        raise ConfigNeededError(
+            f"{ckpt.location.tag_dir} keeps Megatron's names and {why}: pass --config with the Hugging Face "
+            f"config.json of the model ({' or '.join(architectures)}) to map them"
+        )
+    return from_args(args), True
 
 
 def config_from_args(args: dict[str, Any]) -> dict[str, Any]:

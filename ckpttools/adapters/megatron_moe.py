@@ -213,22 +213,7 @@ class MegatronMoe:
         )
 
     def config(self, ckpt: Checkpoint, given: dict[str, Any] | None) -> tuple[dict[str, Any], bool]:
-        if given is not None:
-            arch = (given.get("architectures") or [None])[0]
-            if arch not in ARCHITECTURES:
-                raise UnsupportedCheckpointError(
-                    f"--config names {arch or 'no architecture'}; Megatron GPT checkpoints with MoE layers are "
-                    f"mapped to {' or '.join(ARCHITECTURES)} so far"
-                )
-            return dict(given), False
-        args = ckpt.layout.details.get("args")
-        if not args:
-            why = ckpt.layout.details.get("args_problem") or "it was saved without the run's arguments"
-            raise ConfigNeededError(
-                f"{ckpt.location.tag_dir} keeps Megatron's names and {why}: pass --config with the Hugging Face "
-                f"config.json of the model ({' or '.join(ARCHITECTURES)}) to map them"
-            )
-        return config_from_args(args), True
+        return gpt.run_config(ckpt, given, ARCHITECTURES, "Megatron GPT checkpoints with MoE layers", config_from_args)
 
     def tensors(self, ckpt: Checkpoint, config: dict[str, Any]) -> tuple[list[TensorSource], list[str]]:
         m = Moe.of(config)
