@@ -10,14 +10,10 @@ needed here: only the committed folders are read.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from ckpttools import consolidate
 from ckpttools.adapters import ConfigNeededError, MappingError, adapt, megatron_gpt
@@ -27,6 +23,7 @@ from ckpttools.layouts.dcp.metadata import parse_metadata
 from ckpttools.layouts.megatron import is_weight
 from ckpttools.layouts.registry import open_checkpoint
 from ckpttools.ops import consolidate as consolidate_module
+from tests.support.megatron import ckpt_cli, logits_error, run_folder
 
 from .conftest import FIXTURES
 
@@ -39,34 +36,15 @@ PP2 = "megatron_tp2_pp2_llama"  # 4 layers over 2 pipeline stages: each stage sa
 TOLERANCE = 1e-5
 
 
-def _run(name: str) -> Path:
-    return FIXTURES / name / "checkpoint"
-
-
-def _logits_error(out: Path, name: str) -> float:
-    """Largest |HF logits - Megatron logits| over the fixture's input (the padded vocabulary columns left out)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ref = load_file(FIXTURES / name / "reference" / "logits.safetensors")
-    with torch.no_grad():
-        logits = model(ref["input_ids"]).logits
-    return float((logits - ref["logits"][..., : logits.shape[-1]]).abs().max())
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckpttools.cli", *args], capture_output=True, text=True)
-
-
 def test_metadata_with_megatron_save_plans_is_read() -> None:
-    path = _run(LLAMA) / "iter_0000002" / ".metadata"
+    path = run_folder(LLAMA) / "iter_0000002" / ".metadata"
     meta = parse_metadata(path.read_bytes(), str(path))  # holds all_local_plans (SavePlan, WriteItem, ...)
     assert "decoder.layers.self_attention.linear_qkv.weight" in meta.tensors
     assert any(fqn.startswith("common_state/") for fqn in meta.byte_storage)
 
 
 def test_reads_the_tracked_iteration_with_the_runs_args() -> None:
-    ckpt = open_checkpoint(_run(LLAMA))
+    ckpt = open_checkpoint(run_folder(LLAMA))
     assert ckpt.layout.kind == "megatron"
     assert (ckpt.layout.tp, ckpt.layout.dp) == (2, 1)
     assert ckpt.location.tag == "iter_0000002" and ckpt.global_steps == 2
@@ -78,7 +56,7 @@ def test_reads_the_tracked_iteration_with_the_runs_args() -> None:
 
 
 def test_pipeline_stages_read_as_one_layer_stack() -> None:
-    ckpt = open_checkpoint(_run(PP2))
+    ckpt = open_checkpoint(run_folder(PP2))
     assert (ckpt.layout.tp, ckpt.layout.pp) == (2, 2) and ckpt.layout.details["world_size"] == 4
     assert ckpt.masters["decoder.layers.mlp.linear_fc1.weight"].shape == (4, 96, 32)
 
@@ -87,9 +65,9 @@ def test_the_tracker_file_chooses_the_iteration(tmp_path: Path) -> None:
     import shutil
 
     run = tmp_path / "checkpoint"
-    shutil.copytree(_run(LLAMA), run)
+    shutil.copytree(run_folder(LLAMA), run)
     (run / "latest_checkpointed_iteration.txt").write_text("5")  # names a save that is not there
-    r = _cli("consolidate", str(run), "--out", str(tmp_path / "o"))
+    r = ckpt_cli("consolidate", str(run), "--out", str(tmp_path / "o"))
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 1 and "iteration 5" in last and "--step" in last, r.stderr
     assert open_checkpoint(run, step=2).location.tag == "iter_0000002"
@@ -106,18 +84,18 @@ def test_which_keys_are_weights() -> None:
 
 @pytest.mark.parametrize(("name", "layout"), [(ADAM, "per-bucket"), (ADAM_FULL, "per-parameter")])
 def test_optimizer_state_is_not_read_as_weights(name: str, layout: str) -> None:
-    ckpt = open_checkpoint(_run(name))
+    ckpt = open_checkpoint(run_folder(name))
     assert len(ckpt.keys) == 9 and not [k for k in ckpt.keys if k.startswith("optimizer")]
-    r = _cli("inspect", str(_run(name)))
+    r = ckpt_cli("inspect", str(run_folder(name)))
     assert r.returncode == 0 and layout in r.stdout and "exp_avg_sq" in r.stdout, r.stdout + r.stderr
 
 
 def test_inspect_tells_megatron_from_fsdp2() -> None:
-    r = _cli("inspect", str(_run(LLAMA)))
+    r = ckpt_cli("inspect", str(run_folder(LLAMA)))
     assert r.returncode == 0, r.stderr
     assert "Megatron-Core torch_dist" in r.stdout and "FSDP2" not in r.stdout
     assert "TP 2" in r.stdout and "maps to        megatron-core -> LlamaForCausalLM" in r.stdout
-    info = json.loads(_cli("inspect", str(_run(NOARGS)), "--json").stdout)
+    info = json.loads(ckpt_cli("inspect", str(run_folder(NOARGS)), "--json").stdout)
     assert info["adapter"].startswith("megatron-core: needs --config")
     docs = (FIXTURES.parent / "docs" / "json.md").read_text()
     parallel_row = next(row for row in docs.splitlines() if row.startswith("| inspect | `parallel`"))
@@ -131,18 +109,18 @@ def test_inspect_tells_megatron_from_fsdp2() -> None:
      (COMMON_PT, "LlamaForCausalLM"), (TIED, "LlamaForCausalLM")],
 )  # fmt: skip
 def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str) -> None:
-    result = consolidate(_run(name), tmp_path / "hf")
+    result = consolidate(run_folder(name), tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == [arch] and config["vocab_size"] == 61  # padded 64 -> the run's 61
     assert any("generated from the run's arguments" in n for n in result.notes)
-    assert _logits_error(tmp_path / "hf", name) <= TOLERANCE
+    assert logits_error(tmp_path / "hf", name) <= TOLERANCE
 
 
 def test_a_generated_config_is_key_checked_like_any_other(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The config.json generated from the run's arguments has no file until the output is published: the key check
     builds the class from a private copy of it (it once looked for the checkpoint's own config.json, found none,
     and only noted 'keys not checked'); --check-keys with a generated config runs instead of exiting 1."""
-    result = consolidate(_run(LLAMA), tmp_path / "hf", check_keys=True)
+    result = consolidate(run_folder(LLAMA), tmp_path / "hf", check_keys=True)
     assert not any("keys not checked" in n for n in result.notes), result.notes
     seen: list[Path] = []
     real = consolidate_module.hf.KeyCheck
@@ -155,34 +133,34 @@ def test_a_generated_config_is_key_checked_like_any_other(tmp_path: Path, monkey
 
     monkeypatch.setattr(consolidate_module.hf, "KeyCheck", wrong_class)
     with pytest.raises(VerificationError, match="do not match Qwen3ForCausalLM"):
-        consolidate(_run(LLAMA), tmp_path / "wrong")
+        consolidate(run_folder(LLAMA), tmp_path / "wrong")
     assert not (tmp_path / "wrong").exists()
     assert seen and not seen[0].exists(), "the private copy of the config is left behind"
 
 
 def test_verify_against_the_megatron_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    consolidate(_run(MOE), tmp_path / "hf")
-    r = _cli("verify", str(tmp_path / "hf"), "--against", str(_run(MOE)))
+    consolidate(run_folder(MOE), tmp_path / "hf")
+    r = ckpt_cli("verify", str(tmp_path / "hf"), "--against", str(run_folder(MOE)))
     assert r.returncode == 0 and "all 25 tensors bit-identical" in r.stdout + r.stderr, r.stdout + r.stderr
     targets, _ = megatron_gpt.LAYER["self_attention.linear_qkv.weight"]
     monkeypatch.setitem(megatron_gpt.LAYER, "self_attention.linear_qkv.weight", (targets, _naive_qkv))
-    consolidate(_run(LLAMA), tmp_path / "naive")  # written with the wrong split: verify must not vouch for it
+    consolidate(run_folder(LLAMA), tmp_path / "naive")  # written with the wrong split: verify must not vouch for it
     monkeypatch.undo()
-    r = _cli("verify", str(tmp_path / "naive"), "--against", str(_run(LLAMA)))
+    r = ckpt_cli("verify", str(tmp_path / "naive"), "--against", str(run_folder(LLAMA)))
     assert r.returncode == 1 and "q_proj" in r.stdout + r.stderr
 
 
 def test_without_args_needs_config(tmp_path: Path) -> None:
-    r = _cli("consolidate", str(_run(NOARGS)), "--out", str(tmp_path / "hf"))
+    r = ckpt_cli("consolidate", str(run_folder(NOARGS)), "--out", str(tmp_path / "hf"))
     assert r.returncode == 1 and r.stderr.count("\n") <= 3, r.stderr
     assert "--config" in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
     assert not (tmp_path / "hf").exists()
 
 
 def test_without_args_with_config(tmp_path: Path) -> None:
-    consolidate(_run(LLAMA), tmp_path / "ref")
-    consolidate(_run(NOARGS), tmp_path / "hf", config=tmp_path / "ref" / "config.json")
-    assert _logits_error(tmp_path / "hf", NOARGS) <= TOLERANCE
+    consolidate(run_folder(LLAMA), tmp_path / "ref")
+    consolidate(run_folder(NOARGS), tmp_path / "hf", config=tmp_path / "ref" / "config.json")
+    assert logits_error(tmp_path / "hf", NOARGS) <= TOLERANCE
 
 
 @pytest.mark.parametrize(
@@ -195,11 +173,13 @@ def test_without_args_with_config(tmp_path: Path) -> None:
 def test_a_config_not_the_runs_is_refused_naming_the_tensor(
     tmp_path: Path, field: str, value: int, tensor: str
 ) -> None:
-    consolidate(_run(LLAMA), tmp_path / "ref")
+    consolidate(run_folder(LLAMA), tmp_path / "ref")
     config = json.loads((tmp_path / "ref" / "config.json").read_text())
     (tmp_path / "wrong").mkdir()
     (tmp_path / "wrong" / "config.json").write_text(json.dumps({**config, field: value}))
-    r = _cli("consolidate", str(_run(LLAMA)), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "wrong"))
+    r = ckpt_cli(
+        "consolidate", str(run_folder(LLAMA)), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "wrong")
+    )
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 1 and last.startswith("Error: ") and tensor in last, r.stderr
     assert not (tmp_path / "hf").exists()
@@ -222,12 +202,12 @@ def test_negative_controls_fail_the_comparison(
 ) -> None:
     targets, _ = megatron_gpt.LAYER[key]
     monkeypatch.setitem(megatron_gpt.LAYER, key, (targets, op))
-    consolidate(_run(LLAMA), tmp_path / "hf")
-    assert _logits_error(tmp_path / "hf", LLAMA) > 1e-2  # the comparison catches a wrong mapping
+    consolidate(run_folder(LLAMA), tmp_path / "hf")
+    assert logits_error(tmp_path / "hf", LLAMA) > 1e-2  # the comparison catches a wrong mapping
 
 
 def test_the_adapter_reads_no_bytes_and_keeps_segments() -> None:
-    mapped = adapt(open_checkpoint(_run(LLAMA)), None)
+    mapped = adapt(open_checkpoint(run_folder(LLAMA)), None)
     assert mapped is not None and mapped.adapter == "megatron-core -> LlamaForCausalLM"
     sources = {s.name: s for s in mapped.checkpoint.sources(mapped.checkpoint.train_dtype)}
     q = sources["model.layers.1.self_attn.q_proj.weight"]
@@ -236,7 +216,7 @@ def test_the_adapter_reads_no_bytes_and_keeps_segments() -> None:
 
 
 def test_pieces_that_do_not_tile_are_refused() -> None:
-    src = open_checkpoint(_run(LLAMA)).masters["decoder.final_layernorm.weight"]
+    src = open_checkpoint(run_folder(LLAMA)).masters["decoder.final_layernorm.weight"]
     with pytest.raises(MappingError, match=r"decoder\.final_layernorm\.weight"):
         split_rows(src, (16, 15), ("a", "b"))
     with pytest.raises(MappingError, match=r"decoder\.final_layernorm\.weight"):
@@ -244,7 +224,7 @@ def test_pieces_that_do_not_tile_are_refused() -> None:
 
 
 def test_a_missing_weight_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    ckpt = open_checkpoint(_run(LLAMA))
+    ckpt = open_checkpoint(run_folder(LLAMA))
     monkeypatch.setattr(ckpt, "keys", [k for k in ckpt.keys if k != "decoder.layers.mlp.linear_fc2.weight"])
     monkeypatch.setattr(ckpt, "params", [p for p in ckpt.params if p.name != "decoder.layers.mlp.linear_fc2.weight"])
     with pytest.raises(MappingError, match=r"model\.layers\.0\.mlp\.down_proj\.weight"):
@@ -253,4 +233,4 @@ def test_a_missing_weight_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_no_args_no_config_raises() -> None:
     with pytest.raises(ConfigNeededError, match="--config"):
-        adapt(open_checkpoint(_run(NOARGS)), None)
+        adapt(open_checkpoint(run_folder(NOARGS)), None)

@@ -11,14 +11,11 @@ here: only the committed folders are read.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from ckpttools import consolidate
 from ckpttools.adapters import adapt, megatron_moe
@@ -26,8 +23,7 @@ from ckpttools.adapters.segments import permuted_rows
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.layouts.registry import open_checkpoint
 from ckpttools.model.checkpoint import TensorSource
-
-from .conftest import FIXTURES
+from tests.support.megatron import ckpt_cli, logits_error, run_folder
 
 MIXTRAL = "megatron_moe_ep2_mixtral"  # EP 2: each rank saved 2 of the 4 experts
 QWEN3_MOE = "megatron_moe_tp2_ep2_qwen3"  # TP 2 x EP 2: each expert split over 2 ranks, softmax before the top-k
@@ -37,27 +33,8 @@ TOLERANCE = 1e-5
 FC1 = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
 
 
-def _run(name: str) -> Path:
-    return FIXTURES / name / "checkpoint"
-
-
-def _logits_error(out: Path, name: str) -> float:
-    """Largest |HF logits - Megatron logits| over the fixture's input (the padded vocabulary columns left out)."""
-    import transformers
-
-    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ref = load_file(FIXTURES / name / "reference" / "logits.safetensors")
-    with torch.no_grad():
-        logits = model(ref["input_ids"]).logits
-    return float((logits - ref["logits"][..., : logits.shape[-1]]).abs().max())
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ckpttools.cli", *args], capture_output=True, text=True)
-
-
 def test_experts_of_every_expert_parallel_rank_read_as_one_stack() -> None:
-    ckpt = open_checkpoint(_run(MIXTRAL))
+    ckpt = open_checkpoint(run_folder(MIXTRAL))
     assert ckpt.layout.kind == "megatron" and ckpt.layout.details["args"]["expert_model_parallel_size"] == 2
     assert ckpt.masters[FC1].shape == (2, 4, 48, 32)  # [L, E, 2F, H]: experts 0-1 from rank 0, 2-3 from rank 1
     segments = ckpt.masters[FC1].segments  # per layer, expert and half (Megatron saves gate and up apart)
@@ -74,16 +51,16 @@ def test_experts_of_every_expert_parallel_rank_read_as_one_stack() -> None:
                                           "routed_scaling_factor": 2.5, "q_lora_rank": 16, "rope_interleave": True})],
 )  # fmt: skip
 def test_consolidated_logits_equal_megatrons(tmp_path: Path, name: str, arch: str, fields: dict[str, Any]) -> None:
-    result = consolidate(_run(name), tmp_path / "hf")
+    result = consolidate(run_folder(name), tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == [arch] and config["vocab_size"] == 61  # padded 64 -> the run's 61
     assert {k: config[k] for k in fields} == fields
     assert any("generated from the run's arguments" in n for n in result.notes)
-    assert _logits_error(tmp_path / "hf", name) <= TOLERANCE
+    assert logits_error(tmp_path / "hf", name) <= TOLERANCE
 
 
 def test_the_adapter_reads_no_bytes_and_keeps_the_experts_fused() -> None:
-    mapped = adapt(open_checkpoint(_run(MIXTRAL)), None)
+    mapped = adapt(open_checkpoint(run_folder(MIXTRAL)), None)
     assert mapped is not None and mapped.adapter == "megatron-core -> MixtralForCausalLM"
     sources = {s.name: s for s in mapped.checkpoint.sources(mapped.checkpoint.train_dtype)}
     gate_up = sources["model.layers.1.mlp.experts.gate_up_proj"]
@@ -116,16 +93,16 @@ def test_negative_controls_fail_the_comparison(
     for key, op in patches.items():
         target, _ = megatron_moe.MOE_LAYER[key]
         monkeypatch.setitem(megatron_moe.MOE_LAYER, key, (target, op))
-    consolidate(_run(MIXTRAL), tmp_path / "hf")
-    assert _logits_error(tmp_path / "hf", MIXTRAL) > 1e-2  # the comparison catches a wrong mapping
+    consolidate(run_folder(MIXTRAL), tmp_path / "hf")
+    assert logits_error(tmp_path / "hf", MIXTRAL) > 1e-2  # the comparison catches a wrong mapping
 
 
 def test_shared_expert_halves_swapped_fail_the_comparison(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     key = "mlp.shared_experts.linear_fc1.weight"
     (gate, up), op = megatron_moe.SHARED_LAYER[key]
     monkeypatch.setitem(megatron_moe.SHARED_LAYER, key, ((up, gate), op))
-    consolidate(_run(QWEN2_MOE), tmp_path / "hf")
-    assert _logits_error(tmp_path / "hf", QWEN2_MOE) > 1e-2
+    consolidate(run_folder(QWEN2_MOE), tmp_path / "hf")
+    assert logits_error(tmp_path / "hf", QWEN2_MOE) > 1e-2
 
 
 def test_expert_bias_is_the_routers_correction(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,21 +110,21 @@ def test_expert_bias_is_the_routers_correction(tmp_path: Path, monkeypatch: pyte
     the routing, and the comparison fails."""
     key = "mlp.router.expert_bias"
     target, op = megatron_moe.MOE_LAYER[key]
-    mapped = adapt(open_checkpoint(_run(DEEPSEEK)), None)
+    mapped = adapt(open_checkpoint(run_folder(DEEPSEEK)), None)
     assert mapped is not None
     bias = {s.name: s for s in mapped.checkpoint.params}["model.layers.0.mlp.gate.e_score_correction_bias"]
     assert bias.shape == (4,) and bias.fp32.dtype.name == "float32"
     # the groups' biases exchanged (within a group, a swap would keep the group's score: 2 of 2 experts are taken)
     swapped = lambda src, name, m: permuted_rows(op(src, name, m), [2, 3, 0, 1], name)  # noqa: E731
     monkeypatch.setitem(megatron_moe.MOE_LAYER, key, (target, swapped))
-    consolidate(_run(DEEPSEEK), tmp_path / "hf")
-    assert _logits_error(tmp_path / "hf", DEEPSEEK) > 1e-2
+    consolidate(run_folder(DEEPSEEK), tmp_path / "hf")
+    assert logits_error(tmp_path / "hf", DEEPSEEK) > 1e-2
 
 
 def test_expert_bias_stays_fp32_in_16_bit_output(tmp_path: Path) -> None:
     from safetensors import safe_open
 
-    consolidate(_run(DEEPSEEK), tmp_path / "hf", dtype="bf16")
+    consolidate(run_folder(DEEPSEEK), tmp_path / "hf", dtype="bf16")
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
         dtypes = {k: f.get_tensor(k).dtype for k in f.keys()}  # noqa: SIM118 - safe_open is not a dict
     kept = {k for k, dt in dtypes.items() if dt == torch.float32}
@@ -167,11 +144,13 @@ def test_expert_bias_stays_fp32_in_16_bit_output(tmp_path: Path) -> None:
 def test_a_config_not_the_runs_is_refused_naming_the_tensor(
     tmp_path: Path, name: str, field: str, value: int, tensor: str
 ) -> None:
-    consolidate(_run(name), tmp_path / "ref")
+    consolidate(run_folder(name), tmp_path / "ref")
     config = json.loads((tmp_path / "ref" / "config.json").read_text())
     (tmp_path / "wrong").mkdir()
     (tmp_path / "wrong" / "config.json").write_text(json.dumps({**config, field: value}))
-    r = _cli("consolidate", str(_run(name)), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "wrong"))
+    r = ckpt_cli(
+        "consolidate", str(run_folder(name)), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "wrong")
+    )
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 1 and last.startswith("Error: ") and tensor in last, r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "hf").exists()
@@ -188,7 +167,7 @@ def test_a_config_not_the_runs_is_refused_naming_the_tensor(
      ({"multi_latent_attention": True}, "DeepSeek-V2")],
 )  # fmt: skip
 def test_runs_using_what_is_not_mapped_are_refused(change: dict[str, Any], what: str) -> None:
-    args = open_checkpoint(_run(MIXTRAL)).layout.details["args"]
+    args = open_checkpoint(run_folder(MIXTRAL)).layout.details["args"]
     with pytest.raises(UnsupportedCheckpointError, match=what) as caught:
         megatron_moe.config_from_args({**args, **change})
     assert "nothing written" in str(caught.value)
