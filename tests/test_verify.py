@@ -98,6 +98,33 @@ def test_a_changed_value_is_caught_against_the_checkpoint(folder):
     _one_problem(verify_folder(out, against=TRAINER), "differ from", "transformer.h.1.mlp.c_fc.bias")
 
 
+@pytest.mark.parametrize("name", ["bf16", "sharded", "pt"])
+def test_a_nan_or_inf_weight_fails_verify_without_against(folder, name):
+    out = folder(name)
+    files = sorted(out.glob("*.safetensors")) or sorted(out.glob("*.bin"))
+    if name == "pt":
+        tensors = torch.load(files[0], weights_only=True)
+        key = next(k for k, t in tensors.items() if t.is_floating_point() and t.numel() > 4)
+        tensors[key] = tensors[key].clone()
+        tensors[key].view(-1)[2], tensors[key].view(-1)[3] = float("nan"), float("-inf")
+        torch.save(tensors, files[0])
+    else:
+        tensors = load_file(files[-1])
+        key = next(k for k, t in tensors.items() if t.is_floating_point() and t.numel() > 4)
+        tensors[key].view(-1)[2], tensors[key].view(-1)[3] = float("nan"), float("-inf")
+        save_file(tensors, files[-1], metadata={"format": "pt"})
+    report = verify_folder(out)
+    _one_problem(report, "NaN or Inf", f"{key} (1 NaN, 1 -Inf)")
+    res = CliRunner().invoke(main, ["verify", str(out), "--json"])
+    assert res.exit_code == 1 and not json.loads(res.stdout)["ok"]
+    assert verify_folder(out, check_finite=False).ok  # the caller with its own check (push --allow-nonfinite)
+
+
+def test_a_sound_folder_is_read_once_for_non_finite_values(made):
+    report = verify_folder(made / "bf16")
+    assert report.ok and "every weight finite (no NaN or Inf)" in report.checks
+
+
 def test_another_step_differs(made):
     report = verify_folder(made / "fp32", against=TRAINER, step=1)
     _one_problem(report, "differ from")

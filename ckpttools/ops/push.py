@@ -821,7 +821,7 @@ def push(
         sink = _Sink(None if dry_run else api, repo_id, revision or "main", create_pr, private, access, target)
         folder, summary, temporary, streamed = _prepare(path, stack, opts, notes, source, sink, force,
                                                         allow_nonfinite)  # fmt: skip
-        report = verify_folder(folder)
+        report = verify_folder(folder, check_finite=False)  # _check_finite below (--allow-nonfinite)
         if streamed is not None:
             report.checks += streamed.checks
         problems = (streamed.problems if streamed is not None else []) + list(report.problems)

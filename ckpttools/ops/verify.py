@@ -631,6 +631,7 @@ def verify_folder(
     base: Path | str | None = None,
     on_start: Callable[[int], None] | None = None,
     on_progress: Callable[[int], None] | None = None,
+    check_finite: bool = True,
 ) -> VerifyReport:
     """Check a consolidated folder as from_pretrained will read it.
 
@@ -642,6 +643,9 @@ def verify_folder(
         base: for a PEFT adapter folder, the base model (folder or Hub id): the PeftModel is built on the meta
             device and its keys and shapes compared with the adapter's. Given for a model folder: UsageError.
         on_start, on_progress: with `against`, called with the bytes to compare, then with each tensor's bytes.
+        check_finite: without `against`, read every weight once (streamed) and report NaN or Inf as a problem (with
+            `against` the comparison finds them in the tensors it loads); False for a caller with its own check
+            (push, whose --allow-nonfinite may publish them).
 
     Returns:
         A VerifyReport; `report.ok` is True when nothing is wrong. Problems are reported, not raised;
@@ -695,4 +699,17 @@ def verify_folder(
     _summarise(tensors, params, report, duplicates)
     if against is not None and tensors:
         check_against(folder, tensors, against, report, tag=tag, step=step, on_start=on_start, on_progress=on_progress)
+    elif check_finite and tensors and report.files and report.ok:  # a broken file is reported already, not read
+        _check_finite(folder, report)
     return report
+
+
+def _check_finite(folder: Path, report: VerifyReport) -> None:
+    """NaN or Inf in any weight is a problem: a model holding them is never called sound (streamed, memory
+    O(chunk); the one full read verify makes without --against)."""
+    from ckpttools.ops.reduce import nonfinite_in
+
+    found = nonfinite_in(folder)
+    report.checks.append("every weight finite (no NaN or Inf)")
+    if found.found:
+        report.problems.append(f"weights hold NaN or Inf: {found.describe()}")
