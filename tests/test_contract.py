@@ -64,7 +64,11 @@ FAMILIES: dict[str, str] = {
     "megatron deepseek-v3": "megatron_moe_ep2_deepseek_v3/checkpoint",
     "torchtitan (needs --config)": "torchtitan_llama3_step2/checkpoint",
 }
-DCP_FAMILIES = {name for name, path in FAMILIES.items() if "fsdp2" in path or "megatron" in path or "titan" in path}
+DCP_FAMILIES = {
+    name
+    for name, path in FAMILIES.items()
+    if path.startswith(("fsdp2", "accelerate_fsdp2", "megatron_", "torchtitan_"))
+}
 
 
 def family_path(name: str) -> Path:
