@@ -264,8 +264,8 @@ def test_reshard_on_ranks_is_byte_identical_to_one_process(tmp_path, ckpt_dir, w
         assert data["ranks"][f"{data['tag']}/zero/optimizer_state.pt"] == 0
         folders = {}
         for name, rank in data["ranks"].items():
-            parts = name.split("/")
-            if parts[1] == "zero" and len(parts) > 3:
+            parts = name.split("/")  # the tag's files; `latest_universal` beside the tag is rank 0's
+            if len(parts) > 3 and parts[1] == "zero":
                 folders.setdefault(parts[2], set()).add(rank)
         assert folders
         assert all(len(ranks) == 1 for ranks in folders.values())  # a parameter folder: one rank
