@@ -174,19 +174,25 @@ class MegatronGpt:
                 f"{unused[0]} has no rule in the Megatron GPT -> {config['architectures'][0]} mapping "
                 f"({len(unused)} such tensors); MoE, MLA and biases are not mapped yet"
             )
-        notes: list[str] = []
-        if "lm_head.weight" in out and d.tied:
-            raise MappingError("output_layer.weight: the run kept its own output layer, but config.json ties word "
-                               "embeddings (tie_word_embeddings true): the output layer would be lost")  # fmt: skip
-        if "lm_head.weight" not in out and not d.tied:
-            raise MappingError("output_layer.weight is absent (tied to the embedding in the run?), but config.json "
-                               "does not tie word embeddings: lm_head would load random")  # fmt: skip
-        expected = [n for n in _order(d) if not (d.tied and n == "lm_head.weight")]
-        missing = [n for n in expected if n not in out]
-        if missing:  # from_pretrained would fill it with random weights at exit 0
-            raise MappingError(f"{missing[0]} has no Megatron tensor ({len(missing)} missing); a layer's weights are "
-                               "absent from the checkpoint, or the config is not the run's")  # fmt: skip
-        return [out[n] for n in expected], notes
+        return in_class_order(out, _order(d), d.tied), []
+
+
+def in_class_order(out: dict[str, TensorSource], order: list[str], tied: bool) -> list[TensorSource]:
+    """The mapped tensors in the class's order, every weight it has present: an output layer the config ties away,
+    a tie the run did not make, or a weight no Megatron tensor gives is refused (from_pretrained would lose the
+    output layer, or fill the weight with random values, at exit 0)."""
+    if "lm_head.weight" in out and tied:
+        raise MappingError("output_layer.weight: the run kept its own output layer, but config.json ties word "
+                           "embeddings (tie_word_embeddings true): the output layer would be lost")  # fmt: skip
+    if "lm_head.weight" not in out and not tied:
+        raise MappingError("output_layer.weight is absent (tied to the embedding in the run?), but config.json "
+                           "does not tie word embeddings: lm_head would load random")  # fmt: skip
+    expected = [n for n in order if not (tied and n == "lm_head.weight")]
+    missing = [n for n in expected if n not in out]
+    if missing:
+        raise MappingError(f"{missing[0]} has no Megatron tensor ({len(missing)} missing); a layer's weights are "
+                           "absent from the checkpoint, or the config is not the run's")  # fmt: skip
+    return [out[n] for n in expected]
 
 
 def _put(out: dict[str, TensorSource], tensors: list[TensorSource]) -> None:

@@ -246,18 +246,7 @@ class MegatronMoe:
                 f"{unused[0]} has no rule in the Megatron MoE -> {m.arch} mapping ({len(unused)} such tensors); "
                 "biases, and a sigmoid router's or MLA's tensors outside a DeepSeek-V3 config, are not mapped"
             )
-        if "lm_head.weight" in out and d.tied:
-            raise MappingError("output_layer.weight: the run kept its own output layer, but config.json ties word "
-                               "embeddings (tie_word_embeddings true): the output layer would be lost")  # fmt: skip
-        if "lm_head.weight" not in out and not d.tied:
-            raise MappingError("output_layer.weight is absent (tied to the embedding in the run?), but config.json "
-                               "does not tie word embeddings: lm_head would load random")  # fmt: skip
-        expected = [n for n in _order(m) if not (d.tied and n == "lm_head.weight")]
-        missing = [n for n in expected if n not in out]
-        if missing:  # from_pretrained would fill it with random weights at exit 0
-            raise MappingError(f"{missing[0]} has no Megatron tensor ({len(missing)} missing); a layer's weights are "
-                               "absent from the checkpoint, or the config is not the run's")  # fmt: skip
-        return [out[n] for n in expected], _notes(m, config)
+        return gpt.in_class_order(out, _order(m), d.tied), _notes(m, config)
 
 
 def _shared_name(target: str, m: Moe) -> str:
