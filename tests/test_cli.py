@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -356,7 +357,7 @@ DCP_RUN = FIXTURES / "fsdp2_dcp_dp2_fp32" / "checkpoint"
 def _help(*command):
     res = run(*command, "--help")
     assert res.exit_code == 0, res.output
-    return " ".join(res.stdout.split())
+    return " ".join(re.sub(r"-\n\s*", "-", res.stdout).split())  # click wraps lines after a hyphen
 
 
 def test_help_names_every_input_read_not_only_deepspeed():
@@ -373,6 +374,17 @@ def test_help_names_every_input_read_not_only_deepspeed():
         assert "checkpoint-STEP or step-STEP" in text and "pytorch_model_fsdp_N" in text
         assert "the content of `latest`" not in text
     assert "FSDP2 / torch DCP checkpoints are refused" in _help("reshard")
+
+
+def test_help_names_the_trainers_whose_names_are_mapped():
+    root = _help()
+    for kind in ("Megatron-Core torch_dist", "Megatron-DeepSpeed", "torchtitan", "NVMe", "from_pretrained"):
+        assert kind in root, kind
+    for command in ("consolidate", "inspect"):
+        assert "Megatron-Core torch_dist" in _help(command) and "torchtitan" in _help(command), command
+    for command in (("verify",), ("push",), ("diff",)):
+        text = _help(*command)
+        assert "Megatron-Core" in text and "torchtitan" in text, command
 
 
 def test_errors_an_fsdp2_user_meets_name_what_was_looked_for(tmp_path):

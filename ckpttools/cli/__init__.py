@@ -51,8 +51,11 @@ __all__ = ["main"]
 def main() -> None:
     """Inspect, consolidate, reshard, verify and publish sharded training checkpoints.
 
-    Reads DeepSpeed ZeRO 0-3 and universal checkpoints, FSDP2 / torch DCP folders, and the Hugging Face
-    Trainer, accelerate and Lightning folders around them, local or at s3://, gs://, az://, hf:// URLs.
+    Reads DeepSpeed ZeRO 0-3 (NVMe offload, pipeline, AutoTP, MoE, Megatron-DeepSpeed 3D) and universal
+    checkpoints, FSDP2 / torch DCP folders, Megatron-Core torch_dist (Megatron-LM, Megatron-Bridge, NeMo 2)
+    and torchtitan step-N folders, and the Hugging Face Trainer, accelerate and Lightning folders around them,
+    local or at s3://, gs://, az://, hf:// URLs. Megatron's and torchtitan's names are mapped onto Hugging
+    Face's (Llama, Qwen3, Mixtral, Qwen3-MoE, DeepSeek-V3, ...) so that from_pretrained loads the output.
     """
 
 

@@ -113,8 +113,9 @@ def diff_cmd(a: str, b: str, dtype: str | None, atol: float, rtol: float, optimi
              workers: int | None, as_json: bool, quiet: bool) -> None:  # fmt: skip
     """Compare two checkpoints tensor by tensor: identical, changed, only in A, only in B.
 
-    A and B are anything ckpt reads: DeepSpeed or universal checkpoints, torch DCP folders, Hugging Face
-    folders or single weights files, local or remote (s3://, gs://, az://, hf://). Tensors are matched by
+    A and B are anything ckpt reads: DeepSpeed or universal checkpoints, FSDP2 / torch DCP, Megatron-Core
+    and torchtitan folders, Hugging Face folders or single weights files, local or remote (s3://, gs://,
+    az://, hf://). Tensors are matched by
     the names consolidate writes and streamed side by side: each byte is read once, two remote sources
     in parallel, and memory stays a few chunks whatever the model size.
 
