@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, short
-from ckpttools.io import dtypes, torchfile
+from ckpttools.io import dtypes, integrity, torchfile
 from ckpttools.io.dtypes import DType
 from ckpttools.io.source import list_names, open_stream
 from ckpttools.io.torchfile import PickledObject
@@ -254,6 +254,7 @@ def _checkpoint(
         "format": TITLE, "world_size": world, "iteration": a.get("iteration") or _iteration(tag),
         "dcp_version": meta.version, "args": args, "args_problem": common_problem,
         "optimizer_entries": len(optim), "optimizer_layout": _optimizer_layout(optim),
+        "integrity": integrity.read_manifest(folder),  # --verify-integrity's digests: consolidate, verify check them
     }  # fmt: skip
     files = TagFiles({}, {}, "", False, layout=KIND, names=tuple(names))
     side = [n for n in ("config.json",) if (saved_in / n).is_file()]
@@ -336,6 +337,8 @@ class MegatronLayout(ReadOnlyLayout):
         layout = parallel.get("optimizer_layout")
         lines.append(f"optimizer      {layout + ', ' if layout else ''}{parallel.get('optimizer_entries', 0)} entries, "
                      "not read")  # fmt: skip
+        if (listed := integrity.count(parallel.get("integrity"))) is not None:
+            lines.append(listed)  # counted only: inspect reads no tensor bytes, so it hashes none
         return lines
 
 

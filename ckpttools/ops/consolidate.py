@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from ckpttools import adapters, extras
 from ckpttools.errors import CkptError, UsageError, VerificationError, short
-from ckpttools.io import dtypes
+from ckpttools.io import dtypes, integrity
 from ckpttools.io.dtypes import DType
 from ckpttools.io.safetensors_writer import OutputTensor, ProgressFn, output_dtype, read_tensor
 from ckpttools.io.source import location_name
@@ -305,6 +305,15 @@ def consolidate(
     return executor.run_job(job, group)
 
 
+def check_integrity(ckpt: Checkpoint, group: ProcessGroup | None = None) -> str | None:
+    """Hash again the files the save hashed (a layout's `details["integrity"]`: Megatron-LM's --verify-integrity)
+    before any tensor is read; consolidate and verify --against both call it. On ranks, each hashes its share of
+    the files. The note saying what was checked, None when the save listed nothing; CorruptCheckpointError naming
+    the first file that changed since the save."""
+    part = (group.rank, group.world_size) if group is not None else (0, 1)
+    return integrity.check(ckpt.location.tag_dir, ckpt.layout.details.get("integrity"), part=part)
+
+
 def nonfinite_note(counter: NonFiniteCounter) -> str:
     """The note for NaN/Inf found in the output (`push` refuses such weights unless --allow-nonfinite)."""
     return (f"non-finite values in the output: {counter.total().describe()} in {len(counter.found)} tensors "
@@ -327,12 +336,13 @@ class _Consolidation:
     def run(self, path: Path, out_dir: Path | None, user_path: Callable[[Path], Path]) -> ConsolidateResult:
         opts = self.opts
 
-        def open_output() -> tuple[Checkpoint, Path]:
+        def open_output() -> tuple[Checkpoint, Path, str | None]:
             ckpt = open_checkpoint(path, **opts.select)
             root = ckpt.location.root
-            return ckpt, executor.output_folder(out_dir, default_output_dir, root, user_path, opts.overwrite)
+            out = executor.output_folder(out_dir, default_output_dir, root, user_path, opts.overwrite)
+            return ckpt, out, check_integrity(ckpt, self.group)  # before anything is planned or staged
 
-        ckpt, out = self._agreed(open_output)
+        ckpt, out, integrity_note = self._agreed(open_output)
         if opts.merge or peft.is_peft(ckpt):
             job = _PeftJob(ckpt, out, DTYPES[opts.dtype], opts.max_shard_size, self.on_progress, self.on_start,
                            opts.check_keys, opts.replace_config)  # fmt: skip
@@ -342,6 +352,7 @@ class _Consolidation:
         output = self._agreed(lambda: _plan_output(ckpt, DTYPES[opts.dtype], opts.to, opts.max_shard_size,
                                                    opts.config, replace_config=opts.replace_config,
                                                    check_keys=opts.check_keys))  # fmt: skip
+        output.notes += [integrity_note] if integrity_note else []
         keycheck = _KeyCheck.start(output.model_config, output.tensors, asked=opts.check_keys, rank0=self.rank0)
         try:
             plan = self._output_plan(output, out, keycheck)

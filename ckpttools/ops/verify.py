@@ -386,13 +386,16 @@ def check_against(
     adapter tensors `ckpt consolidate` writes from the run (PEFT's saved names). `on_start(total bytes)` and
     `on_progress(bytes)` after each tensor, for a progress bar.
     """
+    from ckpttools.io import integrity
     from ckpttools.io.safetensors_writer import read_tensor
     from ckpttools.io.torchfile import RecordReader
     from ckpttools.layouts.crosscheck import check_module_copies
     from ckpttools.layouts.registry import open_checkpoint
-    from ckpttools.ops.consolidate import plan_tensors
+    from ckpttools.ops.consolidate import check_integrity, plan_tensors
 
     ckpt = open_checkpoint(against, tag=tag, step=step)
+    if integrity_note := check_integrity(ckpt):  # a checkpoint changed since its save vouches for nothing
+        (report.notes if integrity.skipped() else report.checks).append(integrity_note)
     ckpt = _mapped(ckpt, folder)  # a trainer's own names (Megatron, torchtitan) mapped as consolidate maps them
     report.against = f"{ckpt.location.root} (tag {ckpt.location.tag})"
     floats = Counter(t.dtype for t in tensors.values() if t.is_floating)
