@@ -158,6 +158,18 @@ def test_inspect_reports_world_size_tensors_and_optimizer_keys():
     assert info["num_parameters"] == sum(t.numel() for k, t in _reference(name).items() if k not in tied)
 
 
+@pytest.mark.parametrize("name", PLAIN)
+def test_inspect_tells_the_2d_mesh_from_the_chunk_grid(name):
+    """FSDP2 x TP (a row-wise `o_proj` cut along dim 1 too) is DP x TP, not DP over every rank."""
+    from ckpttools.ops.inspect import inspect_checkpoint
+
+    parallel = inspect_checkpoint(_checkpoint(name))["parallel"]
+    meta = json.loads((FIXTURES / name / "meta.json").read_text())
+    tp = meta.get("tp", 1)
+    assert (parallel["dp"], parallel["tp"]) == (meta["world_size"] // tp, tp)
+    assert parallel["world_size"] == meta["world_size"]
+
+
 def test_cli_inspect_and_verify(tmp_path):
     name = PLAIN[0]
     ckpt = [sys.executable, "-m", "ckpttools.cli"]

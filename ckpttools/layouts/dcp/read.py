@@ -248,6 +248,7 @@ def _checkpoint(
     loc = CheckpointLocation(found.root, found.tag, found.folder, files, found.output_dir, side, _tags(found, names))
     form = "torch DCP" if meta else _form(names)
     details: dict[str, Any] = {"format": form, "world_size": world}
+    tp = _tensor_parallel(meta, world)
     if meta and meta.version:
         details["dcp_version"] = meta.version
     step = STEP_FOLDER_RE.match(found.folder.name) or STEP_FOLDER_RE.match(found.root.name)
@@ -256,8 +257,18 @@ def _checkpoint(
         ds_version="", global_steps=int(step["n"]) if step else None, keys=list(sources), params=params,
         optimizer=optim.state(found.folder, found.root, found.tag), bit16=bit16, buffers={}, shared_params=ties,
         frozen_excluded=False,
-        layout=ParallelLayout(kind=KIND, dp=world, details=details),
+        layout=ParallelLayout(kind=KIND, dp=world // tp, tp=tp, details=details),
     )  # fmt: skip
+
+
+def _tensor_parallel(meta: DcpMetadata | None, world: int) -> int:
+    """The TP degree of a 2-D (DP, TP) mesh, from the chunk grid: FSDP2 shards dim 0 only, so a tensor cut along a
+    later dim too (a row-wise parallel `o_proj`, `down_proj`) shows TP's pieces there; 1 for FSDP2 alone."""
+    if meta is None:
+        return 1
+    cuts = [len({c.offsets[d] for c in e.chunks}) for e in meta.tensors.values() for d in range(1, len(e.size))]
+    tp = max(cuts, default=1)
+    return tp if 1 < tp < world and world % tp == 0 else 1
 
 
 def _tags(found: DcpFolder, names: Sequence[str]) -> list[str]:
