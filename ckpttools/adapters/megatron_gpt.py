@@ -1,4 +1,6 @@
-"""Megatron-Core GPT (`torch_dist`) -> LlamaForCausalLM (GQA, SwiGLU, RMSNorm, RoPE) or Qwen3ForCausalLM (qk-norm).
+"""Megatron-Core GPT (`torch_dist`) -> LlamaForCausalLM (GQA, SwiGLU, RMSNorm, RoPE; Llama 3.1's RoPE scaling;
+`--add-bias-linear`'s biases), Qwen2ForCausalLM (`--add-qkv-bias`), Qwen3ForCausalLM (qk-norm), or
+GPTBigCodeForCausalLM (the classic Megatron GPT: LayerNorm, GeLU, learned absolute positions, biases, tied).
 
 Megatron's conventions (megatron/core/transformer/*, checked against Megatron-Bridge's `param_mapping.py`):
 - homogeneous layer stacks are one key with a leading layer axis (`decoder.layers.<x>` `[L, ...]`); per-layer keys
@@ -8,7 +10,10 @@ Megatron's conventions (megatron/core/transformer/*, checked against Megatron-Br
 - `linear_fc1` (SwiGLU) = [all gate; all up]; with `singleton_local_shards` it is `weight_w` (gate) / `weight_v` (up);
 - the norms are fused into the next linear (`linear_qkv.layer_norm_weight` is the input norm,
   `linear_fc1.layer_norm_weight` the post-attention norm; the local spec saves them under these names too);
-- the vocabulary is padded (`padded_vocab_size`): rows past the config's `vocab_size` are dropped.
+- the vocabulary is padded (`padded_vocab_size`): rows past the config's `vocab_size` are dropped;
+- biases (`linear_qkv.bias` grouped like its rows, `linear_fc1.bias` = [gate; up]) follow their weights;
+- the classic GPT's `linear_qkv` with as many query groups as heads is per head [q; k; v], and with one group
+  [all q; k; v]: GPTBigCode's `c_attn` (multi_query false / true) as it is, no row moved.
 
 The table (`TOP`, `LAYER`) says, for each Megatron name, which Hugging Face names it becomes and by which operation;
 `tensors` applies it. Every shape is checked against the config before any byte is read.
@@ -33,7 +38,8 @@ from ckpttools.adapters.segments import (
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen3ForCausalLM")
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPTBigCodeForCausalLM")
+BIGCODE = "GPTBigCodeForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -49,20 +55,40 @@ class Dims:
     vocab: int
     qk_norm: bool
     tied: bool
+    qkv_bias: bool = False  # q/k/v biases (Qwen2, Llama's attention_bias, the classic GPT)
+    o_bias: bool = False  # o_proj's bias (Llama's attention_bias)
+    mlp_bias: bool = False  # gate/up/down biases (Llama's mlp_bias)
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> Dims:
         try:
+            arch = config["architectures"][0]
+            if arch == BIGCODE:
+                return cls._bigcode(config)
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+            attention_bias = bool(config.get("attention_bias", False)) and arch == "LlamaForCausalLM"
             return cls(
                 hidden=hidden, layers=int(config["num_hidden_layers"]), heads=heads,
                 groups=int(config.get("num_key_value_heads") or heads),
                 head_dim=int(config.get("head_dim") or hidden // heads), ffn=int(config["intermediate_size"]),
-                vocab=int(config["vocab_size"]), qk_norm=config["architectures"][0] == "Qwen3ForCausalLM",
+                vocab=int(config["vocab_size"]), qk_norm=arch == "Qwen3ForCausalLM",
                 tied=bool(config.get("tie_word_embeddings", False)),
+                qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias, o_bias=attention_bias,
+                mlp_bias=bool(config.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise MappingError(f"config.json lacks a usable {e} for a Megatron GPT mapping") from e
+
+    @classmethod
+    def _bigcode(cls, config: dict[str, Any]) -> Dims:
+        """GPTBigCode: multi-head (as many query groups as heads) or multi-query (one), every linear biased."""
+        hidden, heads = int(config["n_embd"]), int(config["n_head"])
+        return cls(
+            hidden=hidden, layers=int(config["n_layer"]), heads=heads, groups=1 if config["multi_query"] else heads,
+            head_dim=hidden // heads, ffn=int(config.get("n_inner") or 4 * hidden), vocab=int(config["vocab_size"]),
+            qk_norm=False, tied=bool(config.get("tie_word_embeddings", True)), qkv_bias=True, o_bias=True,
+            mlp_bias=True,
+        )  # fmt: skip
 
 
 # An operation: (source tensor, HF names, dims, what the shape is checked against) -> HF tensors.
@@ -93,9 +119,41 @@ def qkv(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource
 
 
 def halves(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
-    """SwiGLU fc1 = [gate; up]."""
-    expect_shape(src, (2 * d.ffn, d.hidden), "intermediate_size and hidden_size")
+    """SwiGLU fc1 = [gate; up] (its bias too)."""
+    expect_shape(src, (2 * d.ffn, d.hidden)[: len(src.shape) or 1], "intermediate_size and hidden_size")
     return split_rows(src, (d.ffn, d.ffn), names)
+
+
+def hidden_bias(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
+    """A bias over the hidden size (linear_proj's, linear_fc2's, a LayerNorm's)."""
+    return [renamed(expect_shape(src, (d.hidden,), "hidden_size"), names[0])]
+
+
+def fused_qkv(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
+    """The classic GPT's linear_qkv (weight or bias) as GPTBigCode's c_attn: per head [q; k; v] with a query group
+    per head, [all q; k; v] with one group; the same rows in the same order (checked against the shape)."""
+    if d.groups not in (1, d.heads):
+        raise MappingError(f"{src.name}: {d.groups} query groups for {d.heads} heads; GPTBigCode has multi-head or "
+                           "multi-query attention only")  # fmt: skip
+    rows_ = (d.heads + 2 * d.groups) * d.head_dim
+    return [renamed(expect_shape(src, (rows_, d.hidden)[: len(src.shape) or 1], "heads and query groups"), names[0])]
+
+
+def fc1_plain(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
+    """A non-gated fc1 (GeLU): weight [ffn, hidden] or bias [ffn]."""
+    return [renamed(expect_shape(src, (d.ffn, d.hidden)[: len(src.shape) or 1], "n_inner and n_embd"), names[0])]
+
+
+def fc2_plain(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
+    """A non-gated fc2: weight [hidden, ffn] or bias [hidden]."""
+    return [renamed(expect_shape(src, (d.hidden, d.ffn)[: len(src.shape) or 1], "n_embd and n_inner"), names[0])]
+
+
+def positions(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
+    """Learned absolute position embeddings [max positions, hidden]."""
+    if len(src.shape) != 2 or src.shape[1] != d.hidden:
+        raise MappingError(f"{src.name} is {list(src.shape)}: [positions, {d.hidden} (hidden size)] expected")
+    return [renamed(src, names[0])]
 
 
 def proj(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSource]:
@@ -142,8 +200,48 @@ LAYER: dict[str, tuple[tuple[str, ...], Op]] = {
     "mlp.linear_fc1.weight_w": (("mlp.gate_proj.weight",), up_half),
     "mlp.linear_fc1.weight_v": (("mlp.up_proj.weight",), up_half),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), down),
+    # --add-qkv-bias (Qwen2) or --add-bias-linear (all four: Llama's attention_bias and mlp_bias)
+    "self_attention.linear_qkv.bias": (
+        ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"), qkv),
+    "self_attention.linear_proj.bias": (("self_attn.o_proj.bias",), hidden_bias),
+    "mlp.linear_fc1.bias": (("mlp.gate_proj.bias", "mlp.up_proj.bias"), halves),
+    "mlp.linear_fc2.bias": (("mlp.down_proj.bias",), hidden_bias),
 }  # fmt: skip
 STACKED = "decoder.layers."
+
+# The classic Megatron GPT -> GPTBigCodeForCausalLM (layers under `transformer.h.<i>`).
+BIGCODE_TOP: dict[str, tuple[tuple[str, ...], Op]] = {
+    "embedding.word_embeddings.weight": (("transformer.wte.weight",), vocab),
+    "embedding.position_embeddings.weight": (("transformer.wpe.weight",), positions),
+    "decoder.final_layernorm.weight": (("transformer.ln_f.weight",), norm),
+    "decoder.final_layernorm.bias": (("transformer.ln_f.bias",), hidden_bias),
+    "output_layer.weight": (("lm_head.weight",), vocab),
+}
+BIGCODE_LAYER: dict[str, tuple[tuple[str, ...], Op]] = {
+    "self_attention.linear_qkv.layer_norm_weight": (("ln_1.weight",), norm),
+    "self_attention.linear_qkv.layer_norm_bias": (("ln_1.bias",), hidden_bias),
+    "input_layernorm.weight": (("ln_1.weight",), norm),
+    "input_layernorm.bias": (("ln_1.bias",), hidden_bias),
+    "self_attention.linear_qkv.weight": (("attn.c_attn.weight",), fused_qkv),
+    "self_attention.linear_qkv.bias": (("attn.c_attn.bias",), fused_qkv),
+    "self_attention.linear_proj.weight": (("attn.c_proj.weight",), proj),
+    "self_attention.linear_proj.bias": (("attn.c_proj.bias",), hidden_bias),
+    "mlp.linear_fc1.layer_norm_weight": (("ln_2.weight",), norm),
+    "mlp.linear_fc1.layer_norm_bias": (("ln_2.bias",), hidden_bias),
+    "pre_mlp_layernorm.weight": (("ln_2.weight",), norm),
+    "pre_mlp_layernorm.bias": (("ln_2.bias",), hidden_bias),
+    "mlp.linear_fc1.weight": (("mlp.c_fc.weight",), fc1_plain),
+    "mlp.linear_fc1.bias": (("mlp.c_fc.bias",), fc1_plain),
+    "mlp.linear_fc2.weight": (("mlp.c_proj.weight",), fc2_plain),
+    "mlp.linear_fc2.bias": (("mlp.c_proj.bias",), fc2_plain),
+}  # fmt: skip
+
+
+def tables(arch: str) -> tuple[dict[str, tuple[tuple[str, ...], Op]], dict[str, tuple[tuple[str, ...], Op]], str]:
+    """(top-level rules, per-layer rules, the Hugging Face layer prefix) for the architecture."""
+    if arch == BIGCODE:
+        return BIGCODE_TOP, BIGCODE_LAYER, "transformer.h"
+    return TOP, LAYER, "model.layers"
 
 
 class MegatronGpt:
@@ -158,23 +256,26 @@ class MegatronGpt:
 
     def tensors(self, ckpt: Checkpoint, config: dict[str, Any]) -> tuple[list[TensorSource], list[str]]:
         d = Dims.of(config)
+        arch = config["architectures"][0]
+        top, per_layer, prefix = tables(arch)
         sources = {s.name: s for s in ckpt.sources(ckpt.train_dtype)}
         out: dict[str, TensorSource] = {}
         used: set[str] = set()
-        for name, (targets, op) in TOP.items():
+        for name, (targets, op) in top.items():
             if name in sources:
                 used.add(name)
                 _put(out, op(sources[name], targets, d))
-        for short_name, (targets, op) in LAYER.items():
+        for short_name, (targets, op) in per_layer.items():
             for i, src in _layers(sources, short_name, d, used):
-                _put(out, op(src, tuple(f"model.layers.{i}.{t}" for t in targets), d))
+                _put(out, op(src, tuple(f"{prefix}.{i}.{t}" for t in targets), d))
         unused = sorted(set(sources) - used)
         if unused:
             raise UnsupportedCheckpointError(
-                f"{unused[0]} has no rule in the Megatron GPT -> {config['architectures'][0]} mapping "
-                f"({len(unused)} such tensors); MoE, MLA and biases are not mapped yet"
+                f"{unused[0]} has no rule in the Megatron GPT -> {arch} mapping ({len(unused)} such tensors); "
+                "nothing written"
             )
-        return in_class_order(out, _order(d), d.tied), []
+        order = _order_bigcode(d) if arch == BIGCODE else _order(d)
+        return in_class_order(out, order, d.tied), padded_vocab_notes(ckpt, config)
 
 
 def in_class_order(out: dict[str, TensorSource], order: list[str], tied: bool) -> list[TensorSource]:
@@ -192,6 +293,11 @@ def in_class_order(out: dict[str, TensorSource], order: list[str], tied: bool) -
     if missing:
         raise MappingError(f"{missing[0]} has no Megatron tensor ({len(missing)} missing); a layer's weights are "
                            "absent from the checkpoint, or the config is not the run's")  # fmt: skip
+    extra = [n for n in out if n not in expected]
+    if extra:  # from_pretrained would drop it (a bias the config's class lacks): the model would compute otherwise
+        raise MappingError(f"{extra[0]} comes from the checkpoint, but the config's class has no such weight "
+                           f"({len(extra)} such tensors: biases without attention_bias/mlp_bias?); is the config "
+                           "the run's?")  # fmt: skip
     return [out[n] for n in expected]
 
 
@@ -230,13 +336,36 @@ def _order(d: Dims) -> list[str]:
     names = ["model.embed_tokens.weight"]
     for i in range(d.layers):
         p = f"model.layers.{i}."
-        attn = ["q_proj", "k_proj", "v_proj", "o_proj"]
-        names += [f"{p}self_attn.{m}.weight" for m in attn]
+        for m in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            biased = d.o_bias if m == "o_proj" else d.qkv_bias
+            names += [f"{p}self_attn.{m}.weight", *([f"{p}self_attn.{m}.bias"] if biased else [])]
         if d.qk_norm:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
-        names += [f"{p}mlp.{m}.weight" for m in ("gate_proj", "up_proj", "down_proj")]
+        for m in ("gate_proj", "up_proj", "down_proj"):
+            names += [f"{p}mlp.{m}.weight", *([f"{p}mlp.{m}.bias"] if d.mlp_bias else [])]
         names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
     return [*names, "model.norm.weight", "lm_head.weight"]
+
+
+def _order_bigcode(d: Dims) -> list[str]:
+    names = ["transformer.wte.weight", "transformer.wpe.weight"]
+    for i in range(d.layers):
+        for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
+            names += [f"transformer.h.{i}.{m}.weight", f"transformer.h.{i}.{m}.bias"]
+    return [*names, "transformer.ln_f.weight", "transformer.ln_f.bias", "lm_head.weight"]
+
+
+def padded_vocab_notes(ckpt: Checkpoint, config: dict[str, Any]) -> list[str]:
+    """A note when the generated vocab_size is Megatron's padded one: Megatron-LM records `vocab_size` only for
+    `--vocab-size` (a NullTokenizer); with a real tokenizer the args hold `padded_vocab_size` alone, so the rows
+    past the tokenizer's last token (never trained, never produced by it) are kept."""
+    args = ckpt.layout.details.get("args") or {}
+    padded = args.get("padded_vocab_size")
+    if args.get("vocab_size") or not padded or int(config.get("vocab_size") or 0) != int(padded):
+        return []
+    return [(f"vocab_size {padded} is the run's padded vocabulary (--make-vocab-size-divisible-by "
+            f"{args.get('make_vocab_size_divisible_by', '?')}): its arguments record no tokenizer size, so the "
+            "padding rows are kept; pass --config with the tokenizer's vocab_size to drop them")]  # fmt: skip
 
 
 # --- config.json from Megatron-LM's arguments -----------------------------------------------------------------
@@ -266,55 +395,171 @@ def run_config(
 
 
 def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
-    """The Hugging Face config of the model the args describe, or a refusal naming what is not mapped yet."""
+    """The Hugging Face config of the model the args describe, or a refusal naming what is not mapped yet: the
+    classic GPT (LayerNorm, GeLU, learned absolute positions) as GPTBigCode, else the Llama family."""
+    if _is_classic_gpt(args):
+        return bigcode_config(args)
+    return llama_config(args)
+
+
+def llama_config(args: dict[str, Any]) -> dict[str, Any]:
+    """Llama (biases with --add-bias-linear, Llama 3.1's RoPE scaling), Qwen2 (--add-qkv-bias alone) or Qwen3
+    (qk-norm); megatron_moe builds its MoE configs on this one."""
     _refuse_unmapped(args)
     hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
     groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
     qk_norm = bool(args.get("qk_layernorm"))
-    vocab = args.get("vocab_size") or args.get("padded_vocab_size")
-    if not vocab:
-        raise ConfigNeededError("the run's arguments give no vocabulary size: pass --config")
-    theta = args.get("rotary_base") or 10000
-    return {
-        "architectures": ["Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"],
-        "model_type": "qwen3" if qk_norm else "llama",
+    linear_bias, qkv_bias = bool(args.get("add_bias_linear")), bool(args.get("add_qkv_bias"))
+    arch, model_type = ("Qwen3ForCausalLM", "qwen3") if qk_norm else ("LlamaForCausalLM", "llama")
+    if qkv_bias and not linear_bias and not qk_norm:
+        arch, model_type = "Qwen2ForCausalLM", "qwen2"
+    theta = float(args.get("rotary_base") or 10000)
+    config = {
+        "architectures": [arch],
+        "model_type": model_type,
         "hidden_size": hidden,
         "intermediate_size": int(args.get("ffn_hidden_size") or 4 * hidden),
         "num_hidden_layers": int(args["num_layers"]),
         "num_attention_heads": heads,
         "num_key_value_heads": groups,
         "head_dim": int(args.get("kv_channels") or hidden // heads),
-        "vocab_size": int(vocab),
+        "vocab_size": _vocab(args),
         "max_position_embeddings": int(args.get("max_position_embeddings") or args.get("seq_length") or 4096),
-        "rms_norm_eps": float(args.get("layernorm_epsilon") or args.get("norm_epsilon") or 1e-5),
-        "rope_theta": float(theta),
-        "rope_parameters": {"rope_type": "default", "rope_theta": float(theta)},
+        "rms_norm_eps": _epsilon(args),
+        "rope_theta": theta,
+        "rope_parameters": _rope(args, theta),
         "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
         "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
+        "attention_bias": linear_bias,
+        "mlp_bias": linear_bias,
         "attention_dropout": 0.0,
         "initializer_range": float(args.get("init_method_std") or 0.02),
     }
+    if arch == "Qwen2ForCausalLM":  # q/k/v biases are Qwen2's own; it has no attention_bias or mlp_bias
+        for key in ("attention_bias", "mlp_bias", "head_dim"):
+            config.pop(key)
+        config.update(use_sliding_window=False, sliding_window=None)
+    return config
 
 
-def _refuse_unmapped(args: dict[str, Any]) -> None:
+def _vocab(args: dict[str, Any]) -> int:
+    vocab = args.get("vocab_size") or args.get("padded_vocab_size")
+    if not vocab:
+        raise ConfigNeededError("the run's arguments give no vocabulary size: pass --config")
+    return int(vocab)
+
+
+def _epsilon(args: dict[str, Any]) -> float:
+    """`layernorm_epsilon` (Megatron-LM's args from TransformerConfig), `norm_epsilon` (its older --norm-epsilon)."""
+    for key in ("layernorm_epsilon", "norm_epsilon"):
+        if args.get(key) is not None:
+            return float(args[key])
+    return 1e-5
+
+
+def _rope(args: dict[str, Any], theta: float) -> dict[str, Any]:
+    """RoPE as transformers 5 reads it; `--use-rope-scaling` is Llama 3.1's (Megatron's `_apply_scaling`: the
+    factor from --rope-scaling-factor, low 1, high 4 and 8192 original positions fixed in every release)."""
+    if not args.get("use_rope_scaling"):
+        return {"rope_type": "default", "rope_theta": theta}
+    return {"rope_type": "llama3", "rope_theta": theta, "factor": float(args.get("rope_scaling_factor") or 8.0),
+            "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}  # fmt: skip
+
+
+def _is_classic_gpt(args: dict[str, Any]) -> bool:
+    """Megatron-LM's defaults: LayerNorm, GeLU (no --swiglu), learned absolute positions, no MoE, no qk-norm."""
+    return (
+        args.get("normalization", "LayerNorm") == "LayerNorm" and not args.get("swiglu")
+        and args.get("position_embedding_type", "learned_absolute") == "learned_absolute"
+        and not args.get("num_experts") and not args.get("qk_layernorm") and not args.get("multi_latent_attention")
+    )  # fmt: skip
+
+
+def bigcode_config(args: dict[str, Any]) -> dict[str, Any]:
+    """The classic Megatron GPT as GPTBigCodeForCausalLM: multi-head (query groups = heads) or multi-query (one
+    group) attention, biases in every linear (or refused), exact or tanh GeLU."""
+    _refuse_common(args, "the classic GPT (GPTBigCode) mapping")
+    hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
+    groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
     checks = [
-        (args.get("normalization", "LayerNorm") == "RMSNorm", f"normalization {args.get('normalization')}"),
-        (bool(args.get("swiglu")), "a non-SwiGLU MLP"),
-        (args.get("position_embedding_type", "learned_absolute") == "rope",
-         f"position embeddings {args.get('position_embedding_type')}"),
-        (not args.get("add_bias_linear") and not args.get("add_qkv_bias"), "linear biases"),
-        (not args.get("num_experts"), "MoE experts (adapters.megatron_moe maps those it can)"),
-        (not args.get("multi_latent_attention"), "multi-latent attention"),
-        (not args.get("use_rope_scaling"), "RoPE scaling"),
-        (float(args.get("rotary_percent") or 1.0) == 1.0, "partial rotary embeddings"),
+        (args.get("add_bias_linear", True), "linear layers without biases (--disable-bias-linear)"),
+        (groups in (1, heads), f"{groups} query groups for {heads} heads (GPTBigCode: multi-head or multi-query)"),
+        (int(args.get("kv_channels") or hidden // heads) * heads == hidden, "kv_channels other than hidden/heads"),
+        (not args.get("squared_relu") and not args.get("quick_geglu"), "a squared-ReLU or quick-GeGLU MLP"),
     ]  # fmt: skip
+    _refuse(checks, "the classic GPT (GPTBigCode) mapping")
+    return {
+        "architectures": [BIGCODE],
+        "model_type": "gpt_bigcode",
+        "n_embd": hidden,
+        "n_layer": int(args["num_layers"]),
+        "n_head": heads,
+        "n_inner": int(args.get("ffn_hidden_size") or 4 * hidden),
+        "n_positions": int(args.get("max_position_embeddings") or args.get("seq_length") or 1024),
+        "vocab_size": _vocab(args),
+        "layer_norm_epsilon": _epsilon(args),
+        "activation_function": "gelu_pytorch_tanh" if args.get("openai_gelu") else "gelu",
+        "multi_query": groups == 1 and heads > 1,
+        "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
+        "scale_attn_weights": True,
+        "attn_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "resid_pdrop": 0.0,
+        "initializer_range": float(args.get("init_method_std") or 0.02),
+        "bos_token_id": None,  # GPTBigCode's defaults are GPT-2's 50256; the run's tokenizer is not recorded
+        "eos_token_id": None,
+    }
+
+
+def _refuse(checks: list[tuple[Any, str]], mapping: str) -> None:
     for ok, what in checks:
         if not ok:
             raise UnsupportedCheckpointError(
-                f"the Megatron run uses {what}, which the Llama/Qwen3 mapping does not cover yet; nothing written"
+                f"the Megatron run uses {what}, which {mapping} does not cover yet; nothing written"
             )
+
+
+def _refuse_common(args: dict[str, Any], mapping: str) -> None:
+    """What changes the computation in every mapping here and no target class has (each a Megatron-LM argument)."""
+    softmax_scale = args.get("softmax_scale")
+    checks = [
+        (not args.get("rotary_interleaved"), "interleaved rotary embeddings (--rotary-interleaved)"),
+        (not args.get("apply_residual_connection_post_layernorm"),
+         "residual connections after the norm (--apply-residual-connection-post-layernorm)"),
+        (not args.get("layernorm_zero_centered_gamma") and not args.get("apply_layernorm_1p"),
+         "zero-centered norm weights (--apply-layernorm-1p)"),
+        (not args.get("window_size"), f"sliding-window attention (--window-size {args.get('window_size')})"),
+        (not args.get("no_rope_freq"), "RoPE skipped on some layers (--no-rope-freq)"),
+        (args.get("softmax_type", "vanilla") == "vanilla", f"a {args.get('softmax_type')} softmax"),
+        (not args.get("attention_output_gate"), "a gated attention output (--attention-output-gate)"),
+        (not args.get("qk_l2_norm"), "L2-normalised queries and keys (--qk-l2-norm)"),
+        (not args.get("rotary_seq_len_interpolation_factor"),
+         "RoPE position interpolation (--rotary-seq-len-interpolation-factor)"),
+        (not args.get("experimental_attention_variant"), f"{args.get('experimental_attention_variant')} attention"),
+        (softmax_scale is None, f"an attention softmax scale of its own ({softmax_scale})"),
+        (not args.get("heterogeneous_layers_config_path") and not args.get("heterogeneous_layers_config_encoded_json"),
+         "heterogeneous layers"),
+        (float(args.get("rotary_percent") or 1.0) == 1.0, f"partial rotary embeddings ({args.get('rotary_percent')})"),
+    ]  # fmt: skip
+    _refuse(checks, mapping)
+
+
+def _refuse_unmapped(args: dict[str, Any]) -> None:
+    mapping = "the Llama/Qwen mapping"
+    _refuse_common(args, mapping)
+    checks = [
+        (args.get("normalization", "LayerNorm") == "RMSNorm",
+         (f"{args.get('normalization', 'LayerNorm')} with {'SwiGLU' if args.get('swiglu') else 'this MLP'} "
+         "(Llama and Qwen have RMSNorm; the classic GPT is LayerNorm, GeLU and learned positions)")),
+        (bool(args.get("swiglu")), "a non-SwiGLU MLP with RMSNorm"),
+        (args.get("position_embedding_type", "learned_absolute") == "rope",
+         f"position embeddings {args.get('position_embedding_type', 'learned_absolute')} with RMSNorm/SwiGLU"),
+        (not args.get("num_experts"), "MoE experts (adapters.megatron_moe maps those it can)"),
+        (not args.get("multi_latent_attention"), "multi-latent attention"),
+        (not (args.get("qk_layernorm") and (args.get("add_bias_linear") or args.get("add_qkv_bias"))),
+         "linear biases with qk-norm"),
+    ]  # fmt: skip
+    _refuse(checks, mapping)
     for key in ("hidden_size", "num_attention_heads", "num_layers"):
         if not args.get(key):
             raise ConfigNeededError(f"the run's arguments lack {key}: pass --config")

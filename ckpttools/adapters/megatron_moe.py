@@ -309,7 +309,7 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
         "qk_layernorm": False,
         "moe_shared_expert_intermediate_size": None,
     }  # the dense refusals, without MoE's
-    config = gpt.config_from_args(dense_args)
+    config = gpt.llama_config(dense_args)
     topk, experts = int(args.get("moe_router_topk") or 2), int(args["num_experts"])
     expert_ffn = int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"])
     common = {"num_experts_per_tok": topk, "router_aux_loss_coef": 0.0, "output_router_logits": False}
@@ -332,7 +332,7 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
 
 def _deepseek_config(args: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3: the dense GPT's config for the common fields, MLA's and the sigmoid router's added."""
-    config = gpt.config_from_args({**args, "num_experts": None, "qk_layernorm": False, "multi_latent_attention": False,
+    config = gpt.llama_config({**args, "num_experts": None, "qk_layernorm": False, "multi_latent_attention": False,
                                    "moe_shared_expert_intermediate_size": None, "group_query_attention": False,
                                    "moe_router_score_function": "softmax"})  # fmt: skip
     expert_ffn = int(args.get("moe_ffn_hidden_size") or args["ffn_hidden_size"])
@@ -362,6 +362,8 @@ def _refuse_unmapped(args: dict[str, Any]) -> None:
         return _refuse_unmapped_deepseek(args)
     scaling = args.get("moe_router_topk_scaling_factor")
     checks = [
+        (not args.get("add_bias_linear") and not args.get("add_qkv_bias"), "linear biases"),
+        (not args.get("use_rope_scaling"), "Llama 3.1's RoPE scaling"),
         (not args.get("moe_shared_expert_intermediate_size") or bool(args.get("moe_shared_expert_gate")),
          "shared experts without a gate (DeepSeek's)"),
         (not (args.get("moe_shared_expert_intermediate_size") and args.get("qk_layernorm")),
@@ -392,6 +394,7 @@ def _refuse_unmapped_deepseek(args: dict[str, Any]) -> None:
     groups, group_topk = int(args.get("moe_router_num_groups") or 1), int(args.get("moe_router_group_topk") or 1)
     topk = int(args.get("moe_router_topk") or 2)
     checks = [
+        (not args.get("add_bias_linear") and not args.get("add_qkv_bias"), "linear biases with MLA"),
         (args.get("moe_router_score_function") == "sigmoid",
          f"multi-latent attention with a {args.get('moe_router_score_function', 'softmax')} router (DeepSeek-V2)"),
         (args.get("rope_type", "yarn") == "rope", f"MLA with {args.get('rope_type', 'yarn')} RoPE (YaRN)"),

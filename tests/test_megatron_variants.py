@@ -1,0 +1,149 @@
+"""Megatron checkpoints beyond the first fixtures' release and model: older megatron-core releases, and the model
+configurations Megatron-LM users train (Qwen2's q/k/v biases, --add-bias-linear, Llama 3.1's RoPE scaling with a
+head_dim of its own, the classic GPT), each mapped with logits equal to Megatron's own forward or refused in one line.
+
+The fixtures were saved by megatron-core itself (fixtures/build/fixture_megatron.py for 0.19.2's variants,
+fixture_megatron_versions.py for 0.13.0 and 0.16.1), each with the logits of its own forward; megatron-core is not
+needed here. Refusals are checked on the arguments of a real save with one Megatron-LM flag changed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckpttools import consolidate
+from ckpttools.adapters import MappingError, adapt, megatron_gpt
+from ckpttools.adapters.segments import concat, grouped_rows
+from ckpttools.errors import UnsupportedCheckpointError
+from ckpttools.layouts.registry import open_checkpoint
+from tests.support.megatron import FIXTURES, ckpt_cli, logits_error, run_folder
+
+V0_13, V0_16 = "megatron_v0_13_0_tp2_llama", "megatron_v0_16_1_tp2_llama"  # common.pt; 0.13's MCoreSavePlan
+QWEN2 = "megatron_tp2_qwen2"  # --add-qkv-bias, args without vocab_size (a Hugging Face tokenizer's run)
+BIAS = "megatron_tp2_llama_bias"  # --add-bias-linear: qkv, proj, fc1, fc2 biases
+LLAMA31 = "megatron_tp2_llama31"  # --use-rope-scaling, RoPE base 500000, kv_channels 16 != hidden 32 / 4 heads
+GPT = "megatron_tp2_gpt"  # Megatron-LM's defaults: LayerNorm, GeLU, learned positions, biases, tied
+LLAMA, MOE = "megatron_tp2_llama", "megatron_tp2_qwen3_moe"
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize(("name", "release"), [(V0_13, "0.13.0"), (V0_16, "0.16.1")])
+def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str, release: str) -> None:
+    meta = json.loads((FIXTURES / name / "meta.json").read_text())
+    assert meta["versions"]["megatron-core"] == release
+    folder = run_folder(name) / "iter_0000002"
+    assert (folder / "common.pt").is_file()  # the args beside the DCP files, not in common_state
+    if release == "0.13.0":  # its SavePlan subclass is pickled in .metadata's all_local_plans
+        assert b"MCoreSavePlan" in (folder / ".metadata").read_bytes()
+    r = ckpt_cli("inspect", str(run_folder(name)))
+    assert r.returncode == 0 and "megatron-core -> LlamaForCausalLM" in r.stdout, r.stdout + r.stderr
+    consolidate(run_folder(name), tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 61
+    assert logits_error(tmp_path / "hf", name) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    ("name", "arch", "fields"),
+    [(QWEN2, "Qwen2ForCausalLM", {"vocab_size": 64, "rope_theta": 1e6}),
+     (BIAS, "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
+     (LLAMA31, "LlamaForCausalLM", {"head_dim": 16, "rope_theta": 500000.0}),
+     (GPT, "GPTBigCodeForCausalLM", {"multi_query": False, "tie_word_embeddings": True,
+                                     "activation_function": "gelu"})],
+)  # fmt: skip
+def test_variants_convert_with_megatrons_logits(tmp_path: Path, name: str, arch: str, fields: dict[str, Any]) -> None:
+    consolidate(run_folder(name), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [arch]
+    assert {k: config[k] for k in fields} == fields
+    assert logits_error(tmp_path / "hf", name) <= TOLERANCE
+    if name == LLAMA31:
+        assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["factor"] == 8.0
+
+
+def test_a_padded_vocabulary_without_the_tokenizers_size_is_kept_and_said(tmp_path: Path) -> None:
+    """Megatron-LM records vocab_size only for --vocab-size; with a tokenizer its args hold padded_vocab_size alone:
+    the padding rows are kept (the tokenizer's size is not known) and a note says so."""
+    assert open_checkpoint(run_folder(QWEN2)).layout.details["args"]["vocab_size"] is None
+    result = consolidate(run_folder(QWEN2), tmp_path / "hf")
+    assert any("padded vocabulary" in n and "--config" in n for n in result.notes), result.notes
+    assert not any("padded vocabulary" in n for n in consolidate(run_folder(LLAMA), tmp_path / "ll").notes)
+
+
+def test_llama31_without_its_rope_scaling_is_caught(tmp_path: Path) -> None:
+    consolidate(run_folder(LLAMA31), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    assert logits_error(tmp_path / "hf", LLAMA31) > 1e-3  # the oracle sees the scaling
+
+
+def _gpt2_style_qkv(src: Any, names: tuple[str, ...], d: Any) -> list[Any]:
+    """[all q; all k; all v] (GPT-2's c_attn) instead of the per-head [q; k; v] GPTBigCode reads."""
+    per = (d.head_dim, d.head_dim, d.head_dim)
+    return [concat(grouped_rows(src, d.heads, per, ("q", "k", "v")), names[0])]
+
+
+def test_gpt_with_a_regrouped_qkv_is_caught(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for key in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        targets, _ = megatron_gpt.BIGCODE_LAYER[key]
+        monkeypatch.setitem(megatron_gpt.BIGCODE_LAYER, key, (targets, _gpt2_style_qkv))
+    consolidate(run_folder(GPT), tmp_path / "hf")
+    assert logits_error(tmp_path / "hf", GPT) > 1e-2
+
+
+def test_biases_the_configs_class_lacks_are_refused(tmp_path: Path) -> None:
+    """--config naming Llama without attention_bias for the Qwen2-like run: from_pretrained would drop the q/k/v
+    biases and load at exit 0; the mapping refuses naming the first."""
+    consolidate(run_folder(LLAMA), tmp_path / "ref")
+    (tmp_path / "cfg").mkdir()
+    llama = json.loads((tmp_path / "ref" / "config.json").read_text())
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps({**llama, "vocab_size": 64, "rope_theta": 1e6}))
+    r = ckpt_cli(
+        "consolidate", str(run_folder(QWEN2)), "--out", str(tmp_path / "hf"), "--config", str(tmp_path / "cfg")
+    )
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("Error: ") and "q_proj.bias" in last, r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "change", "said"),
+    [(LLAMA, {"rotary_interleaved": True}, "--rotary-interleaved"),
+     (LLAMA, {"rotary_percent": 0.5}, "partial rotary"),
+     (LLAMA, {"normalization": "LayerNorm"}, "LayerNorm with SwiGLU"),
+     (LLAMA, {"apply_residual_connection_post_layernorm": True}, "after the norm"),
+     (LLAMA, {"apply_layernorm_1p": True}, "--apply-layernorm-1p"),
+     (LLAMA, {"layernorm_zero_centered_gamma": True}, "--apply-layernorm-1p"),
+     (LLAMA, {"window_size": [4096, 0]}, "--window-size"),
+     (LLAMA, {"rotary_seq_len_interpolation_factor": 4}, "interpolation"),
+     (LLAMA, {"no_rope_freq": 4}, "--no-rope-freq"),
+     (LLAMA, {"softmax_type": "off-by-one"}, "off-by-one softmax"),
+     (LLAMA, {"qk_layernorm": True, "add_qkv_bias": True}, "biases with qk-norm"),
+     (GPT, {"group_query_attention": True, "num_query_groups": 2}, "2 query groups for 4 heads"),
+     (GPT, {"add_bias_linear": False}, "--disable-bias-linear"),
+     (GPT, {"squared_relu": True}, "squared-ReLU"),
+     (MOE, {"add_qkv_bias": True}, "linear biases"),
+     (MOE, {"use_rope_scaling": True}, "RoPE scaling")],
+)  # fmt: skip
+def test_what_is_not_mapped_is_refused_before_any_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, change: dict[str, Any], said: str
+) -> None:
+    ckpt = open_checkpoint(run_folder(name))
+    monkeypatch.setitem(ckpt.layout.details, "args", {**ckpt.layout.details["args"], **change})
+    with pytest.raises(UnsupportedCheckpointError, match="nothing written") as e:
+        adapt(ckpt, None)
+    assert said in str(e.value)
+
+
+def test_a_variants_config_not_the_runs_is_refused(tmp_path: Path) -> None:
+    """The Llama 3.1-like run's head_dim 16 is not hidden/heads: a config without head_dim is refused by shape."""
+    consolidate(run_folder(LLAMA31), tmp_path / "ref")
+    config = json.loads((tmp_path / "ref" / "config.json").read_text())
+    del config["head_dim"]
+    ckpt = open_checkpoint(run_folder(LLAMA31))
+    with pytest.raises(MappingError, match=r"linear_qkv\.weight"):
+        adapt(ckpt, config)
