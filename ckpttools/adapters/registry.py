@@ -18,6 +18,7 @@ from ckpttools.model.checkpoint import Checkpoint
 ADAPTERS = (
     "ckpttools.adapters.megatron_moe",  # Megatron-Core GPT with MoE layers -> MixtralForCausalLM / Qwen3MoeForCausalLM
     "ckpttools.adapters.megatron_gpt",  # Megatron-Core GPT (torch_dist) -> LlamaForCausalLM / Qwen3ForCausalLM
+    "ckpttools.adapters.megatron_deepspeed",  # Megatron-DeepSpeed 3D -> LlamaForCausalLM / GPTBigCodeForCausalLM
     "ckpttools.adapters.torchtitan_llama",  # torchtitan (step-N DCP) -> LlamaForCausalLM (RoPE rows permuted) / Qwen3
 )
 

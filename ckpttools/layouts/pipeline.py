@@ -35,6 +35,7 @@ from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.crosscheck import OpenFiles, first_difference
 from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE, ZERO3_MODEL_RE
+from ckpttools.layouts.megatron import _args, _ArgsGlobals, _inert
 from ckpttools.layouts.rankfile import (
     OPTIM_KEYS,
     RankFile,
@@ -63,6 +64,28 @@ STAGE_KEYS = ("module", "buffer_names", "param_shapes", "dp_world_size", "mp_wor
 # Saved by every stage from the same engine state: a stage file from another save or run differs here.
 STAGES_AGREE = ("ds_config", "ds_version", "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions",
                 "global_steps", "global_samples", "skipped_steps", "lr_scheduler")  # fmt: skip
+
+
+class StageGlobals(_ArgsGlobals):
+    """What Megatron-DeepSpeed's client state puts in the stage files besides tensors, as inert records (nothing
+    is imported): its `args` (argparse.Namespace with Megatron enums, as layouts.megatron reads Megatron-LM's) and
+    its `rng_state` (numpy's generator state pickles numpy arrays and dtypes)."""
+
+    NUMPY = (("numpy._core.multiarray", "_reconstruct"), ("numpy.core.multiarray", "_reconstruct"),
+             ("numpy", "ndarray"), ("numpy", "dtype"))  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.update({key: _inert(*key) for key in self.NUMPY})
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.NUMPY or super().__contains__(key)
+
+
+def run_args(stage: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The saving run's Megatron arguments (plain values) from a stage file, or None (a PipelineModule of one's own,
+    saved without Megatron-DeepSpeed's client state)."""
+    return _args(stage)
 
 
 @dataclass(frozen=True)
@@ -185,7 +208,8 @@ def _load_stages(loc: CheckpointLocation, files: PipelineFiles, reader: RecordRe
 
 
 def _stage_file(loc: CheckpointLocation, name: str) -> RankFile:
-    f = RankFile(loc.tag_dir / name, load_pickle(loc.tag_dir / name), "pipeline stage model-states")
+    obj = load_pickle(loc.tag_dir / name, extra_globals=StageGlobals())
+    f = RankFile(loc.tag_dir / name, obj, "pipeline stage model-states")
     require_keys(f, f.obj, STAGE_KEYS, "DeepSpeed pipeline stage file")
     if f.obj["module"] is not None:
         raise f.fail("holds module weights, which a pipeline stage file never does (its layers have their own files)")
@@ -515,7 +539,7 @@ def _merge(
         frozen_excluded=False,
         ds_config=dict_at(stages[0].obj, "ds_config"),
         model_files=[f.obj for f in stages],
-        layout=pipeline_layout(len(stages), p0.dp_world_size, parts, layers),
+        layout=pipeline_layout(len(stages), p0.dp_world_size, parts, layers, run_args(stages[0].obj)),
         slices=list(parts),
         layout_files=[f.path.name for _, f in sorted(layers.files.items())],  # the layer files: DP-independent
     )
@@ -550,7 +574,9 @@ def _whole_model_keys(stage_keys: Sequence[Sequence[str]], dualpipev: bool = Fal
     return [*tied, *layered]
 
 
-def pipeline_layout(pp: int, dp: int, parts: Sequence[Checkpoint], layers: _Layers) -> ParallelLayout:
+def pipeline_layout(
+    pp: int, dp: int, parts: Sequence[Checkpoint], layers: _Layers, args: dict[str, Any] | None = None
+) -> ParallelLayout:
     tied: dict[str, dict[str, Any]] = {}
     for s, part in enumerate(parts):
         for name in part.keys:
@@ -569,6 +595,8 @@ def pipeline_layout(pp: int, dp: int, parts: Sequence[Checkpoint], layers: _Laye
     if layers.dualpipev:
         details["schedule"] = "dualpipev"
         details["stages"] = 2 * pp
+    if args:
+        details["args"] = args  # Megatron-DeepSpeed's: what adapters.megatron_deepspeed maps the names with
     return ParallelLayout(kind="pipeline", dp=dp, pp=pp, details=details)
 
 

@@ -26,9 +26,9 @@ from ckpttools.io.torchfile import RecordReader, load_pickle
 from ckpttools.layouts.autotp import _full, _index, _replicas, tensor_universal_files
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE
-from ckpttools.layouts.pipeline import PipelineFiles, read_pipeline
+from ckpttools.layouts.pipeline import PipelineFiles, StageGlobals, read_pipeline, run_args
 from ckpttools.layouts.rankfile import RankFile, check_agree
-from ckpttools.layouts.tp_map import TensorPlan, tensor_plans
+from ckpttools.layouts.tp_map import TensorPlan, _matching, _plan, tensor_plans
 from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
 from ckpttools.model.checkpoint import Checkpoint, Param, Replica
 from ckpttools.model.origin import CheckpointLocation
@@ -94,8 +94,8 @@ def read_pipeline_tp(loc: CheckpointLocation, rules: Mapping[str, Any] | None = 
     names = list(getattr(loc.files, "names", None) or sorted(p.name for p in loc.tag_dir.iterdir()))
     per_tp = tp_rank_files(names, str(loc.tag_dir))
     tp = len(per_tp)
-    models = [RankFile(loc.tag_dir / f.stages[s], load_pickle(loc.tag_dir / f.stages[s]), "model-states")
-              for s in sorted(per_tp[0].stages) for f in per_tp if s in f.stages]  # fmt: skip
+    models = [RankFile(loc.tag_dir / f.stages[s], load_pickle(loc.tag_dir / f.stages[s], extra_globals=StageGlobals()),
+                       "model-states") for s in sorted(per_tp[0].stages) for f in per_tp if s in f.stages]  # fmt: skip
     with RecordReader() as reader:
         for key in RANKS_AGREE:
             check_agree(models, [f.obj.get(key) for f in models], key, reader)
@@ -109,8 +109,52 @@ def read_pipeline_tp(loc: CheckpointLocation, rules: Mapping[str, Any] | None = 
                 f"{loc.tag_dir}: TP rank {t}'s files hold other parameters than TP rank 0's; files of different "
                 "runs are mixed: re-copy the tag folder"
             )
-    plans = tensor_plans(models[:1], ranks)
-    return _merged(loc, ranks, plans, models, tp)
+    return _merged(loc, ranks, _plans(models[0], ranks), models, tp)
+
+
+HALVES = "parameter_with_2_sub_params_cat_dim_0"
+
+
+def _plans(f0: RankFile, ranks: list[Checkpoint]) -> dict[str, TensorPlan]:
+    """tp_map's plans, and for Megatron-DeepSpeed's SwiGLU `dense_h_to_4h` (listed in `HALVES`: each TP rank holds
+    [its gate rows; its up rows]) the merge ds_to_universal makes: every rank's first half, then every second half
+    ([gate; up] of the whole layer), as an affine map of two pieces per rank."""
+    info = f0.obj[INFO]
+    halves = [str(p) for p in info.get(HALVES) or []]
+    if not halves or info.get("affine_map"):
+        return tensor_plans([f0], ranks)
+    f0 = RankFile(f0.path, {**f0.obj, INFO: {k: v for k, v in info.items() if k != HALVES}}, f0.what)
+    plans = tensor_plans([f0], ranks)
+    for name, plan in plans.items():
+        if _matching(f0, name, dict.fromkeys(halves)) is not None:
+            plans[name] = _plan(f0, name, _halves_map(plan.shard_shapes), list(plan.shard_shapes), None)
+    return plans
+
+
+def _halves_map(local: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
+    """The affine map (tp_map's form) of a tensor whose every TP shard is [a slice of part 1; a slice of part 2]."""
+    inner = 1
+    for d in local[0][1:]:
+        inner *= d
+    half = local[0][0] // 2
+    full = [sum(s[0] for s in local), *local[0][1:]]
+    strides = [inner, *_strides(local[0][1:])]
+    ranks = {}
+    for r, shard in enumerate(local):
+        if shard != local[0] or shard[0] % 2:
+            raise CorruptCheckpointError(f"TP shards {[list(s) for s in local]} do not split into two equal halves")
+        pieces = [{"shape": [half, *shard[1:]], "source": [(part * full[0] // 2 + r * half) * inner, strides],
+                   "dest": [part * half * inner, strides], "locations": [r]} for part in (0, 1)]  # fmt: skip
+        ranks[r] = {"shard_shape": list(shard), "pieces": pieces}
+    return {"logical_shape": full, "ranks": ranks}
+
+
+def _strides(shape: tuple[int, ...]) -> list[int]:
+    out, n = [], 1
+    for d in reversed(shape):
+        out.insert(0, n)
+        n *= d
+    return out
 
 
 def _with_rules(loc: CheckpointLocation, models: list[RankFile], rules: Mapping[str, Any] | None) -> list[RankFile]:
@@ -204,6 +248,9 @@ def _layout(
         "padded_vocab_size": info.get("padded_vocab_size"),
         "model_files": [f.path.name for f in models],
     }
+    args = run_args(models[0].obj)
+    if args:
+        details["args"] = args  # Megatron-DeepSpeed's: what adapters.megatron_deepspeed maps the names with
     return ParallelLayout(kind="pipeline_tp", dp=first.dp_world_size, tp=tp, pp=pp, details=details)
 
 
