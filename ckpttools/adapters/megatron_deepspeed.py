@@ -25,7 +25,7 @@ from typing import Any
 from ckpttools.adapters import megatron_gpt
 from ckpttools.adapters.base import mapped_checkpoint
 from ckpttools.adapters.segments import renamed
-from ckpttools.errors import UnsupportedCheckpointError
+from ckpttools.errors import CkptError, UnsupportedCheckpointError
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
 ARCHITECTURES = ("LlamaForCausalLM", "GPTBigCodeForCausalLM")
@@ -73,9 +73,17 @@ class MegatronDeepSpeed:
         return megatron_gpt.run_config(ckpt, given, ARCHITECTURES, what, lambda a: config_from_args(a, ckpt))
 
     def tensors(self, ckpt: Checkpoint, config: dict[str, Any]) -> tuple[list[TensorSource], list[str]]:
-        """Megatron-Core's names first (`core_names`), then Megatron-Core's table."""
-        core = mapped_checkpoint(ckpt, core_names(ckpt.sources(ckpt.train_dtype)))
-        return megatron_gpt.ADAPTER.tensors(core, config)
+        """Megatron-Core's names first (`core_names`), then Megatron-Core's table; a refusal names the tensor as this
+        checkpoint names it."""
+        sources = ckpt.sources(ckpt.train_dtype)
+        core = core_names(sources)
+        try:
+            return megatron_gpt.ADAPTER.tensors(mapped_checkpoint(ckpt, core), config)
+        except CkptError as e:
+            message = str(e)
+            for ours, theirs in sorted(zip(core, sources, strict=True), key=lambda p: -len(p[0].name)):
+                message = message.replace(ours.name, theirs.name)
+            raise type(e)(message) from e
 
 
 def core_names(sources: list[TensorSource]) -> list[TensorSource]:

@@ -1,0 +1,156 @@
+"""Megatron-DeepSpeed 3D (pipeline 2 x TP 2) mapped to Hugging Face names (adapters/megatron_deepspeed.py), against
+Megatron-DeepSpeed's own forward. The fixtures are real runs of Megatron-DeepSpeed (fixtures/build/
+fixture_megatron_deepspeed.py): the classic GPT (-> GPTBigCode) and a Llama-style run (-> Llama, GQA)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ckpttools import consolidate
+from ckpttools.adapters import ConfigNeededError, adapt, megatron_gpt
+from ckpttools.adapters.registry import adapter_for
+from ckpttools.adapters.segments import concat, grouped_rows, split_rows
+from ckpttools.layouts.registry import open_checkpoint
+from tests.support.megatron import ckpt_cli, logits_error, run_folder
+
+from .conftest import FIXTURES
+
+GPT, LLAMA = "megatron_deepspeed_gpt_pp2_tp2", "megatron_deepspeed_llama_pp2_tp2"
+TOY = "pp2_tp2_dp1_z1_bf16_megatron"  # a PipelineModule of the fixture's own (toy TP layers), no args
+TOLERANCE = 1e-5
+
+
+@pytest.mark.parametrize(("name", "arch"), [(GPT, "GPTBigCodeForCausalLM"), (LLAMA, "LlamaForCausalLM")])
+def test_consolidated_logits_equal_megatron_deepspeeds(tmp_path: Path, name: str, arch: str) -> None:
+    result = consolidate(run_folder(name), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [arch] and config["vocab_size"] == 251  # padded 256 -> the tokenizer's 251
+    assert any("generated from the run's arguments" in n for n in result.notes)
+    assert logits_error(tmp_path / "hf", name) <= TOLERANCE
+
+
+def test_config_is_generated_from_the_runs_args(tmp_path: Path) -> None:
+    consolidate(run_folder(LLAMA), tmp_path / "llama")
+    llama = json.loads((tmp_path / "llama" / "config.json").read_text())
+    want = {"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+            "head_dim": 4, "intermediate_size": 64, "tie_word_embeddings": False, "rms_norm_eps": 1e-5,
+            "attention_bias": False, "hidden_act": "silu"}  # fmt: skip
+    assert {k: llama[k] for k in want} == want
+    consolidate(run_folder(GPT), tmp_path / "gpt")
+    gpt = json.loads((tmp_path / "gpt" / "config.json").read_text())
+    want = {"n_embd": 32, "n_layer": 4, "n_head": 4, "n_inner": 128, "n_positions": 32, "multi_query": False,
+            "activation_function": "gelu", "tie_word_embeddings": True}  # fmt: skip
+    assert {k: gpt[k] for k in want} == want
+
+
+@pytest.mark.parametrize("name", [GPT, LLAMA])
+def test_output_keys_and_shapes_are_the_classs(tmp_path: Path, name: str) -> None:
+    import transformers
+
+    consolidate(run_folder(name), tmp_path / "hf")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        written = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+    assert written == expected
+
+
+def test_the_layout_carries_the_args_and_merges_swiglu_halves() -> None:
+    ckpt = open_checkpoint(run_folder(LLAMA))
+    assert ckpt.layout.kind == "pipeline_tp" and (ckpt.layout.tp, ckpt.layout.pp) == (2, 2)
+    args = ckpt.layout.details["args"]
+    assert (args["swiglu"], args["num_key_value_heads"], args["params_dtype"]) == (True, 4, "float32")
+    assert ckpt.masters["2.mlp.dense_h_to_4h.weight"].shape == (128, 32)  # [gate; up] of both TP ranks
+    assert ckpt.masters["1.word_embeddings.weight"].shape == (251, 32)  # vocabulary cut by the layout
+
+
+def test_inspect_names_the_adapter() -> None:
+    for name, arch in ((GPT, "GPTBigCodeForCausalLM"), (LLAMA, "LlamaForCausalLM")):
+        r = ckpt_cli("inspect", str(run_folder(name)))
+        assert r.returncode == 0, r.stderr
+        assert f"megatron-deepspeed -> {arch}" in r.stdout, r.stdout
+
+
+def _naive_qkv(src: Any, names: tuple[str, ...], d: Any) -> list[Any]:
+    """q, k, v as three consecutive blocks (ignoring the per-group interleave)."""
+    return split_rows(src, (d.heads * d.head_dim, d.groups * d.head_dim, d.groups * d.head_dim), names)
+
+
+def _swapped_halves(src: Any, names: tuple[str, ...], d: Any) -> list[Any]:
+    return megatron_gpt.halves(src, (names[1], names[0]), d)
+
+
+def _c_attn_as_blocks(src: Any, names: tuple[str, ...], d: Any) -> list[Any]:
+    """GPTBigCode's c_attn written as [all q; all k; all v] instead of per head [q; k; v]."""
+    return [concat(grouped_rows(src, d.heads, (d.head_dim,) * 3, (names[0],) * 3), names[0])]
+
+
+@pytest.mark.parametrize(
+    ("name", "table", "key", "op"),
+    [(LLAMA, "LAYER", "self_attention.linear_qkv.weight", _naive_qkv),
+     (LLAMA, "LAYER", "mlp.linear_fc1.weight", _swapped_halves),
+     (GPT, "BIGCODE_LAYER", "self_attention.linear_qkv.weight", _c_attn_as_blocks)],
+)  # fmt: skip
+def test_negative_controls_fail_the_comparison(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, table: str, key: str, op: Any
+) -> None:
+    rules = getattr(megatron_gpt, table)
+    monkeypatch.setitem(rules, key, (rules[key][0], op))
+    consolidate(run_folder(name), tmp_path / "hf")
+    assert logits_error(tmp_path / "hf", name) > 1e-2  # the comparison catches a wrong mapping
+
+
+def test_a_config_of_another_architecture_is_refused(tmp_path: Path) -> None:
+    consolidate(run_folder(LLAMA), tmp_path / "llama")
+    r = ckpt_cli("consolidate", str(run_folder(GPT)), "--out", str(tmp_path / "hf"), "--config",
+                 str(tmp_path / "llama" / "config.json"))  # fmt: skip
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("Error: ") and "2.self_attention.query_key_value" in last, r.stderr
+    assert not (tmp_path / "hf").exists()
+    (tmp_path / "qwen3").mkdir()
+    qwen3 = {**json.loads((tmp_path / "llama" / "config.json").read_text()), "architectures": ["Qwen3ForCausalLM"]}
+    (tmp_path / "qwen3" / "config.json").write_text(json.dumps(qwen3))
+    r = ckpt_cli("consolidate", str(run_folder(LLAMA)), "--out", str(tmp_path / "hf"), "--config",
+                 str(tmp_path / "qwen3" / "config.json"))  # fmt: skip
+    assert r.returncode != 0 and "Qwen3ForCausalLM" in r.stderr.strip().splitlines()[-1], r.stderr
+    assert not (tmp_path / "hf").exists()
+
+
+def test_with_the_runs_own_config_given(tmp_path: Path) -> None:
+    consolidate(run_folder(LLAMA), tmp_path / "ref")
+    result = consolidate(run_folder(LLAMA), tmp_path / "hf", config=tmp_path / "ref" / "config.json")
+    assert not any("generated from the run's arguments" in n for n in result.notes)
+    assert logits_error(tmp_path / "hf", LLAMA) <= TOLERANCE
+
+
+def test_without_args_it_needs_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = open_checkpoint(run_folder(GPT))
+    monkeypatch.delitem(ckpt.layout.details, "args")
+    with pytest.raises(ConfigNeededError, match="--config"):
+        adapt(ckpt, None)
+
+
+def test_a_pipeline_module_of_ones_own_is_not_claimed() -> None:
+    ckpt = open_checkpoint(FIXTURES / TOY / "checkpoint")
+    assert "args" not in ckpt.layout.details and adapter_for(ckpt) is None
+
+
+def test_a_run_after_fpdt_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Megatron-DeepSpeed after #441 splits query_key_value as [all q; all k; all v] per TP rank: refused by its
+    args (which carry the FPDT options), not mapped with the older layout."""
+    ckpt = open_checkpoint(run_folder(GPT))
+    monkeypatch.setitem(
+        ckpt.layout.details, "args", {**ckpt.layout.details["args"], "ds_sequence_parallel_fpdt": False}
+    )
+    with pytest.raises(Exception, match="FPDT"):
+        adapt(ckpt, None)
