@@ -27,6 +27,7 @@ QWEN2 = "megatron_tp2_qwen2"  # --add-qkv-bias, args without vocab_size (a Huggi
 BIAS = "megatron_tp2_llama_bias"  # --add-bias-linear: qkv, proj, fc1, fc2 biases
 LLAMA31 = "megatron_tp2_llama31"  # --use-rope-scaling, RoPE base 500000, kv_channels 16 != hidden 32 / 4 heads
 GPT = "megatron_tp2_gpt"  # Megatron-LM's defaults: LayerNorm, GeLU, learned positions, biases, tied
+PP2_TIED = "megatron_tp2_pp2_llama_tied"  # the last stage's tied output layer saved under the embedding's key
 LLAMA, MOE = "megatron_tp2_llama", "megatron_tp2_qwen3_moe"
 TOLERANCE = 1e-5
 
@@ -51,6 +52,7 @@ def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str,
     [(QWEN2, "Qwen2ForCausalLM", {"vocab_size": 64, "rope_theta": 1e6}),
      (BIAS, "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
      (LLAMA31, "LlamaForCausalLM", {"head_dim": 16, "rope_theta": 500000.0}),
+     (PP2_TIED, "LlamaForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 4}),
      (GPT, "GPTBigCodeForCausalLM", {"multi_query": False, "tie_word_embeddings": True,
                                      "activation_function": "gelu"})],
 )  # fmt: skip

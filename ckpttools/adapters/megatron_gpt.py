@@ -12,8 +12,11 @@ Megatron's conventions (megatron/core/transformer/*, checked against Megatron-Br
   `linear_fc1.layer_norm_weight` the post-attention norm; the local spec saves them under these names too);
 - the vocabulary is padded (`padded_vocab_size`): rows past the config's `vocab_size` are dropped;
 - biases (`linear_qkv.bias` grouped like its rows, `linear_fc1.bias` = [gate; up]) follow their weights;
-- the classic GPT's `linear_qkv` with as many query groups as heads is per head [q; k; v], and with one group
-  [all q; k; v]: GPTBigCode's `c_attn` (multi_query false / true) as it is, no row moved.
+- the classic GPT's `linear_qkv` with as many query groups as heads is per head [q; k; v]: GPTBigCode's `c_attn`
+  (multi_query false) as it is, no row moved. (One group would be [all q; k; v], its multi_query true; no save of
+  it has been checked, tensor-parallel 2 needs 2 groups: refused.)
+What changes the computation and no target class has (interleaved or partial RoPE, zero-centered norms, post-norm
+residuals, sliding windows, ...) is refused from the run's arguments in one line, before anything is written.
 
 The table (`TOP`, `LAYER`) says, for each Megatron name, which Hugging Face names it becomes and by which operation;
 `tensors` applies it. Every shape is checked against the config before any byte is read.
@@ -81,10 +84,10 @@ class Dims:
 
     @classmethod
     def _bigcode(cls, config: dict[str, Any]) -> Dims:
-        """GPTBigCode: multi-head (as many query groups as heads) or multi-query (one), every linear biased."""
+        """GPTBigCode: multi-head attention (as many query groups as heads), every linear biased."""
         hidden, heads = int(config["n_embd"]), int(config["n_head"])
         return cls(
-            hidden=hidden, layers=int(config["n_layer"]), heads=heads, groups=1 if config["multi_query"] else heads,
+            hidden=hidden, layers=int(config["n_layer"]), heads=heads, groups=1 if config.get("multi_query") else heads,
             head_dim=hidden // heads, ffn=int(config.get("n_inner") or 4 * hidden), vocab=int(config["vocab_size"]),
             qk_norm=False, tied=bool(config.get("tie_word_embeddings", True)), qkv_bias=True, o_bias=True,
             mlp_bias=True,
@@ -274,7 +277,7 @@ class MegatronGpt:
                 f"{unused[0]} has no rule in the Megatron GPT -> {arch} mapping ({len(unused)} such tensors); "
                 "nothing written"
             )
-        order = _order_bigcode(d) if arch == BIGCODE else _order(d)
+        order = bigcode_order(d) if arch == BIGCODE else _order(d)
         return in_class_order(out, order, d.tied), padded_vocab_notes(ckpt, config)
 
 
@@ -347,7 +350,8 @@ def _order(d: Dims) -> list[str]:
     return [*names, "model.norm.weight", "lm_head.weight"]
 
 
-def _order_bigcode(d: Dims) -> list[str]:
+def bigcode_order(d: Dims) -> list[str]:
+    """GPTBigCodeForCausalLM's state-dict order (public: any classic Megatron GPT source maps onto the same)."""
     names = ["transformer.wte.weight", "transformer.wpe.weight"]
     for i in range(d.layers):
         for m in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
@@ -476,14 +480,14 @@ def _is_classic_gpt(args: dict[str, Any]) -> bool:
 
 
 def bigcode_config(args: dict[str, Any]) -> dict[str, Any]:
-    """The classic Megatron GPT as GPTBigCodeForCausalLM: multi-head (query groups = heads) or multi-query (one
-    group) attention, biases in every linear (or refused), exact or tanh GeLU."""
+    """The classic Megatron GPT as GPTBigCodeForCausalLM: multi-head attention (query groups = heads), biases in
+    every linear (or refused), exact or tanh GeLU."""
     _refuse_common(args, "the classic GPT (GPTBigCode) mapping")
     hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
     groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
     checks = [
         (args.get("add_bias_linear", True), "linear layers without biases (--disable-bias-linear)"),
-        (groups in (1, heads), f"{groups} query groups for {heads} heads (GPTBigCode: multi-head or multi-query)"),
+        (groups == heads, f"{groups} query groups for {heads} heads (mapped: multi-head attention)"),
         (int(args.get("kv_channels") or hidden // heads) * heads == hidden, "kv_channels other than hidden/heads"),
         (not args.get("squared_relu") and not args.get("quick_geglu"), "a squared-ReLU or quick-GeGLU MLP"),
     ]  # fmt: skip
@@ -499,7 +503,7 @@ def bigcode_config(args: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": _vocab(args),
         "layer_norm_epsilon": _epsilon(args),
         "activation_function": "gelu_pytorch_tanh" if args.get("openai_gelu") else "gelu",
-        "multi_query": groups == 1 and heads > 1,
+        "multi_query": False,
         "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
         "scale_attn_weights": True,
         "attn_pdrop": 0.0,
