@@ -150,7 +150,8 @@ def _halves_map(local: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
 
 
 def _strides(shape: tuple[int, ...]) -> list[int]:
-    out, n = [], 1
+    out: list[int] = []
+    n = 1
     for d in reversed(shape):
         out.insert(0, n)
         n *= d
