@@ -22,7 +22,8 @@ from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.layouts.registry import open_checkpoint
 from tests.support.megatron import FIXTURES, ckpt_cli, logits_error, run_folder
 
-V0_13, V0_16 = "megatron_v0_13_0_tp2_llama", "megatron_v0_16_1_tp2_llama"  # common.pt; 0.13's MCoreSavePlan
+V0_13 = "megatron_v0_13_0_tp2_llama_adam"  # MCoreSavePlan in .metadata, common.pt, fully_sharded_model_space Adam
+V0_16 = "megatron_v0_16_1_tp2_llama"  # common.pt
 QWEN2 = "megatron_tp2_qwen2"  # --add-qkv-bias, args without vocab_size (a Hugging Face tokenizer's run)
 BIAS = "megatron_tp2_llama_bias"  # --add-bias-linear: qkv, proj, fc1, fc2 biases
 LLAMA31 = "megatron_tp2_llama31"  # --use-rope-scaling, RoPE base 500000, kv_channels 16 != hidden 32 / 4 heads
@@ -38,10 +39,13 @@ def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str,
     assert meta["versions"]["megatron-core"] == release
     folder = run_folder(name) / "iter_0000002"
     assert (folder / "common.pt").is_file()  # the args beside the DCP files, not in common_state
-    if release == "0.13.0":  # its SavePlan subclass is pickled in .metadata's all_local_plans
-        assert b"MCoreSavePlan" in (folder / ".metadata").read_bytes()
     r = ckpt_cli("inspect", str(run_folder(name)))
     assert r.returncode == 0 and "megatron-core -> LlamaForCausalLM" in r.stdout, r.stdout + r.stderr
+    if release == "0.13.0":  # its SavePlan subclass is pickled in .metadata's all_local_plans
+        assert b"MCoreSavePlan" in (folder / ".metadata").read_bytes()
+        # its distributed optimizer's default layout: optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<weight>
+        assert "per-parameter" in r.stdout and "fp32_param" in r.stdout, r.stdout
+        assert len(open_checkpoint(run_folder(name)).keys) == 9  # the optimizer state is not read as weights
     consolidate(run_folder(name), tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 61
     assert logits_error(tmp_path / "hf", name) <= TOLERANCE
