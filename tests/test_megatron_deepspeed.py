@@ -22,11 +22,14 @@ from tests.support.megatron import ckpt_cli, logits_error, run_folder
 from .conftest import FIXTURES
 
 GPT, LLAMA = "megatron_deepspeed_gpt_pp2_tp2", "megatron_deepspeed_llama_pp2_tp2"
+FUSED = "megatron_deepspeed_gpt_pp2_tp2_fused_gelu"  # --bias-gelu-fusion (the default): tanh GeLU
 TOY = "pp2_tp2_dp1_z1_bf16_megatron"  # a PipelineModule of the fixture's own (toy TP layers), no args
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize(("name", "arch"), [(GPT, "GPTBigCodeForCausalLM"), (LLAMA, "LlamaForCausalLM")])
+@pytest.mark.parametrize(
+    ("name", "arch"), [(GPT, "GPTBigCodeForCausalLM"), (FUSED, "GPTBigCodeForCausalLM"), (LLAMA, "LlamaForCausalLM")]
+)
 def test_consolidated_logits_equal_megatron_deepspeeds(tmp_path: Path, name: str, arch: str) -> None:
     result = consolidate(run_folder(name), tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -108,6 +111,17 @@ def test_negative_controls_fail_the_comparison(
     monkeypatch.setitem(rules, key, (rules[key][0], op))
     consolidate(run_folder(name), tmp_path / "hf")
     assert logits_error(tmp_path / "hf", name) > 1e-2  # the comparison catches a wrong mapping
+
+
+def test_the_gelu_variant_follows_the_run(tmp_path: Path) -> None:
+    """The fused bias GeLU is the tanh approximation: exact GeLU in its place is off by more than the tolerance."""
+    for name, act in ((GPT, "gelu"), (FUSED, "gelu_pytorch_tanh")):
+        consolidate(run_folder(name), tmp_path / name)
+        config = json.loads((tmp_path / name / "config.json").read_text())
+        assert config["activation_function"] == act
+    swapped = {**config, "activation_function": "gelu"}
+    (tmp_path / FUSED / "config.json").write_text(json.dumps(swapped))
+    assert logits_error(tmp_path / FUSED, FUSED) > TOLERANCE
 
 
 def test_a_config_of_another_architecture_is_refused(tmp_path: Path) -> None:
