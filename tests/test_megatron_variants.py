@@ -29,7 +29,7 @@ BIAS = "megatron_tp2_llama_bias"  # --add-bias-linear: qkv, proj, fc1, fc2 biase
 LLAMA31 = "megatron_tp2_llama31"  # --use-rope-scaling, RoPE base 500000, kv_channels 16 != hidden 32 / 4 heads
 GPT = "megatron_tp2_gpt"  # Megatron-LM's defaults: LayerNorm, GeLU, learned positions, biases, tied
 PP2_TIED = "megatron_tp2_pp2_llama_tied"  # the last stage's tied output layer saved under the embedding's key
-LLAMA, MOE = "megatron_tp2_llama", "megatron_tp2_qwen3_moe"
+LLAMA, MOE, DEEPSEEK = "megatron_tp2_llama", "megatron_tp2_qwen3_moe", "megatron_moe_ep2_deepseek_v3"
 TOLERANCE = 1e-5
 
 
@@ -133,7 +133,8 @@ def test_biases_the_configs_class_lacks_are_refused(tmp_path: Path) -> None:
      (GPT, {"add_bias_linear": False}, "--disable-bias-linear"),
      (GPT, {"squared_relu": True}, "squared-ReLU"),
      (MOE, {"add_qkv_bias": True}, "linear biases"),
-     (MOE, {"use_rope_scaling": True}, "RoPE scaling")],
+     (MOE, {"use_rope_scaling": True}, "RoPE scaling"),
+     (DEEPSEEK, {"rotary_interleaved": True}, "--rotary-interleaved")],  # on top of MLA's own interleave
 )  # fmt: skip
 def test_what_is_not_mapped_is_refused_before_any_write(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, change: dict[str, Any], said: str

@@ -332,6 +332,8 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
 
 def _deepseek_config(args: dict[str, Any]) -> dict[str, Any]:
     """DeepSeek-V3: the dense GPT's config for the common fields, MLA's and the sigmoid router's added."""
+    # --rotary-interleaved stays refused (gpt's common refusals): MLA's own interleave (HF's rope_interleave) comes
+    # on top of it in Megatron's rotate-half, which no transformers class does
     config = gpt.llama_config({**args, "num_experts": None, "qk_layernorm": False, "multi_latent_attention": False,
                                    "moe_shared_expert_intermediate_size": None, "group_query_attention": False,
                                    "moe_router_score_function": "softmax"})  # fmt: skip
