@@ -13,9 +13,10 @@ import torch
 from safetensors import safe_open
 
 from ckpttools import consolidate
-from ckpttools.adapters import ConfigNeededError, adapt, megatron_gpt
+from ckpttools.adapters import ConfigNeededError, adapt, megatron_deepspeed, megatron_gpt
 from ckpttools.adapters.registry import adapter_for
 from ckpttools.adapters.segments import concat, grouped_rows, split_rows
+from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.layouts.registry import open_checkpoint
 from tests.support.megatron import ckpt_cli, logits_error, run_folder
 
@@ -23,13 +24,16 @@ from .conftest import FIXTURES
 
 GPT, LLAMA = "megatron_deepspeed_gpt_pp2_tp2", "megatron_deepspeed_llama_pp2_tp2"
 FUSED = "megatron_deepspeed_gpt_pp2_tp2_fused_gelu"  # --bias-gelu-fusion (the default): tanh GeLU
+AFTER_FPDT = "megatron_deepspeed_gpt_pp2_tp2_after_fpdt"  # Megatron-DeepSpeed after #441: [q; k; v] per TP rank
 TOY = "pp2_tp2_dp1_z1_bf16_megatron"  # a PipelineModule of the fixture's own (toy TP layers), no args
 TOLERANCE = 1e-5
 
 
 @pytest.mark.parametrize(
-    ("name", "arch"), [(GPT, "GPTBigCodeForCausalLM"), (FUSED, "GPTBigCodeForCausalLM"), (LLAMA, "LlamaForCausalLM")]
-)
+    ("name", "arch"),
+    [(GPT, "GPTBigCodeForCausalLM"), (FUSED, "GPTBigCodeForCausalLM"), (AFTER_FPDT, "GPTBigCodeForCausalLM"),
+     (LLAMA, "LlamaForCausalLM")],
+)  # fmt: skip
 def test_consolidated_logits_equal_megatron_deepspeeds(tmp_path: Path, name: str, arch: str) -> None:
     result = consolidate(run_folder(name), tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -159,12 +163,24 @@ def test_a_pipeline_module_of_ones_own_is_not_claimed() -> None:
     assert "args" not in ckpt.layout.details and adapter_for(ckpt) is None
 
 
-def test_a_run_after_fpdt_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Megatron-DeepSpeed after #441 splits query_key_value as [all q; all k; all v] per TP rank: refused by its
-    args (which carry the FPDT options), not mapped with the older layout."""
-    ckpt = open_checkpoint(run_folder(GPT))
-    monkeypatch.setitem(
-        ckpt.layout.details, "args", {**ckpt.layout.details["args"], "ds_sequence_parallel_fpdt": False}
-    )
-    with pytest.raises(Exception, match="FPDT"):
+def test_after_fpdt_the_qkv_rows_are_put_back_per_head(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control: read as the older per-head layout, the run after #441 is caught by the comparison."""
+    monkeypatch.setattr(megatron_deepspeed, "after_fpdt", lambda args: False)
+    consolidate(run_folder(AFTER_FPDT), tmp_path / "hf")
+    assert logits_error(tmp_path / "hf", AFTER_FPDT) > 1e-2
+
+
+@pytest.mark.parametrize(
+    ("change", "what"),
+    [
+        ({"num_key_value_heads": 2}, "GQA after #441"),
+        ({"use_rotary_position_embeddings": True}, "rotary embeddings after #441"),
+    ],
+)
+def test_what_after_fpdt_cannot_be_checked_is_refused(
+    monkeypatch: pytest.MonkeyPatch, change: dict[str, Any], what: str
+) -> None:
+    ckpt = open_checkpoint(run_folder(AFTER_FPDT))
+    monkeypatch.setitem(ckpt.layout.details, "args", {**ckpt.layout.details["args"], **change})
+    with pytest.raises(UnsupportedCheckpointError, match=what):
         adapt(ckpt, None)

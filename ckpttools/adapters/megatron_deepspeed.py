@@ -10,11 +10,13 @@ same layout (checked against its code at 6acc370a and by the fixtures' logits):
   `ParallelAttention.forward`; multi-head: per head [q; k; v]), whatever the TP size;
 - SwiGLU `dense_h_to_4h` = [gate; up] once the layout has merged the TP halves (`parameter_with_2_sub_params`);
 - RoPE as Hugging Face's rotate_half (no row permutation); the vocabulary cut to `original_vocab_size` by the layout.
-So this adapter is a rename table onto Megatron-Core's names (`RENAMES`) plus the run's arguments under Megatron-LM's
+So this adapter is a rename table onto Megatron-Core's names (`LAYER_RENAMES`, `TOP_RENAMES`) plus the run's arguments under Megatron-LM's
 names (`core_args`); adapters.megatron_gpt's table then maps both to Hugging Face's, as it maps Megatron-Core's.
 
-Megatron-DeepSpeed after #441 (FPDT, 2024-12) splits `query_key_value` as [all q; all k; all v] per TP rank
-instead; its args carry `ds_sequence_parallel_fpdt`, and such a run is refused (no CPU run of it to check against).
+Megatron-DeepSpeed after #441 (FPDT, 2024-12; its args carry `ds_sequence_parallel_fpdt`) splits each TP rank's
+`query_key_value` rows as [its q heads; its k heads; its v heads] (thirds of the rank's rows, so only multi-head
+attention is consistent: GQA is refused, and so is RoPE, which its GPTModelPipe fails to build). Its rows are first
+put back into the per-head order (`per_head_qkv`, a row permutation), whose TP size is the layout's.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Any
 
 from ckpttools.adapters import megatron_gpt
 from ckpttools.adapters.base import mapped_checkpoint
-from ckpttools.adapters.segments import renamed
+from ckpttools.adapters.segments import MappingError, permuted_rows, renamed
 from ckpttools.errors import CkptError, UnsupportedCheckpointError
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
@@ -55,6 +57,23 @@ TOP_RENAMES = {
 FINAL_NORM = {"weight": "decoder.final_layernorm.weight", "bias": "decoder.final_layernorm.bias"}
 KEY_RE = re.compile(r"^(?P<layer>\d+|tied_modules\.embed)\.(?P<rest>.+)$")
 QKV = "self_attention.query_key_value.weight"
+QKV_RE = re.compile(r"^\d+\.self_attention\.query_key_value\.(weight|bias)$")
+
+
+def after_fpdt(args: dict[str, Any]) -> bool:
+    """Saved by Megatron-DeepSpeed after #441, which added the FPDT arguments (and the [q; k; v]-per-rank split)."""
+    return "ds_sequence_parallel_fpdt" in args
+
+
+def per_head_qkv(src: TensorSource, heads: int, tp: int) -> TensorSource:
+    """Rows [q heads; k heads; v heads] of each TP rank in turn -> per head [q; k; v] (the order before #441)."""
+    total = src.shape[0] if src.shape else 0
+    if not heads or heads % tp or total % (3 * heads):
+        raise MappingError(f"{src.name} is {list(src.shape)}: not 3 x {heads} heads over {tp} TP ranks")
+    per_rank, local, dim = total // tp, heads // tp, total // (3 * heads)
+    order = [t * per_rank + part * local * dim + h * dim + r
+             for t in range(tp) for h in range(local) for part in range(3) for r in range(dim)]  # fmt: skip
+    return permuted_rows(src, order, src.name)
 
 
 class MegatronDeepSpeed:
@@ -76,6 +95,9 @@ class MegatronDeepSpeed:
         """Megatron-Core's names first (`core_names`), then Megatron-Core's table; a refusal names the tensor as this
         checkpoint names it."""
         sources = ckpt.sources(ckpt.train_dtype)
+        if after_fpdt(ckpt.layout.details.get("args") or {}):
+            heads = int(config.get("n_head") or config.get("num_attention_heads") or 0)
+            sources = [per_head_qkv(s, heads, ckpt.layout.tp) if QKV_RE.match(s.name) else s for s in sources]
         core = core_names(sources)
         try:
             return megatron_gpt.ADAPTER.tensors(mapped_checkpoint(ckpt, core), config)
@@ -121,9 +143,13 @@ def core_args(args: dict[str, Any], original_vocab: int | None) -> dict[str, Any
     refusal naming what only Megatron-DeepSpeed has."""
     experts = args.get("num_experts")
     moe = any(int(e) > 1 for e in experts) if isinstance(experts, list) else bool(experts and int(experts) > 1)
+    heads = int(args.get("num_attention_heads") or 0)
+    kv_heads = int(args.get("num_key_value_heads") or heads)
     checks = [
-        ("ds_sequence_parallel_fpdt" not in args,
-         "Megatron-DeepSpeed after #441 (FPDT), which splits query_key_value as [all q; all k; all v] per TP rank"),
+        (not after_fpdt(args) or kv_heads == heads,
+         "GQA after #441 (FPDT), whose query_key_value split in thirds holds only for multi-head attention"),
+        (not after_fpdt(args) or not args.get("use_rotary_position_embeddings"),
+         "rotary embeddings after #441 (FPDT), whose GPTModelPipe fails to build them: no such save to check"),
         (not moe and args.get("mlp_type", "standard") == "standard", "MoE layers"),
         (not args.get("onnx_safe"), "--onnx-safe's erf GeLU (sqrt(2) rounded to 1.41421)"),
         (not args.get("use_alibi_position_embeddings"), "ALiBi position embeddings"),
@@ -135,8 +161,6 @@ def core_args(args: dict[str, Any], original_vocab: int | None) -> dict[str, Any
                 f"the Megatron-DeepSpeed run uses {what}, which the Llama/GPTBigCode mapping does not cover; "
                 "nothing written"
             )
-    heads = int(args.get("num_attention_heads") or 0)
-    kv_heads = int(args.get("num_key_value_heads") or heads)
     rope = bool(args.get("use_rotary_position_embeddings"))
     gelu_tanh = args.get("openai_gelu") or (
         args.get("bias_gelu_fusion") and args.get("add_bias_linear", True) and not args.get("swiglu")
