@@ -31,6 +31,11 @@ ITER = "iter_0000002"
 DISTCP = "__1_0.distcp"
 
 
+@pytest.fixture(autouse=True)
+def _checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(integrity.SKIP_VAR, raising=False)  # a user's own setting would skip every check here
+
+
 def run(*args: Any) -> Any:
     return CliRunner().invoke(main, [str(a) for a in args])
 
@@ -198,7 +203,7 @@ def test_a_remote_checkpoint_is_hashed_by_ranged_reads(monkeypatch: pytest.Monke
     monkeypatch.setattr(remote, "_make_filesystem", lambda scheme: fake)
     monkeypatch.setattr(remote, "_FILESYSTEMS", {})
     monkeypatch.setattr(remote, "_MOUNTS", {})
-    monkeypatch.delenv(remote.MOUNTS_VAR, raising=False)
+    monkeypatch.setenv(remote.MOUNTS_VAR, "{}")  # restored (unset) after the test: mount() adds this one
     remote.SMALL_READS.clear()
     ckpt = open_checkpoint(remote.mount("s3://bucket/run"))
     assert check_integrity(ckpt) == "integrity.json: the SHA-256 of all 4 files listed match the save"
