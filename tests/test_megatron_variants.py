@@ -2,9 +2,10 @@
 configurations Megatron-LM users train (Qwen2's q/k/v biases, --add-bias-linear, Llama 3.1's RoPE scaling with a
 head_dim of its own, the classic GPT), each mapped with logits equal to Megatron's own forward or refused in one line.
 
-The fixtures were saved by megatron-core itself (fixtures/build/fixture_megatron.py for 0.19.2's variants,
-fixture_megatron_versions.py for 0.13.0 and 0.16.1), each with the logits of its own forward; megatron-core is not
-needed here. Refusals are checked on the arguments of a real save with one Megatron-LM flag changed.
+The fixtures were saved by megatron-core itself (fixtures/build/fixture_megatron.py for 0.19.2's variants, whose
+arguments come from Megatron-LM's own parser and validate_args, ~800 fields; fixture_megatron_versions.py for 0.13.0
+and 0.16.1), each with the logits of its own forward; megatron-core is not needed here. Refusals are checked on the
+arguments of a real save with one Megatron-LM flag changed.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str,
                                      "activation_function": "gelu"})],
 )  # fmt: skip
 def test_variants_convert_with_megatrons_logits(tmp_path: Path, name: str, arch: str, fields: dict[str, Any]) -> None:
+    args = open_checkpoint(run_folder(name)).layout.details["args"]
+    assert len(args) > 500 and args["transformer_impl"] == "local"  # Megatron-LM's own parser wrote them
     consolidate(run_folder(name), tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == [arch]
