@@ -24,6 +24,7 @@ from .conftest import FIXTURES
 
 GPT, LLAMA = "megatron_deepspeed_gpt_pp2_tp2", "megatron_deepspeed_llama_pp2_tp2"
 FUSED = "megatron_deepspeed_gpt_pp2_tp2_fused_gelu"  # --bias-gelu-fusion (the default): tanh GeLU
+TP1 = "megatron_deepspeed_llama_pp2_tp1"  # the Llama over pipeline 2 alone (layer_XX-model_00 files)
 AFTER_FPDT = "megatron_deepspeed_gpt_pp2_tp2_after_fpdt"  # Megatron-DeepSpeed after #441: [q; k; v] per TP rank
 TOY = "pp2_tp2_dp1_z1_bf16_megatron"  # a PipelineModule of the fixture's own (toy TP layers), no args
 TOLERANCE = 1e-5
@@ -32,7 +33,7 @@ TOLERANCE = 1e-5
 @pytest.mark.parametrize(
     ("name", "arch"),
     [(GPT, "GPTBigCodeForCausalLM"), (FUSED, "GPTBigCodeForCausalLM"), (AFTER_FPDT, "GPTBigCodeForCausalLM"),
-     (LLAMA, "LlamaForCausalLM")],
+     (LLAMA, "LlamaForCausalLM"), (TP1, "LlamaForCausalLM")],
 )  # fmt: skip
 def test_consolidated_logits_equal_megatron_deepspeeds(tmp_path: Path, name: str, arch: str) -> None:
     result = consolidate(run_folder(name), tmp_path / "hf")
@@ -115,6 +116,18 @@ def test_negative_controls_fail_the_comparison(
     monkeypatch.setitem(rules, key, (rules[key][0], op))
     consolidate(run_folder(name), tmp_path / "hf")
     assert logits_error(tmp_path / "hf", name) > 1e-2  # the comparison catches a wrong mapping
+
+
+def test_verify_against_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    consolidate(run_folder(LLAMA), tmp_path / "hf")
+    r = ckpt_cli("verify", str(tmp_path / "hf"), "--against", str(run_folder(LLAMA)))
+    assert r.returncode == 0 and "all 39 tensors bit-identical" in r.stdout + r.stderr, r.stdout + r.stderr
+    rules = megatron_gpt.LAYER
+    monkeypatch.setitem(rules, "mlp.linear_fc1.weight", (rules["mlp.linear_fc1.weight"][0], _swapped_halves))
+    consolidate(run_folder(LLAMA), tmp_path / "swapped")  # written with gate/up swapped: verify must not vouch for it
+    monkeypatch.undo()
+    r = ckpt_cli("verify", str(tmp_path / "swapped"), "--against", str(run_folder(LLAMA)))
+    assert r.returncode == 1 and "gate_proj" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_the_gelu_variant_follows_the_run(tmp_path: Path) -> None:
