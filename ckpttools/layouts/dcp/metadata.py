@@ -152,7 +152,7 @@ _GLOBALS: dict[tuple[str, str], Callable[..., Any]] = {
     ("pathlib", "PurePosixPath"): _path,
     ("pathlib", "PureWindowsPath"): _path,
     ("pathlib", "Path"): _path,
-    # megatron-core 0.13 pickles its SavePlan subclass in all_local_plans (an inert record, with `mcore_data`)
+    # megatron-core 0.13-0.15 pickle their SavePlan subclass in all_local_plans (an inert record, with `mcore_data`)
     ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"): _STUBS["SavePlan"],
 }
 
