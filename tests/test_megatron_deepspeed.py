@@ -130,6 +130,16 @@ def test_verify_against_the_checkpoint(tmp_path: Path, monkeypatch: pytest.Monke
     assert r.returncode == 1 and "gate_proj" in r.stdout + r.stderr, r.stdout + r.stderr
 
 
+@pytest.mark.parametrize("how", [("--universal",), ("--dp", "2")])
+def test_reshard_is_refused_in_one_line(tmp_path: Path, how: tuple[str, ...]) -> None:
+    """The args and RNG state are read as inert records, which a reshard could not write back: refused (it was an
+    internal error), nothing written."""
+    r = ckpt_cli("reshard", str(run_folder(GPT)), *how, "--out", str(tmp_path / "out"))
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and last.startswith("Error: ") and "cannot write back" in last, r.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_the_gelu_variant_follows_the_run(tmp_path: Path) -> None:
     """The fused bias GeLU is the tanh approximation: exact GeLU in its place is off by more than the tolerance."""
     for name, act in ((GPT, "gelu"), (FUSED, "gelu_pytorch_tanh")):

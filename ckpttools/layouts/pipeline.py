@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsupportedCheckpointError, short
-from ckpttools.io.torchfile import LazyTensor, RecordReader, load_pickle
+from ckpttools.io.torchfile import DEEPSPEED_STUBS, LazyTensor, PickledObject, RecordReader, load_pickle
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.crosscheck import OpenFiles, first_difference
 from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE, ZERO3_MODEL_RE
@@ -66,6 +66,9 @@ STAGES_AGREE = ("ds_config", "ds_version", "dp_world_size", "mp_world_size", "ch
                 "global_steps", "global_samples", "skipped_steps", "lr_scheduler")  # fmt: skip
 
 
+WRITABLE_STUBS = tuple(v for v in DEEPSPEED_STUBS.values() if isinstance(v, type))  # torchwriter re-creates these
+
+
 class StageGlobals(_ArgsGlobals):
     """What Megatron-DeepSpeed's client state puts in the stage files besides tensors, as inert records (nothing
     is imported): its `args` (argparse.Namespace with Megatron enums, as layouts.megatron reads Megatron-LM's) and
@@ -80,6 +83,28 @@ class StageGlobals(_ArgsGlobals):
 
     def __contains__(self, key: object) -> bool:
         return key in self.NUMPY or super().__contains__(key)
+
+
+def refuse_inert_records(ckpt: Checkpoint) -> None:
+    """A reshard writes every stage file back as it was read: one holding records read only as inert stand-ins (the
+    args' Namespace and Megatron enums, numpy's RNG state), which the torch writer cannot re-create, is refused."""
+    for obj in ckpt.model_files:
+        found = _inert_record(obj, 0)
+        if found is not None:
+            raise UnsupportedCheckpointError(
+                f"{ckpt.location.tag_dir}: its model-states files hold {found} (Megatron-DeepSpeed's args or RNG "
+                "state), which ckpttools reads as inert records and cannot write back into resharded files; "
+                "consolidate it, or reshard with Megatron-DeepSpeed's tools (ds_to_universal, --universal-checkpoint)"
+            )
+
+
+def _inert_record(obj: Any, depth: int) -> str | None:
+    if isinstance(obj, PickledObject) and type(obj) not in WRITABLE_STUBS:
+        return obj.qualname
+    children = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    if depth > 8:  # the client state is shallow; a deeper structure is not Megatron-DeepSpeed's
+        return None
+    return next((q for child in children if (q := _inert_record(child, depth + 1)) is not None), None)
 
 
 def run_args(stage: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -689,6 +714,7 @@ class PipelineLayout:
 
     def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         check_sliced_reshard(ckpt, target, self.title)
+        refuse_inert_records(ckpt)
         zero = ckpt.ds_config.get("zero_optimization")
         if (zero.get("stage", 0) if isinstance(zero, dict) else 0) == 0:
             raise UnsupportedCheckpointError(

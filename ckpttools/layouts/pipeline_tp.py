@@ -26,7 +26,7 @@ from ckpttools.io.torchfile import RecordReader, load_pickle
 from ckpttools.layouts.autotp import _full, _index, _replicas, tensor_universal_files
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE
-from ckpttools.layouts.pipeline import PipelineFiles, StageGlobals, read_pipeline, run_args
+from ckpttools.layouts.pipeline import PipelineFiles, StageGlobals, read_pipeline, refuse_inert_records, run_args
 from ckpttools.layouts.rankfile import RankFile, check_agree
 from ckpttools.layouts.tp_map import TensorPlan, _matching, _plan, tensor_plans
 from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
@@ -290,6 +290,7 @@ class PipelineTpLayout:
 
     def check_reshard(self, ckpt: Checkpoint, target: ReshardTarget) -> None:
         check_sliced_reshard(ckpt, target, self.title)
+        refuse_inert_records(ckpt)
 
     def universal_files(self, ckpt: Checkpoint) -> dict[str, Any]:
         """As ds_to_universal writes a Megatron-DeepSpeed 3D save: every param's full tensors with its merge
