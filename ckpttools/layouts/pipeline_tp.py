@@ -238,9 +238,11 @@ def _layout(
     first: Checkpoint, pp: int, tp: int, plans: dict[str, TensorPlan], models: list[RankFile]
 ) -> ParallelLayout:
     info = models[0].obj[INFO]
+    halves = {} if info.get("affine_map") else dict.fromkeys(str(p) for p in info.get(HALVES) or [])
     split: dict[str, list[str]] = {}
     for name, plan in plans.items():
-        split.setdefault(_split_of(plan), []).append(name)
+        how = "halves of each rank, joined ([gate; up])" if _matching(models[0], name, halves) else _split_of(plan)
+        split.setdefault(how, []).append(name)
     details = {
         "layer_stage": first.layout.details.get("layer_stage", {}),
         "tied": first.layout.details.get("tied", {}),
