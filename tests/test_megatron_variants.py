@@ -1,6 +1,7 @@
 """Megatron checkpoints beyond the first fixtures' release and model: older megatron-core releases, and the model
 configurations Megatron-LM users train (Qwen2's q/k/v biases, --add-bias-linear, Llama 3.1's RoPE scaling with a
-head_dim of its own, the classic GPT), each mapped with logits equal to Megatron's own forward or refused in one line.
+head_dim of its own, StableLM's LayerNorm + SwiGLU + partial RoPE, the classic GPT), each mapped with logits
+equal to Megatron's own forward or refused in one line.
 
 The fixtures were saved by megatron-core itself (fixtures/build/fixture_megatron.py for 0.19.2's variants, whose
 arguments come from Megatron-LM's own parser and validate_args, ~800 fields; fixture_megatron_versions.py for 0.13.0
@@ -29,6 +30,7 @@ QWEN2 = "megatron_tp2_qwen2"  # --add-qkv-bias, args without vocab_size (a Huggi
 BIAS = "megatron_tp2_llama_bias"  # --add-bias-linear: qkv, proj, fc1, fc2 biases
 LLAMA31 = "megatron_tp2_llama31"  # --use-rope-scaling, RoPE base 500000, kv_channels 16 != hidden 32 / 4 heads
 GPT = "megatron_tp2_gpt"  # Megatron-LM's defaults: LayerNorm, GeLU, learned positions, biases, tied
+STABLELM = "megatron_tp2_stablelm"  # LayerNorm + SwiGLU + RoPE on half of each head, --add-qkv-bias
 PP2_TIED = "megatron_tp2_pp2_llama_tied"  # the last stage's tied output layer saved under the embedding's key
 LLAMA, MOE, DEEPSEEK = "megatron_tp2_llama", "megatron_tp2_qwen3_moe", "megatron_moe_ep2_deepseek_v3"
 TOLERANCE = 1e-5
@@ -57,6 +59,7 @@ def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str,
     [(QWEN2, "Qwen2ForCausalLM", {"vocab_size": 64, "rope_theta": 1e6}),
      (BIAS, "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
      (LLAMA31, "LlamaForCausalLM", {"head_dim": 16, "rope_theta": 500000.0}),
+     (STABLELM, "StableLmForCausalLM", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}),
      (PP2_TIED, "LlamaForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 4}),
      (GPT, "GPTBigCodeForCausalLM", {"multi_query": False, "tie_word_embeddings": True,
                                      "activation_function": "gelu"})],
@@ -82,12 +85,17 @@ def test_a_padded_vocabulary_without_the_tokenizers_size_is_kept_and_said(tmp_pa
     assert not any("padded vocabulary" in n for n in consolidate(run_folder(LLAMA), tmp_path / "ll").notes)
 
 
-def test_llama31_without_its_rope_scaling_is_caught(tmp_path: Path) -> None:
-    consolidate(run_folder(LLAMA31), tmp_path / "hf")
+@pytest.mark.parametrize(
+    ("name", "rope"),
+    [(LLAMA31, {"rope_type": "default"}),  # without Llama 3.1's scaling
+     (STABLELM, {"rope_type": "default", "partial_rotary_factor": 1.0})],  # RoPE over the whole head
+)  # fmt: skip
+def test_rope_not_the_runs_is_caught(tmp_path: Path, name: str, rope: dict[str, Any]) -> None:
+    consolidate(run_folder(name), tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    config.update(rope_parameters={**rope, "rope_theta": config["rope_theta"]}, partial_rotary_factor=1.0)
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    assert logits_error(tmp_path / "hf", LLAMA31) > 1e-3  # the oracle sees the scaling
+    assert logits_error(tmp_path / "hf", name) > 1e-3  # the oracle sees the RoPE
 
 
 def _gpt2_style_qkv(src: Any, names: tuple[str, ...], d: Any) -> list[Any]:
@@ -122,8 +130,11 @@ def test_biases_the_configs_class_lacks_are_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("name", "change", "said"),
     [(LLAMA, {"rotary_interleaved": True}, "--rotary-interleaved"),
-     (LLAMA, {"rotary_percent": 0.5}, "partial rotary"),
-     (LLAMA, {"normalization": "LayerNorm"}, "LayerNorm with SwiGLU"),
+     (LLAMA, {"rotary_percent": 0.5}, "partial rotary embeddings (0.5) with RMSNorm"),
+     (LLAMA, {"normalization": "LayerNorm", "swiglu": False}, "LayerNorm with this MLP"),
+     (STABLELM, {"add_bias_linear": True}, "--add-bias-linear"),
+     (STABLELM, {"kv_channels": 16}, "kv_channels other than hidden/heads"),
+     (STABLELM, {"qk_layernorm": True}, "qk-norm with LayerNorm"),
      (LLAMA, {"apply_residual_connection_post_layernorm": True}, "after the norm"),
      (LLAMA, {"apply_layernorm_1p": True}, "--apply-layernorm-1p"),
      (LLAMA, {"layernorm_zero_centered_gamma": True}, "--apply-layernorm-1p"),

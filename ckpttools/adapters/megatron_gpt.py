@@ -41,8 +41,9 @@ from ckpttools.adapters.segments import (
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPTBigCodeForCausalLM")
-BIGCODE = "GPTBigCodeForCausalLM"
+ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "StableLmForCausalLM",
+                 "GPTBigCodeForCausalLM")  # fmt: skip
+BIGCODE, STABLELM = "GPTBigCodeForCausalLM", "StableLmForCausalLM"
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class Dims:
     qkv_bias: bool = False  # q/k/v biases (Qwen2, Llama's attention_bias, the classic GPT)
     o_bias: bool = False  # o_proj's bias (Llama's attention_bias)
     mlp_bias: bool = False  # gate/up/down biases (Llama's mlp_bias)
+    norm_bias: bool = False  # LayerNorm's bias beside its weight (StableLM)
 
     @classmethod
     def of(cls, config: dict[str, Any]) -> Dims:
@@ -68,6 +70,8 @@ class Dims:
             arch = config["architectures"][0]
             if arch == BIGCODE:
                 return cls._bigcode(config)
+            if arch == STABLELM:
+                return cls._stablelm(config)
             hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
             attention_bias = bool(config.get("attention_bias", False)) and arch == "LlamaForCausalLM"
             return cls(
@@ -81,6 +85,21 @@ class Dims:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError, IndexError) as e:
             raise MappingError(f"config.json lacks a usable {e} for a Megatron GPT mapping") from e
+
+    @classmethod
+    def _stablelm(cls, config: dict[str, Any]) -> Dims:
+        """StableLM: LayerNorm with biases, SwiGLU without, q/k/v biases with use_qkv_bias, head_dim hidden/heads."""
+        if config.get("qk_layernorm") or config.get("use_parallel_residual"):
+            raise UnsupportedCheckpointError("config.json asks StableLM for per-head qk LayerNorms or parallel "
+                                             "residuals: not mapped from Megatron")  # fmt: skip
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        return cls(
+            hidden=hidden, layers=int(config["num_hidden_layers"]), heads=heads,
+            groups=int(config.get("num_key_value_heads") or heads), head_dim=hidden // heads,
+            ffn=int(config["intermediate_size"]), vocab=int(config["vocab_size"]), qk_norm=False,
+            tied=bool(config.get("tie_word_embeddings", False)), qkv_bias=bool(config.get("use_qkv_bias")),
+            norm_bias=True,
+        )  # fmt: skip
 
     @classmethod
     def _bigcode(cls, config: dict[str, Any]) -> Dims:
@@ -187,6 +206,7 @@ def vocab(src: TensorSource, names: tuple[str, ...], d: Dims) -> list[TensorSour
 TOP: dict[str, tuple[tuple[str, ...], Op]] = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), vocab),
     "decoder.final_layernorm.weight": (("model.norm.weight",), norm),
+    "decoder.final_layernorm.bias": (("model.norm.bias",), hidden_bias),  # LayerNorm's (StableLM)
     "output_layer.weight": (("lm_head.weight",), vocab),
 }
 LAYER: dict[str, tuple[tuple[str, ...], Op]] = {
@@ -209,6 +229,11 @@ LAYER: dict[str, tuple[tuple[str, ...], Op]] = {
     "self_attention.linear_proj.bias": (("self_attn.o_proj.bias",), hidden_bias),
     "mlp.linear_fc1.bias": (("mlp.gate_proj.bias", "mlp.up_proj.bias"), halves),
     "mlp.linear_fc2.bias": (("mlp.down_proj.bias",), hidden_bias),
+    # LayerNorm's biases (StableLM): Transformer Engine's fused spelling and the local spec's own
+    "self_attention.linear_qkv.layer_norm_bias": (("input_layernorm.bias",), hidden_bias),
+    "input_layernorm.bias": (("input_layernorm.bias",), hidden_bias),
+    "mlp.linear_fc1.layer_norm_bias": (("post_attention_layernorm.bias",), hidden_bias),
+    "pre_mlp_layernorm.bias": (("post_attention_layernorm.bias",), hidden_bias),
 }  # fmt: skip
 STACKED = "decoder.layers."
 
@@ -346,8 +371,9 @@ def _order(d: Dims) -> list[str]:
             names += [f"{p}self_attn.q_norm.weight", f"{p}self_attn.k_norm.weight"]
         for m in ("gate_proj", "up_proj", "down_proj"):
             names += [f"{p}mlp.{m}.weight", *([f"{p}mlp.{m}.bias"] if d.mlp_bias else [])]
-        names += [f"{p}input_layernorm.weight", f"{p}post_attention_layernorm.weight"]
-    return [*names, "model.norm.weight", "lm_head.weight"]
+        for n in ("input_layernorm", "post_attention_layernorm"):
+            names += [f"{p}{n}.weight", *([f"{p}{n}.bias"] if d.norm_bias else [])]
+    return [*names, "model.norm.weight", *(["model.norm.bias"] if d.norm_bias else []), "lm_head.weight"]
 
 
 def bigcode_order(d: Dims) -> list[str]:
@@ -403,6 +429,8 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
     classic GPT (LayerNorm, GeLU, learned absolute positions) as GPTBigCode, else the Llama family."""
     if _is_classic_gpt(args):
         return bigcode_config(args)
+    if _is_stablelm(args):
+        return stablelm_config(args)
     return llama_config(args)
 
 
@@ -479,6 +507,55 @@ def _is_classic_gpt(args: dict[str, Any]) -> bool:
     )  # fmt: skip
 
 
+def _is_stablelm(args: dict[str, Any]) -> bool:
+    """LayerNorm with SwiGLU and RoPE (StableLM's, whose partial rotary is Megatron's --rotary-percent)."""
+    return (
+        args.get("normalization", "LayerNorm") == "LayerNorm" and bool(args.get("swiglu"))
+        and args.get("position_embedding_type", "learned_absolute") == "rope"
+        and not args.get("num_experts") and not args.get("multi_latent_attention")
+    )  # fmt: skip
+
+
+def stablelm_config(args: dict[str, Any]) -> dict[str, Any]:
+    """LayerNorm + SwiGLU + RoPE as StableLmForCausalLM: RoPE on the first rotary_percent of each head (both apply
+    the non-interleaved rotation to `head[..., :rot]`), q/k/v biases with --add-qkv-bias; no other linear bias."""
+    mapping = "the StableLM mapping"
+    _refuse_common(args, mapping, partial_rotary=True)
+    hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
+    groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
+    checks = [
+        (not args.get("add_bias_linear"), "biases on linear_proj and the MLP (--add-bias-linear) with LayerNorm"),
+        (not args.get("qk_layernorm"), "qk-norm with LayerNorm"),
+        (int(args.get("kv_channels") or hidden // heads) * heads == hidden, "kv_channels other than hidden/heads"),
+        (not args.get("use_rope_scaling"), "Llama 3.1's RoPE scaling with LayerNorm"),
+    ]  # fmt: skip
+    _refuse(checks, mapping)
+    theta, partial = float(args.get("rotary_base") or 10000), float(args.get("rotary_percent") or 1.0)
+    return {
+        "architectures": [STABLELM],
+        "model_type": "stablelm",
+        "hidden_size": hidden,
+        "intermediate_size": int(args.get("ffn_hidden_size") or 4 * hidden),
+        "num_hidden_layers": int(args["num_layers"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "vocab_size": _vocab(args),
+        "max_position_embeddings": int(args.get("max_position_embeddings") or args.get("seq_length") or 4096),
+        "layer_norm_eps": _epsilon(args),
+        "rope_theta": theta,
+        "partial_rotary_factor": partial,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": partial},
+        "use_qkv_bias": bool(args.get("add_qkv_bias")),
+        "qk_layernorm": False,
+        "use_parallel_residual": False,
+        "tie_word_embeddings": not args.get("untie_embeddings_and_output_weights", False),
+        "hidden_act": "silu",
+        "hidden_dropout": 0.0,
+        "attention_dropout": 0.0,
+        "initializer_range": float(args.get("init_method_std") or 0.02),
+    }
+
+
 def bigcode_config(args: dict[str, Any]) -> dict[str, Any]:
     """The classic Megatron GPT as GPTBigCodeForCausalLM: multi-head attention (query groups = heads), biases in
     every linear (or refused), exact or tanh GeLU."""
@@ -523,7 +600,7 @@ def _refuse(checks: list[tuple[Any, str]], mapping: str) -> None:
             )
 
 
-def _refuse_common(args: dict[str, Any], mapping: str) -> None:
+def _refuse_common(args: dict[str, Any], mapping: str, *, partial_rotary: bool = False) -> None:
     """What changes the computation in every mapping here and no target class has (each a Megatron-LM argument)."""
     softmax_scale = args.get("softmax_scale")
     checks = [
@@ -543,7 +620,8 @@ def _refuse_common(args: dict[str, Any], mapping: str) -> None:
         (softmax_scale is None, f"an attention softmax scale of its own ({softmax_scale})"),
         (not args.get("heterogeneous_layers_config_path") and not args.get("heterogeneous_layers_config_encoded_json"),
          "heterogeneous layers"),
-        (float(args.get("rotary_percent") or 1.0) == 1.0, f"partial rotary embeddings ({args.get('rotary_percent')})"),
+        (partial_rotary or float(args.get("rotary_percent") or 1.0) == 1.0,
+         f"partial rotary embeddings ({args.get('rotary_percent')}) with RMSNorm"),
     ]  # fmt: skip
     _refuse(checks, mapping)
 
@@ -554,7 +632,8 @@ def _refuse_unmapped(args: dict[str, Any]) -> None:
     checks = [
         (args.get("normalization", "LayerNorm") == "RMSNorm",
          (f"{args.get('normalization', 'LayerNorm')} with {'SwiGLU' if args.get('swiglu') else 'this MLP'} "
-         "(Llama and Qwen have RMSNorm; the classic GPT is LayerNorm, GeLU and learned positions)")),
+         "(Llama and Qwen have RMSNorm; the classic GPT is LayerNorm, GeLU and learned positions; StableLM "
+         "LayerNorm, SwiGLU and RoPE)")),
         (bool(args.get("swiglu")), "a non-SwiGLU MLP with RMSNorm"),
         (args.get("position_embedding_type", "learned_absolute") == "rope",
          f"position embeddings {args.get('position_embedding_type', 'learned_absolute')} with RMSNorm/SwiGLU"),
