@@ -147,8 +147,8 @@ def test_the_gelu_variant_follows_the_run(tmp_path: Path) -> None:
         consolidate(run_folder(name), tmp_path / name)
         config = json.loads((tmp_path / name / "config.json").read_text())
         assert config["activation_function"] == act
-    swapped = {**config, "activation_function": "gelu"}
-    (tmp_path / FUSED / "config.json").write_text(json.dumps(swapped))
+    fused = json.loads((tmp_path / FUSED / "config.json").read_text())
+    (tmp_path / FUSED / "config.json").write_text(json.dumps({**fused, "activation_function": "gelu"}))
     assert logits_error(tmp_path / FUSED, FUSED) > TOLERANCE
 
 
