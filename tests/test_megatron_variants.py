@@ -31,6 +31,7 @@ BIAS = "megatron_tp2_llama_bias"  # --add-bias-linear: qkv, proj, fc1, fc2 biase
 LLAMA31 = "megatron_tp2_llama31"  # --use-rope-scaling, RoPE base 500000, kv_channels 16 != hidden 32 / 4 heads
 GPT = "megatron_tp2_gpt"  # Megatron-LM's defaults: LayerNorm, GeLU, learned positions, biases, tied
 STABLELM = "megatron_tp2_stablelm"  # LayerNorm + SwiGLU + RoPE on half of each head, --add-qkv-bias
+LMSAVE = "megatron_tp2_llama_lmsave"  # Megatron-LM's own save_checkpoint: DDP + distributed optimizer, rng_state
 PP2_TIED = "megatron_tp2_pp2_llama_tied"  # the last stage's tied output layer saved under the embedding's key
 LLAMA, MOE, DEEPSEEK = "megatron_tp2_llama", "megatron_tp2_qwen3_moe", "megatron_moe_ep2_deepseek_v3"
 TOLERANCE = 1e-5
@@ -60,6 +61,7 @@ def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str,
      (BIAS, "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
      (LLAMA31, "LlamaForCausalLM", {"head_dim": 16, "rope_theta": 500000.0}),
      (STABLELM, "StableLmForCausalLM", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}),
+     (LMSAVE, "LlamaForCausalLM", {"vocab_size": 61, "tie_word_embeddings": False}),
      (PP2_TIED, "LlamaForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 4}),
      (GPT, "GPTBigCodeForCausalLM", {"multi_query": False, "tie_word_embeddings": True,
                                      "activation_function": "gelu"})],
@@ -74,6 +76,16 @@ def test_variants_convert_with_megatrons_logits(tmp_path: Path, name: str, arch:
     assert logits_error(tmp_path / "hf", name) <= TOLERANCE
     if name == LLAMA31:
         assert config["rope_parameters"]["rope_type"] == "llama3" and config["rope_parameters"]["factor"] == 8.0
+
+
+def test_megatron_lms_own_save_is_read_as_it_wrote_it() -> None:
+    """save_checkpoint's iteration folder: the model, the distributed optimizer's buckets, each rank's rng_state and
+    the common_state with Megatron-LM's ~800 arguments; only the 9 model tensors are weights."""
+    ckpt = open_checkpoint(run_folder(LMSAVE))
+    assert len(ckpt.keys) == 9 and not [k for k in ckpt.keys if k.startswith(("rng_state", "optimizer"))]
+    r = ckpt_cli("inspect", str(run_folder(LMSAVE)))
+    assert r.returncode == 0 and "per-bucket (distributed optimizer)" in r.stdout and "exp_avg_sq" in r.stdout
+    assert "run arguments  8" in r.stdout and "megatron-core -> LlamaForCausalLM" in r.stdout, r.stdout
 
 
 def test_a_padded_vocabulary_without_the_tokenizers_size_is_kept_and_said(tmp_path: Path) -> None:
