@@ -26,6 +26,7 @@ from tests.support.megatron import FIXTURES, ckpt_cli, logits_error, run_folder
 
 V0_13 = "megatron_v0_13_0_tp2_llama_adam"  # MCoreSavePlan in .metadata, common.pt, fully_sharded_model_space Adam
 V0_16 = "megatron_v0_16_1_tp2_llama"  # common.pt
+V0_18 = "megatron_v0_18_2_tp2_llama_lmsave"  # 0.18.2's Megatron-LM save_checkpoint: its parser's args in common.pt
 QWEN2 = "megatron_tp2_qwen2"  # --add-qkv-bias, args without vocab_size (a Hugging Face tokenizer's run)
 BIAS = "megatron_tp2_llama_bias"  # --add-bias-linear: qkv, proj, fc1, fc2 biases
 LLAMA31 = "megatron_tp2_llama31"  # --use-rope-scaling, RoPE base 500000, kv_channels 16 != hidden 32 / 4 heads
@@ -37,7 +38,7 @@ LLAMA, MOE, DEEPSEEK = "megatron_tp2_llama", "megatron_tp2_qwen3_moe", "megatron
 TOLERANCE = 1e-5
 
 
-@pytest.mark.parametrize(("name", "release"), [(V0_13, "0.13.0"), (V0_16, "0.16.1")])
+@pytest.mark.parametrize(("name", "release"), [(V0_13, "0.13.0"), (V0_16, "0.16.1"), (V0_18, "0.18.2")])
 def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str, release: str) -> None:
     meta = json.loads((FIXTURES / name / "meta.json").read_text())
     assert meta["versions"]["megatron-core"] == release
@@ -50,6 +51,8 @@ def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str,
         # its distributed optimizer's default layout: optimizer.state.{exp_avg,exp_avg_sq,fp32_param}.<weight>
         assert "per-parameter" in r.stdout and "fp32_param" in r.stdout, r.stdout
         assert len(open_checkpoint(run_folder(name)).keys) == 9  # the optimizer state is not read as weights
+    if release == "0.18.2":  # Megatron-LM's own save: ~760 arguments, each rank's rng_state, per-bucket optimizer
+        assert len(open_checkpoint(run_folder(name)).layout.details["args"]) > 500 and "per-bucket" in r.stdout
     consolidate(run_folder(name), tmp_path / "hf")
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 61
     assert logits_error(tmp_path / "hf", name) <= TOLERANCE
