@@ -78,6 +78,7 @@ def test_the_layout_carries_the_args_and_merges_swiglu_halves() -> None:
     assert ckpt.layout.kind == "pipeline_tp" and (ckpt.layout.tp, ckpt.layout.pp) == (2, 2)
     args = ckpt.layout.details["args"]
     assert (args["swiglu"], args["num_key_value_heads"], args["params_dtype"]) == (True, 4, "float32")
+    assert "attn_mask" not in args and "rotary_pos_emb" not in args  # tensors pretrain_gpt sets on args
     assert ckpt.masters["2.mlp.dense_h_to_4h.weight"].shape == (128, 32)  # [gate; up] of both TP ranks
     assert "2.mlp.dense_h_to_4h.weight" in ckpt.layout.details["tp_split"]["halves of each rank, joined ([gate; up])"]
     assert ckpt.masters["1.word_embeddings.weight"].shape == (251, 32)  # vocabulary cut by the layout

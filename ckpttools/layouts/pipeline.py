@@ -107,10 +107,15 @@ def _inert_record(obj: Any, depth: int) -> str | None:
     return next((q for child in children if (q := _inert_record(child, depth + 1)) is not None), None)
 
 
+# Set on the args object by pretrain_gpt's model_provider, not arguments: the causal mask and the RoPE table (tensors).
+RUNTIME_ARGS = ("attn_mask", "rotary_pos_emb")
+
+
 def run_args(stage: Mapping[str, Any]) -> dict[str, Any] | None:
     """The saving run's Megatron arguments (plain values) from a stage file, or None (a PipelineModule of one's own,
     saved without Megatron-DeepSpeed's client state)."""
-    return _args(stage)
+    args = _args(stage)
+    return None if args is None else {k: v for k, v in args.items() if k not in RUNTIME_ARGS}
 
 
 @dataclass(frozen=True)
