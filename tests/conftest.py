@@ -104,6 +104,7 @@ MODULE_TIERS: dict[str, tuple[str, ...]] = {
     "test_megatron.py": (),  # Megatron-Core torch_dist mapped to HF names, against Megatron's own forward
     "test_megatron_variants.py": (),  # older megatron-core releases, Qwen2 / biased / Llama 3.1 / classic GPT runs
     "test_megatron_deepspeed.py": (),  # Megatron-DeepSpeed 3D mapped to HF Llama / GPTBigCode, against its forward
+    "test_megatron_sources.py": (),  # Megatron-Bridge save dirs (run_config.yaml, train state), same oracle
     "test_megatron_moe.py": (),  # Megatron-Core MoE (expert-parallel) mapped to Mixtral / Qwen3-MoE, same oracle
     "test_integrity.py": (),  # integrity.json (Megatron-LM's --verify-integrity): every listed file hashed again
     "test_torchtitan.py": (),  # torchtitan step-N mapped to HF Llama, against torchtitan's forward and to_hf

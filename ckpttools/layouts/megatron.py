@@ -13,6 +13,12 @@ adapters (`ckpttools.adapters`) map them. The run's arguments come from the `com
 >= 0.19: a `torch.save` of the non-sharded entries, stored as bytes inside the DCP) or an older `common.pt`,
 unpickled through the allowlist: the `argparse.Namespace`, Megatron's enums and `signal.Signals` become inert
 records, torch dtypes ckpttools' own.
+
+Megatron-Bridge's save dir is the same (its `save_checkpoint` writes the tracker file too), plus
+`latest_train_state.pt` (the step, as `train_state.pt` in each iteration folder: chooses the iteration when an
+older Bridge wrote no tracker). Its distcp files carry no Megatron-LM `args`: the run's config is the `model:`
+section of the iteration's `run_config.yaml`, translated to Megatron-LM's argument names by
+`layouts.megatron_config` (read with yaml.safe_load: its `_target_` strings stay data).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ from ckpttools.layouts.base import ReadOnlyLayout
 from ckpttools.layouts.dcp.chunks import ZIP_MAGIC, ChunkFiles, WindowedSource, chunk_tensor, tensor_segments
 from ckpttools.layouts.dcp.metadata import DcpMetadata, StoredChunk, TensorEntry
 from ckpttools.layouts.dcp.read import read_metadata
+from ckpttools.layouts.megatron_config import RUN_CONFIG, read_run_config
 from ckpttools.model.checkpoint import Checkpoint, OptimizerState, Param, TensorSource
 from ckpttools.model.origin import CheckpointLocation, TagFiles
 from ckpttools.model.parallel import ParallelLayout
@@ -40,6 +47,8 @@ from ckpttools.model.parallel import ParallelLayout
 KIND = "megatron"
 TITLE = "Megatron-Core torch_dist"
 TRACKER = "latest_checkpointed_iteration.txt"
+TRAIN_STATE, LATEST_TRAIN_STATE = "train_state.pt", "latest_train_state.pt"  # Megatron-Bridge's
+BRIDGE = "Megatron-Bridge"
 BACKEND_FILE = "metadata.json"
 COMMON_FILE = "common.pt"  # megatron-core < 0.19: the non-sharded entries in a torch.save file of their own
 ITER_RE = re.compile(r"^iter_(?P<n>\d+)$")
@@ -86,7 +95,13 @@ def _tracked(path: Path, iters: dict[int, Path]) -> int:
     try:
         text = (path / TRACKER).read_text().strip()
     except OSError:
-        return max(iters)
+        step = train_step(path / LATEST_TRAIN_STATE) if (path / LATEST_TRAIN_STATE).is_file() else None
+        if step is not None and step not in iters:
+            raise CheckpointNotFoundError(
+                f"{path / LATEST_TRAIN_STATE} names step {step}, but {path} has no such iter_* folder (it has "
+                f"{', '.join(map(str, sorted(iters)))}); the save did not finish or was not copied: pass --step"
+            ) from None
+        return max(iters) if step is None else step
     if not text.isdigit():
         raise CheckpointNotFoundError(
             f"{path / TRACKER} says {short(text, 40)!s}, not an iteration; pass --step with one of "
@@ -119,7 +134,42 @@ def read_megatron(folder: Path, saved_in: Path, tag: str) -> Checkpoint:
         args, common_problem = _common(files, folder, meta)
     finally:
         files.close()
-    return _checkpoint(folder, saved_in, tag, names, meta, sources, args, common_problem)
+    source = ""
+    if args is None and (folder / RUN_CONFIG).is_file():  # Megatron-Bridge: its run config, not Megatron-LM's args
+        source = BRIDGE
+        try:
+            args, common_problem = read_run_config(folder / RUN_CONFIG), ""
+        except CkptError as e:
+            common_problem = str(e)
+    ckpt = _checkpoint(folder, saved_in, tag, names, meta, sources, args, common_problem)
+    if source:
+        step = train_step(folder / TRAIN_STATE) if (folder / TRAIN_STATE).is_file() else None
+        ckpt.layout.details.update(source=source, args_from=RUN_CONFIG if args else None)
+        if step is not None:
+            ckpt.layout.details["iteration"] = ckpt.global_steps = step
+    return ckpt
+
+
+def train_step(path: Path) -> int | None:
+    """The `step` of a Megatron-Bridge train state (`torch.save` of a dict of 0-dim tensors), None if it has
+    none. Bridge writes `latest_train_state.pt` as a copy of the iteration's `train_state.pt`: the name torch.save
+    records inside is the original's, so that check is off here."""
+    try:
+        state = torchfile.load_pickle(path, check_identity=False)
+    except CkptError as e:
+        raise CorruptCheckpointError(f"{path}: not Megatron-Bridge's train state ({short(e, 120)})") from e
+    step = state.get("step") if isinstance(state, dict) else None
+    if not isinstance(step, torchfile.LazyTensor) or step.numel() != 1 or step.dtype != dtypes.INT64:
+        return None
+    reader = torchfile.RecordReader()
+    start, length = step.byte_span()
+    buf = bytearray(length)
+    try:
+        reader.readinto(step.record, start, memoryview(buf))
+        reader.finish()
+    finally:
+        reader.close()
+    return int.from_bytes(buf, "little", signed=True)
 
 
 def _source(files: ChunkFiles, name: str, entry: TensorEntry) -> TensorSource:
@@ -326,11 +376,13 @@ class MegatronLayout(ReadOnlyLayout):
 
     def describe(self, parallel: dict[str, Any]) -> list[str]:
         args = parallel.get("args")
-        saved = f"{parallel.get('world_size', '?')} ranks ({TITLE}, iteration {parallel.get('iteration')})"
+        title = f"{parallel['source']}, {TITLE}" if parallel.get("source") else TITLE
+        saved = f"{parallel.get('world_size', '?')} ranks ({title}, iteration {parallel.get('iteration')})"
         lines = [f"saved by       {saved}"]
         if args:
-            lines.append(f"run arguments  {len(args)} (common_state): hidden {args.get('hidden_size')}, layers "
-                         f"{args.get('num_layers')}, vocab {args.get('padded_vocab_size')} padded")  # fmt: skip
+            lines.append(f"run arguments  {len(args)} ({parallel.get('args_from') or 'common_state'}): hidden "
+                         f"{args.get('hidden_size')}, layers {args.get('num_layers')}, vocab "
+                         f"{args.get('padded_vocab_size')} padded")  # fmt: skip
         else:
             why = parallel.get("args_problem") or "a plain dist_checkpointing.save holds none"
             lines.append(f"run arguments  none ({why}): consolidate needs --config")

@@ -1,0 +1,148 @@
+"""Megatron-Bridge save dirs (`iter_*` with `run_config.yaml`, train state): recognised, config.json generated from
+the run config's `model:` section, logits equal to the model's own forward.
+
+The fixtures (fixtures/megatron_bridge_*) were written by Megatron-Bridge 0.6.2's own `save_checkpoint` on CPU
+(fixtures/build/fixture_megatron_bridge.py, TP 2 over gloo): run_config.yaml by `ConfigContainer.to_yaml`, the
+train state by `torch.save`, the weights by Megatron-Core's `dist_checkpointing.save`. Neither Bridge nor
+megatron-core is needed here. The damaged run configs below are the real file with one value changed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ckpttools import consolidate
+from ckpttools.errors import CheckpointNotFoundError
+from ckpttools.layouts.megatron_config import RUN_CONFIG, read_run_config
+from ckpttools.layouts.registry import open_checkpoint
+from tests.support.megatron import ckpt_cli, logits_error, run_folder
+
+BRIDGE_LLAMA, BRIDGE_QWEN3_TIED = "megatron_bridge_tp2_llama", "megatron_bridge_tp2_qwen3_tied"
+ITER = "iter_0000003"
+TOLERANCE = 1e-5
+
+
+def _copy(tmp_path: Path, name: str = BRIDGE_LLAMA) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(run_folder(name), run)
+    return run
+
+
+def _edit_run_config(run: Path, old: str, new: str) -> None:
+    path = run / ITER / RUN_CONFIG
+    text = path.read_text()
+    assert old in text, old
+    path.write_text(text.replace(old, new, 1))
+
+
+def _one_error_line(r: object) -> str:
+    stderr = getattr(r, "stderr", "")
+    assert getattr(r, "returncode", 0) == 1, stderr
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def test_a_bridge_save_dir_is_recognised_with_its_run_config() -> None:
+    ckpt = open_checkpoint(run_folder(BRIDGE_LLAMA))
+    details = ckpt.layout.details
+    assert ckpt.layout.kind == "megatron" and details["source"] == "Megatron-Bridge"
+    assert ckpt.location.tag == ITER and ckpt.global_steps == 3 and details["args_from"] == RUN_CONFIG
+    args = details["args"]
+    assert (args["hidden_size"], args["num_query_groups"], args["vocab_size"], args["padded_vocab_size"]) == (
+        32, 2, 61, 64)  # fmt: skip
+    assert args["swiglu"] and args["untie_embeddings_and_output_weights"] and args["group_query_attention"]
+    assert args["params_dtype"] == "float32" and args["activation_func"] == "torch.nn.functional.silu"
+    assert (ckpt.layout.tp, ckpt.layout.dp) == (2, 1)
+    assert open_checkpoint(run_folder(BRIDGE_LLAMA) / ITER).location.tag == ITER  # the iteration folder itself
+
+
+def test_inspect_names_megatron_bridge() -> None:
+    r = ckpt_cli("inspect", str(run_folder(BRIDGE_LLAMA)))
+    assert r.returncode == 0, r.stderr
+    assert "Megatron-Bridge" in r.stdout and "iteration 3" in r.stdout and "(run_config.yaml)" in r.stdout
+    assert "maps to        megatron-core -> LlamaForCausalLM" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize(("name", "arch", "tied"), [(BRIDGE_LLAMA, "LlamaForCausalLM", False),
+                                                    (BRIDGE_QWEN3_TIED, "Qwen3ForCausalLM", True)])  # fmt: skip
+def test_consolidated_logits_equal_the_models_forward(tmp_path: Path, name: str, arch: str, tied: bool) -> None:
+    result = consolidate(run_folder(name), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == [arch] and config["vocab_size"] == 61  # the provider padded 61 -> 64
+    assert config["tie_word_embeddings"] is tied
+    assert any("generated from the run's arguments" in n for n in result.notes)
+    assert logits_error(tmp_path / "hf", name) <= TOLERANCE
+
+
+def test_the_train_state_chooses_the_iteration_without_a_tracker(tmp_path: Path) -> None:
+    """An older Bridge wrote no latest_checkpointed_iteration.txt: latest_train_state.pt's step (3) is the one,
+    not the newest folder (a later, unfinished copy)."""
+    run = _copy(tmp_path)
+    (run / "latest_checkpointed_iteration.txt").unlink()
+    shutil.copytree(run / ITER, run / "iter_0000005")
+    assert open_checkpoint(run).location.tag == ITER
+    assert open_checkpoint(run, step=5).location.tag == "iter_0000005"
+    shutil.rmtree(run / ITER)
+    with pytest.raises(CheckpointNotFoundError, match="names step 3"):
+        open_checkpoint(run)
+
+
+def test_garbage_run_config_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    run = _copy(tmp_path)
+    (run / ITER / RUN_CONFIG).write_text("model: [unclosed\n  : : :\n")
+    r = ckpt_cli("consolidate", str(run), "--out", str(tmp_path / "o"))
+    line = _one_error_line(r)
+    assert RUN_CONFIG in line and "not plain YAML" in line and "--config" in line, line
+    assert not (tmp_path / "o").exists()
+    info = ckpt_cli("inspect", str(run))
+    assert info.returncode == 0 and "run arguments  none" in info.stdout, info.stdout + info.stderr
+
+
+def test_python_tags_in_the_run_config_are_not_executed(tmp_path: Path) -> None:
+    run = _copy(tmp_path)
+    marker = tmp_path / "executed"
+    path = run / ITER / RUN_CONFIG
+    path.write_text(f"model: !!python/object/apply:os.system ['touch {marker}']\n" + path.read_text())
+    r = ckpt_cli("consolidate", str(run), "--out", str(tmp_path / "o"))
+    line = _one_error_line(r)
+    assert RUN_CONFIG in line and "python/object" in line, line
+    assert not marker.exists()
+
+
+def test_an_activation_without_a_mapping_is_refused(tmp_path: Path) -> None:
+    """A gated GeLU (GeGLU) has no Megatron-LM flag the adapters map: refused, never written as SwiGLU."""
+    run = _copy(tmp_path)
+    _edit_run_config(run, "_target_: torch.nn.functional.silu", "_target_: torch.nn.functional.gelu")
+    line = _one_error_line(ckpt_cli("consolidate", str(run), "--out", str(tmp_path / "o")))
+    assert "activation torch.nn.functional.gelu with gated linear units" in line, line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "said"),
+    [("layernorm_zero_centered_gamma: false", "layernorm_zero_centered_gamma: true", "zero-centered norm"),
+     ("normalization: RMSNorm", "normalization: LayerNorm", "input_layernorm.bias"),  # StableLM: no such bias
+     ("rotary_interleaved: false", "rotary_interleaved: true", "interleaved rotary"),
+     ("share_embeddings_and_output_weights: false", "share_embeddings_and_output_weights: true", "output_layer")],
+)  # fmt: skip
+def test_what_the_adapter_refuses_reaches_it(tmp_path: Path, old: str, new: str, said: str) -> None:
+    """Bridge's field names translated: the adapter's own refusals apply (never a silently wrong config)."""
+    run = _copy(tmp_path)
+    _edit_run_config(run, old, new)
+    line = _one_error_line(ckpt_cli("consolidate", str(run), "--out", str(tmp_path / "o")))
+    assert said in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_translation_table() -> None:
+    args = read_run_config(run_folder(BRIDGE_QWEN3_TIED) / ITER / RUN_CONFIG)
+    assert args["qk_layernorm"] and not args["untie_embeddings_and_output_weights"]
+    assert args["num_experts"] is None and args["use_rope_scaling"] is False  # num_moe_experts, rope_scaling
+    assert (args["rotary_base"], args["layernorm_epsilon"], args["normalization"]) == (1000000, 1e-6, "RMSNorm")
+    assert "transformer_layer_spec" not in args  # a module spec, not a value
