@@ -1,7 +1,7 @@
 """Megatron checkpoints beyond the first fixtures' release and model: older megatron-core releases, and the model
 configurations Megatron-LM users train (Qwen2's q/k/v biases, --add-bias-linear, Llama 3.1's RoPE scaling with a
-head_dim of its own, StableLM's LayerNorm + SwiGLU + partial RoPE, the classic GPT), each mapped with logits
-equal to Megatron's own forward or refused in one line.
+head_dim of its own, Mistral's sliding window, StableLM's LayerNorm + SwiGLU + partial RoPE, the classic GPT), each
+mapped with logits equal to Megatron's own forward or refused in one line.
 
 The fixtures were saved by megatron-core itself (fixtures/build/fixture_megatron.py for 0.19.2's variants, whose
 arguments come from Megatron-LM's own parser and validate_args, ~800 fields; fixture_megatron_versions.py for 0.13.0
@@ -31,6 +31,7 @@ QWEN2 = "megatron_tp2_qwen2"  # --add-qkv-bias, args without vocab_size (a Huggi
 BIAS = "megatron_tp2_llama_bias"  # --add-bias-linear: qkv, proj, fc1, fc2 biases
 LLAMA31 = "megatron_tp2_llama31"  # --use-rope-scaling, RoPE base 500000, kv_channels 16 != hidden 32 / 4 heads
 GPT = "megatron_tp2_gpt"  # Megatron-LM's defaults: LayerNorm, GeLU, learned positions, biases, tied
+MISTRAL = "megatron_tp2_mistral"  # --window-size (3,0): itself and the 3 tokens before it
 STABLELM = "megatron_tp2_stablelm"  # LayerNorm + SwiGLU + RoPE on half of each head, --add-qkv-bias
 LMSAVE = "megatron_tp2_llama_lmsave"  # Megatron-LM's own save_checkpoint: DDP + distributed optimizer, rng_state
 PP2_TIED = "megatron_tp2_pp2_llama_tied"  # the last stage's tied output layer saved under the embedding's key
@@ -63,6 +64,7 @@ def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str,
     [(QWEN2, "Qwen2ForCausalLM", {"vocab_size": 64, "rope_theta": 1e6}),
      (BIAS, "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
      (LLAMA31, "LlamaForCausalLM", {"head_dim": 16, "rope_theta": 500000.0}),
+     (MISTRAL, "MistralForCausalLM", {"sliding_window": 4}),
      (STABLELM, "StableLmForCausalLM", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}),
      (LMSAVE, "LlamaForCausalLM", {"vocab_size": 61, "tie_word_embeddings": False}),
      (PP2_TIED, "LlamaForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 4}),
@@ -113,6 +115,14 @@ def test_rope_not_the_runs_is_caught(tmp_path: Path, name: str, rope: dict[str, 
     assert logits_error(tmp_path / "hf", name) > 1e-3  # the oracle sees the RoPE
 
 
+@pytest.mark.parametrize("window", [3, None])  # Megatron's `left` taken as the window, or no window
+def test_a_sliding_window_not_the_runs_is_caught(tmp_path: Path, window: int | None) -> None:
+    consolidate(run_folder(MISTRAL), tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "sliding_window": window}))
+    assert logits_error(tmp_path / "hf", MISTRAL) > 1e-2
+
+
 def _gpt2_style_qkv(src: Any, names: tuple[str, ...], d: Any) -> list[Any]:
     """[all q; all k; all v] (GPT-2's c_attn) instead of the per-head [q; k; v] GPTBigCode reads."""
     per = (d.head_dim, d.head_dim, d.head_dim)
@@ -153,7 +163,10 @@ def test_biases_the_configs_class_lacks_are_refused(tmp_path: Path) -> None:
      (LLAMA, {"apply_residual_connection_post_layernorm": True}, "after the norm"),
      (LLAMA, {"apply_layernorm_1p": True}, "--apply-layernorm-1p"),
      (LLAMA, {"layernorm_zero_centered_gamma": True}, "--apply-layernorm-1p"),
-     (LLAMA, {"window_size": [4096, 0]}, "--window-size"),
+     (LLAMA, {"window_size": [3, 2]}, "looks ahead"),
+     (LLAMA, {"window_size": [3, 0], "window_attn_skip_freq": 2}, "--window-attn-skip-freq"),
+     (QWEN2, {"window_size": [3, 0]}, "sliding-window attention with Qwen2ForCausalLM"),
+     (MOE, {"window_size": [3, 0]}, "sliding-window attention"),
      (LLAMA, {"rotary_seq_len_interpolation_factor": 4}, "interpolation"),
      (LLAMA, {"no_rope_freq": 4}, "--no-rope-freq"),
      (LLAMA, {"softmax_type": "off-by-one"}, "off-by-one softmax"),

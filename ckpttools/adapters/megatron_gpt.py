@@ -1,6 +1,8 @@
 """Megatron-Core GPT (`torch_dist`) -> LlamaForCausalLM (GQA, SwiGLU, RMSNorm, RoPE; Llama 3.1's RoPE scaling;
-`--add-bias-linear`'s biases), Qwen2ForCausalLM (`--add-qkv-bias`), Qwen3ForCausalLM (qk-norm), or
-GPTBigCodeForCausalLM (the classic Megatron GPT: LayerNorm, GeLU, learned absolute positions, biases, tied).
+`--add-bias-linear`'s biases), MistralForCausalLM (`--window-size (left, 0)`: sliding_window = left + 1),
+Qwen2ForCausalLM (`--add-qkv-bias`), Qwen3ForCausalLM (qk-norm), StableLmForCausalLM (LayerNorm + SwiGLU + RoPE,
+partial with `--rotary-percent`), or GPTBigCodeForCausalLM (the classic Megatron GPT: LayerNorm, GeLU, learned
+absolute positions, biases, tied).
 
 Megatron's conventions (megatron/core/transformer/*, checked against Megatron-Bridge's `param_mapping.py`):
 - homogeneous layer stacks are one key with a leading layer axis (`decoder.layers.<x>` `[L, ...]`); per-layer keys
@@ -41,8 +43,8 @@ from ckpttools.adapters.segments import (
 from ckpttools.errors import UnsupportedCheckpointError
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
-ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "StableLmForCausalLM",
-                 "GPTBigCodeForCausalLM")  # fmt: skip
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                 "StableLmForCausalLM", "GPTBigCodeForCausalLM")  # fmt: skip
 BIGCODE, STABLELM = "GPTBigCodeForCausalLM", "StableLmForCausalLM"
 
 
@@ -435,9 +437,10 @@ def config_from_args(args: dict[str, Any]) -> dict[str, Any]:
 
 
 def llama_config(args: dict[str, Any]) -> dict[str, Any]:
-    """Llama (biases with --add-bias-linear, Llama 3.1's RoPE scaling), Qwen2 (--add-qkv-bias alone) or Qwen3
-    (qk-norm); megatron_moe builds its MoE configs on this one."""
+    """Llama (biases with --add-bias-linear, Llama 3.1's RoPE scaling), Mistral (--window-size), Qwen2
+    (--add-qkv-bias alone) or Qwen3 (qk-norm); megatron_moe builds its MoE configs on this one."""
     _refuse_unmapped(args)
+    window = _sliding_window(args)
     hidden, heads = int(args["hidden_size"]), int(args["num_attention_heads"])
     groups = int(args.get("num_query_groups") or heads) if args.get("group_query_attention") else heads
     qk_norm = bool(args.get("qk_layernorm"))
@@ -471,7 +474,32 @@ def llama_config(args: dict[str, Any]) -> dict[str, Any]:
         for key in ("attention_bias", "mlp_bias", "head_dim"):
             config.pop(key)
         config.update(use_sliding_window=False, sliding_window=None)
+    if window:
+        if arch != "LlamaForCausalLM" or linear_bias:
+            raise UnsupportedCheckpointError(f"the Megatron run uses sliding-window attention with "
+                                             f"{'biases' if linear_bias else arch}, which no mapping here covers "
+                                             "yet; nothing written")  # fmt: skip
+        for key in ("attention_bias", "mlp_bias"):
+            config.pop(key)
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
     return config
+
+
+def _sliding_window(args: dict[str, Any]) -> int | None:
+    """Mistral's sliding_window for Megatron's --window-size (left, 0): Megatron's mask lets a token see the `left`
+    tokens before it and itself (`get_sliding_window_causal_mask`), transformers' the `sliding_window - 1` before it
+    (`kv_idx > q_idx - sliding_window`): sliding_window = left + 1. None without a window."""
+    window = args.get("window_size")
+    if not window:
+        return None
+    if not isinstance(window, (list, tuple)) or len(window) != 2 or int(window[1]) != 0:
+        raise UnsupportedCheckpointError(f"the Megatron run's --window-size {window} looks ahead (or is not "
+                                         "(left, 0)); no causal Hugging Face class does: nothing written")  # fmt: skip
+    if args.get("window_attn_skip_freq"):
+        raise UnsupportedCheckpointError("the Megatron run mixes sliding-window and full-attention layers "
+                                         "(--window-attn-skip-freq), which no mapping here covers yet; nothing "
+                                         "written")  # fmt: skip
+    return int(window[0]) + 1
 
 
 def _vocab(args: dict[str, Any]) -> int:
@@ -600,7 +628,7 @@ def _refuse(checks: list[tuple[Any, str]], mapping: str) -> None:
             )
 
 
-def _refuse_common(args: dict[str, Any], mapping: str, *, partial_rotary: bool = False) -> None:
+def _refuse_common(args: dict[str, Any], mapping: str, *, partial_rotary: bool = False, window: bool = False) -> None:
     """What changes the computation in every mapping here and no target class has (each a Megatron-LM argument)."""
     softmax_scale = args.get("softmax_scale")
     checks = [
@@ -609,7 +637,7 @@ def _refuse_common(args: dict[str, Any], mapping: str, *, partial_rotary: bool =
          "residual connections after the norm (--apply-residual-connection-post-layernorm)"),
         (not args.get("layernorm_zero_centered_gamma") and not args.get("apply_layernorm_1p"),
          "zero-centered norm weights (--apply-layernorm-1p)"),
-        (not args.get("window_size"), f"sliding-window attention (--window-size {args.get('window_size')})"),
+        (window or not args.get("window_size"), f"sliding-window attention (--window-size {args.get('window_size')})"),
         (not args.get("no_rope_freq"), "RoPE skipped on some layers (--no-rope-freq)"),
         (args.get("softmax_type", "vanilla") == "vanilla", f"a {args.get('softmax_type')} softmax"),
         (not args.get("attention_output_gate"), "a gated attention output (--attention-output-gate)"),
@@ -628,7 +656,7 @@ def _refuse_common(args: dict[str, Any], mapping: str, *, partial_rotary: bool =
 
 def _refuse_unmapped(args: dict[str, Any]) -> None:
     mapping = "the Llama/Qwen mapping"
-    _refuse_common(args, mapping)
+    _refuse_common(args, mapping, window=True)  # Mistral's (llama_config)
     checks = [
         (args.get("normalization", "LayerNorm") == "RMSNorm",
          (f"{args.get('normalization', 'LayerNorm')} with {'SwiGLU' if args.get('swiglu') else 'this MLP'} "
