@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 from ckpttools import consolidate
 from ckpttools.adapters import ConfigNeededError, adapt, megatron_deepspeed, megatron_gpt
@@ -24,6 +25,7 @@ from .conftest import FIXTURES
 
 GPT, LLAMA = "megatron_deepspeed_gpt_pp2_tp2", "megatron_deepspeed_llama_pp2_tp2"
 FUSED = "megatron_deepspeed_gpt_pp2_tp2_fused_gelu"  # --bias-gelu-fusion (the default): tanh GeLU
+BF16 = "megatron_deepspeed_gpt_pp2_tp2_bf16_z0"  # bf16 without ZeRO (BF16_Optimizer): bf16 layers, fp32 masters
 TP1 = "megatron_deepspeed_llama_pp2_tp1"  # the Llama over pipeline 2 alone (layer_XX-model_00 files)
 AFTER_FPDT = "megatron_deepspeed_gpt_pp2_tp2_after_fpdt"  # Megatron-DeepSpeed after #441: [q; k; v] per TP rank
 TOY = "pp2_tp2_dp1_z1_bf16_megatron"  # a PipelineModule of the fixture's own (toy TP layers), no args
@@ -118,6 +120,24 @@ def test_negative_controls_fail_the_comparison(
     monkeypatch.setitem(rules, key, (rules[key][0], op))
     consolidate(run_folder(name), tmp_path / "hf")
     assert logits_error(tmp_path / "hf", name) > 1e-2  # the comparison catches a wrong mapping
+
+
+def test_a_bf16_run_gives_its_masters_in_fp32_and_its_weights_in_bf16(tmp_path: Path) -> None:
+    """fp32 output: the optimizer's fp32 masters (as zero_to_fp32); bf16 output: them cast, bit-identical to the bf16
+    weights the run computed with (its layer files), with logits equal to its forward on those weights."""
+    consolidate(run_folder(BF16), tmp_path / "bf16", dtype="bf16")
+    assert logits_error(tmp_path / "bf16", BF16) <= TOLERANCE
+    step = run_folder(BF16) / "global_step2"
+    shards = [torch.load(step / f"layer_01-model_{t:02d}-model_states.pt", weights_only=True) for t in (0, 1)]
+    module = torch.cat([s["word_embeddings.weight"] for s in shards])[:251]
+    bf16 = load_file(tmp_path / "bf16" / "model.safetensors")
+    assert bf16["transformer.wte.weight"].dtype == torch.bfloat16 and torch.equal(
+        bf16["transformer.wte.weight"], module
+    )
+    consolidate(run_folder(BF16), tmp_path / "fp32")
+    fp32 = load_file(tmp_path / "fp32" / "model.safetensors")["transformer.wte.weight"]
+    assert fp32.dtype == torch.float32 and not torch.equal(fp32, module.float())  # the masters, not the bf16 copy
+    assert torch.equal(fp32.bfloat16(), module)
 
 
 def test_verify_against_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

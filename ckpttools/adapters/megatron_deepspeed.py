@@ -10,8 +10,9 @@ same layout (checked against its code at 6acc370a and by the fixtures' logits):
   `ParallelAttention.forward`; multi-head: per head [q; k; v]), whatever the TP size;
 - SwiGLU `dense_h_to_4h` = [gate; up] once the layout has merged the TP halves (`parameter_with_2_sub_params`);
 - RoPE as Hugging Face's rotate_half (no row permutation); the vocabulary cut to `original_vocab_size` by the layout.
-So this adapter is a rename table onto Megatron-Core's names (`LAYER_RENAMES`, `TOP_RENAMES`) plus the run's arguments under Megatron-LM's
-names (`core_args`); adapters.megatron_gpt's table then maps both to Hugging Face's, as it maps Megatron-Core's.
+So this adapter is a rename table onto Megatron-Core's names (`LAYER_RENAMES`, `TOP_RENAMES`) plus the run's
+arguments under Megatron-LM's names (`core_args`); adapters.megatron_gpt's table then maps both to Hugging Face's, as
+it maps Megatron-Core's.
 
 Megatron-DeepSpeed after #441 (FPDT, 2024-12; its args carry `ds_sequence_parallel_fpdt`) splits each TP rank's
 `query_key_value` rows as [its q heads; its k heads; its v heads] (thirds of the rank's rows, so only multi-head
@@ -28,6 +29,7 @@ from ckpttools.adapters import megatron_gpt
 from ckpttools.adapters.base import mapped_checkpoint
 from ckpttools.adapters.segments import MappingError, permuted_rows, renamed
 from ckpttools.errors import CkptError, UnsupportedCheckpointError
+from ckpttools.io import dtypes
 from ckpttools.model.checkpoint import Checkpoint, TensorSource
 
 ARCHITECTURES = ("LlamaForCausalLM", "GPTBigCodeForCausalLM")
@@ -94,7 +96,8 @@ class MegatronDeepSpeed:
     def tensors(self, ckpt: Checkpoint, config: dict[str, Any]) -> tuple[list[TensorSource], list[str]]:
         """Megatron-Core's names first (`core_names`), then Megatron-Core's table; a refusal names the tensor as this
         checkpoint names it."""
-        sources = ckpt.sources(ckpt.train_dtype)
+        # the fp32 masters (what zero_to_fp32 writes); a 16-bit output casts them as the engine does after each step
+        sources = ckpt.sources(dtypes.FLOAT32)
         if after_fpdt(ckpt.layout.details.get("args") or {}):
             heads = int(config.get("n_head") or config.get("num_attention_heads") or 0)
             sources = [per_head_qkv(s, heads, ckpt.layout.tp) if QKV_RE.match(s.name) else s for s in sources]
