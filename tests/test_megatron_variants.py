@@ -31,6 +31,7 @@ QWEN2 = "megatron_tp2_qwen2"  # --add-qkv-bias, args without vocab_size (a Huggi
 BIAS = "megatron_tp2_llama_bias"  # --add-bias-linear: qkv, proj, fc1, fc2 biases
 LLAMA31 = "megatron_tp2_llama31"  # --use-rope-scaling, RoPE base 500000, kv_channels 16 != hidden 32 / 4 heads
 GPT = "megatron_tp2_gpt"  # Megatron-LM's defaults: LayerNorm, GeLU, learned positions, biases, tied
+INTERP = "megatron_tp2_llama_interp"  # --rotary-seq-len-interpolation-factor 4 (transformers' linear RoPE)
 MISTRAL = "megatron_tp2_mistral"  # --window-size (3,0): itself and the 3 tokens before it
 STABLELM = "megatron_tp2_stablelm"  # LayerNorm + SwiGLU + RoPE on half of each head, --add-qkv-bias
 LMSAVE = "megatron_tp2_llama_lmsave"  # Megatron-LM's own save_checkpoint: DDP + distributed optimizer, rng_state
@@ -65,6 +66,7 @@ def test_older_releases_convert_with_megatrons_logits(tmp_path: Path, name: str,
      (BIAS, "LlamaForCausalLM", {"attention_bias": True, "mlp_bias": True}),
      (LLAMA31, "LlamaForCausalLM", {"head_dim": 16, "rope_theta": 500000.0}),
      (MISTRAL, "MistralForCausalLM", {"sliding_window": 4}),
+     (INTERP, "LlamaForCausalLM", {"rope_parameters": {"rope_type": "linear", "rope_theta": 50000.0, "factor": 4.0}}),
      (STABLELM, "StableLmForCausalLM", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}),
      (LMSAVE, "LlamaForCausalLM", {"vocab_size": 61, "tie_word_embeddings": False}),
      (PP2_TIED, "LlamaForCausalLM", {"tie_word_embeddings": True, "num_hidden_layers": 4}),
@@ -105,6 +107,7 @@ def test_a_padded_vocabulary_without_the_tokenizers_size_is_kept_and_said(tmp_pa
 @pytest.mark.parametrize(
     ("name", "rope"),
     [(LLAMA31, {"rope_type": "default"}),  # without Llama 3.1's scaling
+     (INTERP, {"rope_type": "default"}),  # positions not interpolated
      (STABLELM, {"rope_type": "default", "partial_rotary_factor": 1.0})],  # RoPE over the whole head
 )  # fmt: skip
 def test_rope_not_the_runs_is_caught(tmp_path: Path, name: str, rope: dict[str, Any]) -> None:
@@ -167,7 +170,8 @@ def test_biases_the_configs_class_lacks_are_refused(tmp_path: Path) -> None:
      (LLAMA, {"window_size": [3, 0], "window_attn_skip_freq": 2}, "--window-attn-skip-freq"),
      (QWEN2, {"window_size": [3, 0]}, "sliding-window attention with Qwen2ForCausalLM"),
      (MOE, {"window_size": [3, 0]}, "sliding-window attention"),
-     (LLAMA, {"rotary_seq_len_interpolation_factor": 4}, "interpolation"),
+     (LLAMA, {"rotary_seq_len_interpolation_factor": 4, "use_rope_scaling": True}, "combines"),
+     (MOE, {"rotary_seq_len_interpolation_factor": 4}, "position interpolation"),
      (LLAMA, {"no_rope_freq": 4}, "--no-rope-freq"),
      (LLAMA, {"softmax_type": "off-by-one"}, "off-by-one softmax"),
      (LLAMA, {"qk_layernorm": True, "add_qkv_bias": True}, "biases with qk-norm"),

@@ -519,7 +519,17 @@ def _epsilon(args: dict[str, Any]) -> float:
 
 def _rope(args: dict[str, Any], theta: float) -> dict[str, Any]:
     """RoPE as transformers 5 reads it; `--use-rope-scaling` is Llama 3.1's (Megatron's `_apply_scaling`: the
-    factor from --rope-scaling-factor, low 1, high 4 and 8192 original positions fixed in every release)."""
+    factor from --rope-scaling-factor, low 1, high 4 and 8192 original positions fixed in every release);
+    `--rotary-seq-len-interpolation-factor` divides the positions, transformers' `linear` type the frequencies:
+    the same angles."""
+    interpolation = args.get("rotary_seq_len_interpolation_factor")
+    if interpolation and args.get("use_rope_scaling"):
+        raise UnsupportedCheckpointError(
+            "the Megatron run uses both RoPE position interpolation and Llama 3.1's RoPE scaling, which no "
+            "transformers RoPE type combines; nothing written"
+        )
+    if interpolation:
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(interpolation)}
     if not args.get("use_rope_scaling"):
         return {"rope_type": "default", "rope_theta": theta}
     return {"rope_type": "llama3", "rope_theta": theta, "factor": float(args.get("rope_scaling_factor") or 8.0),
@@ -628,7 +638,9 @@ def _refuse(checks: list[tuple[Any, str]], mapping: str) -> None:
             )
 
 
-def _refuse_common(args: dict[str, Any], mapping: str, *, partial_rotary: bool = False, window: bool = False) -> None:
+def _refuse_common(
+    args: dict[str, Any], mapping: str, *, partial_rotary: bool = False, window: bool = False, llama_rope: bool = False
+) -> None:
     """What changes the computation in every mapping here and no target class has (each a Megatron-LM argument)."""
     softmax_scale = args.get("softmax_scale")
     checks = [
@@ -642,7 +654,7 @@ def _refuse_common(args: dict[str, Any], mapping: str, *, partial_rotary: bool =
         (args.get("softmax_type", "vanilla") == "vanilla", f"a {args.get('softmax_type')} softmax"),
         (not args.get("attention_output_gate"), "a gated attention output (--attention-output-gate)"),
         (not args.get("qk_l2_norm"), "L2-normalised queries and keys (--qk-l2-norm)"),
-        (not args.get("rotary_seq_len_interpolation_factor"),
+        (llama_rope or not args.get("rotary_seq_len_interpolation_factor"),
          "RoPE position interpolation (--rotary-seq-len-interpolation-factor)"),
         (not args.get("experimental_attention_variant"), f"{args.get('experimental_attention_variant')} attention"),
         (softmax_scale is None, f"an attention softmax scale of its own ({softmax_scale})"),
@@ -656,7 +668,7 @@ def _refuse_common(args: dict[str, Any], mapping: str, *, partial_rotary: bool =
 
 def _refuse_unmapped(args: dict[str, Any]) -> None:
     mapping = "the Llama/Qwen mapping"
-    _refuse_common(args, mapping, window=True)  # Mistral's (llama_config)
+    _refuse_common(args, mapping, window=True, llama_rope=True)  # Mistral's window, linear RoPE (llama_config)
     checks = [
         (args.get("normalization", "LayerNorm") == "RMSNorm",
          (f"{args.get('normalization', 'LayerNorm')} with {'SwiGLU' if args.get('swiglu') else 'this MLP'} "

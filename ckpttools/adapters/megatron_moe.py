@@ -367,6 +367,7 @@ def _refuse_unmapped(args: dict[str, Any]) -> None:
         (not args.get("add_bias_linear") and not args.get("add_qkv_bias"), "linear biases"),
         (not args.get("use_rope_scaling"), "Llama 3.1's RoPE scaling"),
         (not args.get("window_size"), f"sliding-window attention (--window-size {args.get('window_size')})"),
+        (not args.get("rotary_seq_len_interpolation_factor"), "RoPE position interpolation"),
         (not args.get("moe_shared_expert_intermediate_size") or bool(args.get("moe_shared_expert_gate")),
          "shared experts without a gate (DeepSeek's)"),
         (not (args.get("moe_shared_expert_intermediate_size") and args.get("qk_layernorm")),
@@ -399,6 +400,7 @@ def _refuse_unmapped_deepseek(args: dict[str, Any]) -> None:
     checks = [
         (not args.get("add_bias_linear") and not args.get("add_qkv_bias"), "linear biases with MLA"),
         (not args.get("window_size"), "sliding-window attention with MLA"),
+        (not args.get("rotary_seq_len_interpolation_factor"), "RoPE position interpolation with MLA"),
         (args.get("moe_router_score_function") == "sigmoid",
          f"multi-latent attention with a {args.get('moe_router_score_function', 'softmax')} router (DeepSeek-V2)"),
         (args.get("rope_type", "yarn") == "rope", f"MLA with {args.get('rope_type', 'yarn')} RoPE (YaRN)"),
