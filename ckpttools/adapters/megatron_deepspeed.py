@@ -116,6 +116,9 @@ def core_names(sources: list[TensorSource]) -> list[TensorSource]:
     query_key_value) -> `decoder.layers.k.*`; the layer after the last transformer layer holding only `weight`
     (and `bias`) is the final norm. A tensor with no rule is refused by name."""
     layers = sorted({int(m["layer"]) for s in sources if (m := KEY_RE.match(s.name)) and m["rest"] == QKV})
+    if layers != list(range(layers[0] if layers else 0, (layers[0] if layers else 0) + len(layers))):
+        raise MappingError(f"the transformer layers are pipeline layers {layers}: not consecutive (a layer's files "
+                           "are missing or from another run)")  # fmt: skip
     index = {n: i for i, n in enumerate(layers)}
     out = []
     for src in sources:
