@@ -146,3 +146,20 @@ def test_the_translation_table() -> None:
     assert args["num_experts"] is None and args["use_rope_scaling"] is False  # num_moe_experts, rope_scaling
     assert (args["rotary_base"], args["layernorm_epsilon"], args["normalization"]) == (1000000, 1e-6, "RMSNorm")
     assert "transformer_layer_spec" not in args  # a module spec, not a value
+
+
+@pytest.mark.parametrize("name", [BRIDGE_LLAMA, BRIDGE_QWEN3_TIED])
+def test_tensors_equal_megatron_bridges_own_export(tmp_path: Path, name: str) -> None:
+    """AutoBridge.export_ckpt of the same checkpoint (run by the builder, on CPU): every tensor equal. Bridge keeps
+    the provider's padded vocabulary rows (64) while its config.json says 61; ckpt drops them: the rows kept are
+    equal."""
+    import torch
+    from safetensors.torch import load_file
+
+    consolidate(run_folder(name), tmp_path / "hf")
+    ours = load_file(tmp_path / "hf" / "model.safetensors")
+    theirs = load_file(run_folder(name).parent / "reference" / "bridge_export.safetensors")
+    assert sorted(ours) == sorted(theirs)
+    for key, tensor in ours.items():
+        assert torch.equal(tensor, theirs[key][: tensor.shape[0]]), key
+    assert theirs["model.embed_tokens.weight"].shape[0] == 64 and ours["model.embed_tokens.weight"].shape[0] == 61

@@ -56,7 +56,7 @@ def read_run_config(path: Path) -> dict[str, Any]:
     except UnicodeDecodeError as e:
         raise CorruptCheckpointError(f"{path} is not UTF-8 text ({e.reason})") from e
     try:
-        import yaml
+        import yaml  # type: ignore[import-untyped]  # no stubs installed; PyYAML comes with huggingface_hub
     except ImportError as e:  # huggingface_hub requires it; a trimmed environment may not have it
         raise UnsupportedCheckpointError(f"reading {path} needs PyYAML (pip install pyyaml)") from e
     try:
