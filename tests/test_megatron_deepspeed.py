@@ -229,3 +229,11 @@ def test_what_after_fpdt_cannot_be_checked_is_refused(
     monkeypatch.setitem(ckpt.layout.details, "args", {**ckpt.layout.details["args"], **change})
     with pytest.raises(UnsupportedCheckpointError, match=what):
         adapt(ckpt, None)
+
+
+def test_a_model_only_megatron_cores_table_maps_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """LayerNorm + SwiGLU + RoPE would be StableLM for Megatron-Core; no Megatron-DeepSpeed run of it was checked."""
+    ckpt = open_checkpoint(run_folder(LLAMA))
+    monkeypatch.setitem(ckpt.layout.details, "args", {**ckpt.layout.details["args"], "normalization": "layernorm"})
+    with pytest.raises(UnsupportedCheckpointError, match="StableLmForCausalLM model"):
+        adapt(ckpt, None)

@@ -141,7 +141,14 @@ def core_names(sources: list[TensorSource]) -> list[TensorSource]:
 
 
 def config_from_args(args: dict[str, Any], ckpt: Checkpoint) -> dict[str, Any]:
-    return megatron_gpt.config_from_args(core_args(args, ckpt.layout.details.get("original_vocab_size")))
+    config = megatron_gpt.config_from_args(core_args(args, ckpt.layout.details.get("original_vocab_size")))
+    arch = config["architectures"][0]
+    if arch not in ARCHITECTURES:  # Megatron-Core's table maps it, but no Megatron-DeepSpeed run of it was checked
+        raise UnsupportedCheckpointError(
+            f"the run's arguments describe a {arch} model; Megatron-DeepSpeed runs are mapped to "
+            f"{' or '.join(ARCHITECTURES)} so far (no such run was checked against its own forward)"
+        )
+    return config
 
 
 def core_args(args: dict[str, Any], original_vocab: int | None) -> dict[str, Any]:
