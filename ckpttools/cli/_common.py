@@ -489,8 +489,8 @@ INPUTS = (
     "PATH may be a DeepSpeed ZeRO checkpoint (a save_dir holding `latest`, a tag folder, a universal checkpoint), "
     "a Trainer checkpoint-N/ or output_dir, an accelerate save_state or Lightning folder, an FSDP2 / torch DCP "
     "folder (`.metadata` + *.distcp, HF safetensors shards, accelerate's per-rank files) or a run folder of its "
-    "step-N/ folders (torchtitan's too), a Megatron-Core torch_dist folder (Megatron-LM's iter_NNNNNNN/ and "
-    "latest_checkpointed_iteration.txt), or the URL of any of these (s3://, gs://, az://, hf://)."
+    "step-N/ folders (torchtitan's too), a Megatron-Core torch_dist folder (Megatron-LM's or Megatron-Bridge's "
+    "iter_NNNNNNN/ and the folder holding them), or the URL of any of these (s3://, gs://, az://, hf://)."
 )
 STEP = click.IntRange(min=0)
 tag_option = click.option(

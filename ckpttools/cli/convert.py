@@ -119,6 +119,10 @@ def consolidate_cmd(
 
     PATH may be remote (s3://, gs://, az:// with the matching extra, hf:// repos and buckets): only the
     records the conversion needs are fetched, by byte range, with the same CRC-32 checks; give --out.
+
+    Megatron's and torchtitan's names are mapped onto the Hugging Face class config.json names (from the
+    run's own record, else --config). A Megatron save's integrity.json is checked first: every file it
+    lists is hashed again (CKPT_SKIP_INTEGRITY=1 skips it).
     """
     from ckpttools.ops.consolidate import ConsolidateOptions, consolidate
 
