@@ -15,8 +15,11 @@ Megatron runs natively (local layer spec, no Transformer Engine); `--cpu` uses t
    (`args` under Megatron-LM's names, as the fixtures' builder fills them).
 2. Megatron-Bridge: `from megatron.bridge import AutoBridge` is tried (its wheel travels too); what it says is
    recorded. Megatron-Bridge 0.6.2 imports Transformer Engine unconditionally (megatron/bridge/peft/lora_layers.py),
-   whose CUDA 13 core wheel (276.5 MB) is over what a call can carry, so its export cannot run on the host; the peers
-   below stand in for it.
+   whose CUDA 13 core wheel (276.5 MB) is over what a call can carry, so its export cannot run on the host. On the
+   development VM it runs on CPU under BRIDGE_PYTHON (default /work/bridge-venv/bin/python, built as
+   fixtures/build/fixture_megatron_bridge.py says) with that builder's workarounds: `--tools ...,bridge`; the
+   Hugging Face folder `AutoBridge.from_hf_pretrained` needs (config, random weights, tokenizer) is written once
+   to WORK/hf-source, untimed.
 3. Rounds (order rotated each round), each a subprocess measured by `bench_consolidate.run_measured`, the output
    deleted, `sync` and the page cache dropped before each:
      ckpt             ckpt consolidate SAVE_DIR --out OUT (fp32 safetensors, config.json from the run's args,
@@ -26,9 +29,12 @@ Megatron runs natively (local layer spec, no Transformer Engine); `--cpu` uses t
                       trimmed), save_file into 5 GB shards
      torch-mem        the same with the checkpoint loaded straight into memory (torch's
                       _load_state_dict_from_keys, no .pt file)
+     bridge           Megatron-Bridge's `AutoBridge.from_hf_pretrained(WORK/hf-source).export_ckpt(SAVE_DIR, OUT)`,
+                      one gloo process on CPU (see `bridge_export` for what is worked around), fsync
      floor            the .distcp bytes read (8 threads, 16 MiB reads) while the output's bytes are written to one
                       file, then fsync
-4. Check (not timed): ckpt's output equals torch-mem's, tensor by tensor (torch.equal), same names.
+4. Check (not timed): ckpt's output equals the peer's (bridge's when it ran, torch-mem's otherwise), tensor by
+   tensor (torch.equal), same names.
 5. OUT/megatron-<size>.json (every run) and OUT/megatron-<size>.md, rewritten after every run.
 """
 
@@ -52,6 +58,11 @@ REPO = Path(__file__).resolve().parent.parent
 GB = 1e9
 ITERATION = 100
 SHARD_BYTES = 5 * 10**9
+FUSED = ("apply_rope_fusion", "bias_swiglu_fusion", "bias_gelu_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+         "gradient_accumulation_fusion")  # fmt: skip
+# Megatron-LM's arguments for unfused kernels, as a CPU run of the local spec has them
+NO_FUSIONS = {**dict.fromkeys(FUSED, False), "no_persist_layer_norm": True}
+BRIDGE_PYTHON = os.environ.get("BRIDGE_PYTHON", "/work/bridge-venv/bin/python")  # Megatron-Bridge 0.6.2's venv
 SIZES = {
     "tiny": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2, "kv_channels": 16,
              "ffn_hidden_size": 128, "vocab_size": 500, "padded_vocab_size": 512, "rotary_base": 500000,
@@ -285,11 +296,79 @@ def floor(folder: Path, out: Path, out_bytes: int) -> None:
         r.result(), w.result()
 
 
+# --- Megatron-Bridge's CPU export (a peer, run under BRIDGE_PYTHON) ---------------------------------------------------
+
+
+def bridge_source(work: Path, size: str) -> Path:
+    """The Hugging Face folder `AutoBridge.from_hf_pretrained` needs (config, random weights, a tokenizer), built
+    once by the fixture builder's `_hf_source` under Bridge's interpreter; untimed."""
+    source = work / "hf-source"
+    if not (source / "config.json").is_file():
+        shutil.rmtree(source, ignore_errors=True)
+        model = {**SIZES[size], "qk_layernorm": False, "seq_length": 8192}
+        code = ("import json, sys; from pathlib import Path; from fixtures.build.fixture_megatron_bridge import "
+                "_hf_source; _hf_source(json.loads(sys.argv[1]), Path(sys.argv[2]))")  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+        subprocess.run([BRIDGE_PYTHON, "-c", code, json.dumps(model), str(source)], check=True, cwd=REPO, env=env)
+    return source
+
+
+def bridge_export(save_dir: Path, source: Path, out: Path) -> None:
+    """`AutoBridge.export_ckpt` on CPU (one gloo process), with fixture_megatron_bridge.export's workarounds for
+    Megatron-Bridge 0.6.2: Transformer Engine stubbed (`import_bridge`), CPU initialisation and no fused kernels asked for, and, for a
+    Megatron-LM checkpoint (args, no run_config.yaml), the model type Bridge requires but export_ckpt does not pass
+    (without it: `AssertionError: model type None not supported.`). Bridge reads Megatron-LM's whole argument
+    namespace (`args.multi_latent_attention`, ...) where the build stores the model's subset, so the checkpoint's args
+    are laid over Megatron-LM's parser defaults as read, fused kernels off (as a CPU run of the local spec has them)."""
+    import torch
+
+    from fixtures.build.fixture_megatron import _cpu_only
+    from fixtures.build.fixture_megatron_bridge import import_bridge
+
+    _cpu_only()
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    import_bridge()
+    import megatron.bridge.training.mlm_compat.arguments as mlm_args
+    import megatron.bridge.training.model_load_save as load_save
+    from megatron.bridge import AutoBridge
+    from megatron.training.arguments import parse_args
+
+    load_model_config, load_megatron_model = load_save.load_model_config, load_save.load_megatron_model
+    load_args = mlm_args._load_args_from_checkpoint
+
+    def args_over_defaults(path: str) -> Any:  # the checkpoint's args over Megatron-LM's defaults (see the docstring)
+        argv, sys.argv = sys.argv, sys.argv[:1]
+        try:
+            defaults = parse_args(ignore_unknown_args=True)
+        finally:
+            sys.argv = argv
+        return argparse.Namespace(**(vars(defaults) | NO_FUSIONS | vars(load_args(path))))
+
+    def model_config(path: str) -> Any:
+        config, args = load_model_config(path)
+        config.use_cpu_initialization = True
+        return config, args
+
+    def load_gpt(*a: Any, **k: Any) -> Any:
+        return load_megatron_model(*a, **{"model_type": "gpt", **k})
+
+    load_save.load_model_config, load_save.load_megatron_model = model_config, load_gpt
+    mlm_args._load_args_from_checkpoint = args_over_defaults
+    AutoBridge.from_hf_pretrained(str(source)).export_ckpt(str(save_dir), str(out), show_progress=False)
+    for fh in out.iterdir():  # durable, as ckpt's output is before it is published
+        if fh.is_file():
+            with open(fh, "rb") as f:
+                os.fsync(f.fileno())
+
+
 def try_bridge() -> dict[str, Any]:
-    """Whether Megatron-Bridge imports here (its export would be the peer); its last error lines if not."""
+    """Whether Megatron-Bridge imports as it is, without the workarounds (under BRIDGE_PYTHON where that exists);
+    its last error lines if not."""
     code = "from megatron.bridge import AutoBridge; import megatron.bridge, importlib.metadata as m; print(m.version('megatron-bridge'))"
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd="/")
+    python = BRIDGE_PYTHON if Path(BRIDGE_PYTHON).is_file() else sys.executable
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, cwd="/")
     return {
+        "python": python,
         "rc": proc.returncode,
         "stdout": proc.stdout[-500:],
         "error": "\n".join(proc.stderr.strip().splitlines()[-6:]),
@@ -304,6 +383,8 @@ def commands(tool: str, work: Path, out_bytes: int) -> list[str]:
     folder = save_dir / f"iter_{ITERATION:07d}"
     if tool == "ckpt":
         return [sys.executable, "-m", "ckpttools.cli", "consolidate", str(save_dir), "--out", str(out), "--json", "-q"]
+    if tool == "bridge":
+        return [BRIDGE_PYTHON, "-m", MODULE, "--bridge-export", str(save_dir), str(work / "hf-source"), str(out)]
     if tool == "floor":
         return [sys.executable, "-m", MODULE, "--floor", str(folder), str(out), str(out_bytes)]
     return [sys.executable, "-m", MODULE, "--peer", tool, str(folder), str(out)]
@@ -341,15 +422,15 @@ def run_one(tool: str, work: Path, out_bytes: int) -> dict[str, Any]:
             "cache_dropped": dropped, "load1": [round(r["loadavg1_before"], 1), round(r["loadavg1_after"], 1)], "why_warm": why, "output": text[-3000:]}  # fmt: skip
 
 
-def check(work: Path) -> dict[str, Any]:
-    """ckpt's output against torch-mem's, tensor by tensor (both written now, untimed)."""
+def check(work: Path, peer: str) -> dict[str, Any]:
+    """ckpt's output against a peer's (torch-mem or bridge), tensor by tensor (both written now, untimed)."""
     env = {
         **os.environ,
         "CI": "1",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     clear(work)
-    for tool in ("ckpt", "torch-mem"):
+    for tool in ("ckpt", peer):
         subprocess.run(commands(tool, work, 0), check=True, capture_output=True, cwd=REPO, env=env)
         (work / "out").rename(work / "keep" if tool == "ckpt" else work / "peer")
     code = (
@@ -368,9 +449,9 @@ def check(work: Path) -> dict[str, Any]:
     shutil.rmtree(work / "peer", ignore_errors=True)
     clear(work)
     try:
-        return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
+        return {"peer": peer} | dict(json.loads(proc.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
-        return {"rc": proc.returncode, "stderr": proc.stderr[-2000:]}
+        return {"peer": peer, "rc": proc.returncode, "stderr": proc.stderr[-2000:]}
 
 
 def render(report: dict[str, Any]) -> str:
@@ -392,7 +473,7 @@ def render(report: dict[str, Any]) -> str:
                      f"{max(r['peak_rss_gb'] for r in rs):.2f} | {max(r['rchar_gb'] for r in rs):.2f} | "
                      f"{max(r['output_gb'] for r in rs):.2f} | {','.join(str(r['rc']) for r in rs)} |")  # fmt: skip
     lines += ["", f"Megatron-Bridge here: `{json.dumps(report.get('bridge'))}`", "",
-              f"check (ckpt output vs torch-mem): `{json.dumps(report.get('check'))}`"]  # fmt: skip
+              f"check (ckpt output vs a peer's): `{json.dumps(report.get('check'))}`"]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -417,12 +498,15 @@ def main() -> None:
     ap.add_argument("--build-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--peer", nargs=3, help=argparse.SUPPRESS)
     ap.add_argument("--floor", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--bridge-export", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.build_worker:
         print(json.dumps(build_worker(args.work, args.size, args.cpu)))
         return
     if args.peer:
         return peer(args.peer[0], Path(args.peer[1]), Path(args.peer[2]))
+    if args.bridge_export:
+        return bridge_export(*(Path(a) for a in args.bridge_export))
     if args.floor:
         return floor(Path(args.floor[0]), Path(args.floor[1]), int(args.floor[2]))
     t0 = time.monotonic()
@@ -432,6 +516,8 @@ def main() -> None:
     report: dict[str, Any] = {"machine": f"{platform.node()}, {os.cpu_count()} cores, python {platform.python_version()}",
                               "built": built, "bridge": try_bridge(), "runs": []}  # fmt: skip
     print(f"bridge {report['bridge']}", flush=True)
+    if "bridge" in args.tools.split(","):
+        report["bridge_source"] = str(bridge_source(args.work, args.size))
     out_bytes = built["params"] * 4  # tied: the embedding once, as the output holds it
     tools = args.tools.split(",")
     plan = [t for r in range(args.runs) for t in tools[r % len(tools) :] + tools[: r % len(tools)]]
@@ -447,7 +533,7 @@ def main() -> None:
         save(report, args.out, name)
     clear(args.work)
     if not args.no_check:
-        report["check"] = check(args.work)
+        report["check"] = check(args.work, "bridge" if "bridge" in tools else "torch-mem")
     print(save(report, args.out, name))
 
 
