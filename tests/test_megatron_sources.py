@@ -1,10 +1,15 @@
-"""Megatron-Bridge save dirs (`iter_*` with `run_config.yaml`, train state): recognised, config.json generated from
-the run config's `model:` section, logits equal to the model's own forward.
+"""Megatron-Bridge save dirs (`iter_*` with `run_config.yaml`, train state) and NeMo 2 checkpoints (`<name>/weights/`
++ `<name>/context/`): recognised, config.json generated from the run config's `model:` section (NeMo 2: the
+`config:` of `context/model.yaml`), logits equal to the model's own forward.
 
 The fixtures (fixtures/megatron_bridge_*) were written by Megatron-Bridge 0.6.2's own `save_checkpoint` on CPU
 (fixtures/build/fixture_megatron_bridge.py, TP 2 over gloo): run_config.yaml by `ConfigContainer.to_yaml`, the
 train state by `torch.save`, the weights by Megatron-Core's `dist_checkpointing.save`. Neither Bridge nor
 megatron-core is needed here. The damaged run configs below are the real file with one value changed.
+
+fixtures/nemo2_llama was written by NeMo 2.7.3's own code on one CPU rank (fixtures/build/fixture_nemo2.py):
+`weights/` by its MegatronCheckpointIO.save_checkpoint of `MegatronParallel.sharded_state_dict()` (names under
+`module.`), `context/` by `TrainerContext.io_dump`; two checkpoints (step 4, step 9 and its `-last` copy).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from ckpttools import consolidate
 from ckpttools.errors import CheckpointNotFoundError
 from ckpttools.layouts.megatron_config import RUN_CONFIG, read_run_config
 from ckpttools.layouts.registry import open_checkpoint
-from tests.support.megatron import ckpt_cli, logits_error, run_folder
+from tests.support.megatron import FIXTURES, ckpt_cli, logits_error, run_folder
 
 BRIDGE_LLAMA, BRIDGE_QWEN3_TIED = "megatron_bridge_tp2_llama", "megatron_bridge_tp2_qwen3_tied"
 ITER = "iter_0000003"
@@ -163,3 +168,97 @@ def test_tensors_equal_megatron_bridges_own_export(tmp_path: Path, name: str) ->
     for key, tensor in ours.items():
         assert torch.equal(tensor, theirs[key][: tensor.shape[0]]), key
     assert theirs["model.embed_tokens.weight"].shape[0] == 64 and ours["model.embed_tokens.weight"].shape[0] == 61
+
+
+# --- NeMo 2 ------------------------------------------------------------------------------------------------------
+
+NEMO2 = "nemo2_llama"
+NEMO_RUN = FIXTURES / NEMO2 / "checkpoints"
+STEP4, STEP9 = "nemo2-llama--step=4-consumed_samples=40.0", "nemo2-llama--step=9-consumed_samples=80.0"
+LAST = STEP9 + "-last"
+
+
+def _nemo_copy(tmp_path: Path) -> Path:
+    run = tmp_path / "checkpoints"
+    shutil.copytree(NEMO_RUN, run)
+    return run
+
+
+def test_a_nemo2_run_folder_opens_its_last_checkpoint_with_the_context_config() -> None:
+    ckpt = open_checkpoint(NEMO_RUN)
+    details = ckpt.layout.details
+    assert ckpt.layout.kind == "megatron" and details["source"] == "NeMo 2"
+    assert ckpt.location.tag == LAST and ckpt.global_steps == 9 and details["args_from"] == "context/model.yaml"
+    assert ckpt.location.tags == [STEP4, STEP9, LAST]
+    assert "embedding.word_embeddings.weight" in ckpt.keys  # NeMo's `module.` prefix stripped
+    assert not [k for k in ckpt.keys if k.startswith("module.")]
+    args = details["args"]
+    assert (args["hidden_size"], args["num_query_groups"], args["vocab_size"], args["padded_vocab_size"]) == (
+        32, 2, 64, 64)  # fmt: skip
+    assert args["swiglu"] and args["untie_embeddings_and_output_weights"] and args["rotary_base"] == 50000
+
+
+@pytest.mark.parametrize("where", [STEP4, f"{STEP4}/weights"])
+def test_a_nemo2_checkpoint_folder_or_its_weights(where: str) -> None:
+    ckpt = open_checkpoint(NEMO_RUN / where)
+    assert ckpt.location.tag == STEP4 and ckpt.global_steps == 4 and ckpt.layout.details["source"] == "NeMo 2"
+
+
+def test_step_chooses_the_nemo2_checkpoint(tmp_path: Path) -> None:
+    assert open_checkpoint(NEMO_RUN, step=4).location.tag == STEP4
+    assert open_checkpoint(NEMO_RUN, step=9).location.tag == STEP9  # the step's own folder before its -last copy
+    with pytest.raises(CheckpointNotFoundError, match="no NeMo checkpoint of step 7 \\(steps: 4, 9\\)"):
+        open_checkpoint(NEMO_RUN, step=7)
+    run = _nemo_copy(tmp_path)
+    shutil.rmtree(run / LAST)
+    shutil.copytree(run / STEP4, run / STEP4.replace("step=4", "step=12"))
+    assert open_checkpoint(run).global_steps == 12  # without -last: the highest step
+
+
+def test_inspect_names_nemo2() -> None:
+    r = ckpt_cli("inspect", str(NEMO_RUN))
+    assert r.returncode == 0, r.stderr
+    assert "(NeMo 2, Megatron-Core torch_dist, iteration 9)" in r.stdout and "(context/model.yaml)" in r.stdout
+    assert "maps to        megatron-core -> LlamaForCausalLM" in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize("where", [NEMO_RUN, NEMO_RUN / STEP9 / "weights"])
+def test_nemo2_logits_equal_the_models_forward(tmp_path: Path, where: Path) -> None:
+    consolidate(where, tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 64
+    assert logits_error(tmp_path / "hf", NEMO2) <= TOLERANCE
+
+
+def test_nemo2_step_4_is_another_model(tmp_path: Path) -> None:
+    """The reference is step 9's forward: step 4's weights (chosen by --step) are not it."""
+    consolidate(NEMO_RUN, tmp_path / "hf", step=4)
+    assert logits_error(tmp_path / "hf", NEMO2) > 0.1
+
+
+def test_garbage_nemo2_context_is_one_line_and_exit_1(tmp_path: Path) -> None:
+    run = _nemo_copy(tmp_path)
+    (run / LAST / "context" / "model.yaml").write_text("config: [unclosed\n  : : :\n")
+    line = _one_error_line(ckpt_cli("consolidate", str(run), "--out", str(tmp_path / "o")))
+    assert "model.yaml" in line and "not plain YAML" in line and "--config" in line, line
+    assert not (tmp_path / "o").exists()
+
+
+def test_python_tags_in_the_nemo2_context_are_not_executed(tmp_path: Path) -> None:
+    run = _nemo_copy(tmp_path)
+    marker = tmp_path / "executed"
+    path = run / LAST / "context" / "model.yaml"
+    path.write_text(f"config: !!python/object/apply:os.system ['touch {marker}']\n")
+    line = _one_error_line(ckpt_cli("consolidate", str(run), "--out", str(tmp_path / "o")))
+    assert "model.yaml" in line and "python/object" in line, line
+    assert not marker.exists()
+
+
+def test_a_nemo2_checkpoint_without_its_model_yaml_needs_config(tmp_path: Path) -> None:
+    run = _nemo_copy(tmp_path)
+    (run / LAST / "context" / "model.yaml").unlink()
+    info = ckpt_cli("inspect", str(run))
+    assert info.returncode == 0 and "model.yaml is missing" in info.stdout, info.stdout + info.stderr
+    r = ckpt_cli("consolidate", str(run), "--out", str(tmp_path / "o"))
+    assert r.returncode != 0 and "--config" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()

@@ -19,6 +19,14 @@ Megatron-Bridge's save dir is the same (its `save_checkpoint` writes the tracker
 older Bridge wrote no tracker). Its distcp files carry no Megatron-LM `args`: the run's config is the `model:`
 section of the iteration's `run_config.yaml`, translated to Megatron-LM's argument names by
 `layouts.megatron_config` (read with yaml.safe_load: its `_target_` strings stay data).
+
+NeMo 2 saves one folder per checkpoint, `<run>/checkpoints/<name>/{weights,context}/` (nemo.lightning.ckpt_utils'
+WEIGHTS_PATH, CONTEXT_PATH), named by its ModelCheckpoint `<model>--<metric>=...-step=<N>-consumed_samples=...`, the
+newest also as `...-last`. `weights/` is the torch_dist folder of `MegatronParallel.sharded_state_dict()`: each
+Megatron-Core name under the prefix `module.` (the LightningModule's `module`), stripped here so the adapters see
+Megatron's names. The config is the `config:` section of `context/model.yaml` (`io_dump` of the LightningModule).
+The user may point at the run's checkpoints folder (`--step`, else the newest `-last`, else the highest step), a
+checkpoint folder, or its `weights/`.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ from ckpttools.layouts.base import ReadOnlyLayout
 from ckpttools.layouts.dcp.chunks import ZIP_MAGIC, ChunkFiles, WindowedSource, chunk_tensor, tensor_segments
 from ckpttools.layouts.dcp.metadata import DcpMetadata, StoredChunk, TensorEntry
 from ckpttools.layouts.dcp.read import read_metadata
-from ckpttools.layouts.megatron_config import RUN_CONFIG, read_run_config
+from ckpttools.layouts.megatron_config import RUN_CONFIG, read_nemo_context, read_run_config
 from ckpttools.model.checkpoint import Checkpoint, OptimizerState, Param, TensorSource
 from ckpttools.model.origin import CheckpointLocation, TagFiles
 from ckpttools.model.parallel import ParallelLayout
@@ -55,6 +63,10 @@ ITER_RE = re.compile(r"^iter_(?P<n>\d+)$")
 COMMON_STATE = "common_state"
 NOT_WEIGHTS = re.compile(r"(^|\.)_extra_state(/|$)|^optimizer(\.|/)|^rng_state(/|$)|^common_state(/|$)")
 MAX_COMMON_BYTES = 64 << 20  # args, iteration, scheduler: kilobytes
+NEMO2, NEMO_WEIGHTS, NEMO_CONTEXT, NEMO_MODEL = "NeMo 2", "weights", "context", "model.yaml"
+NEMO_PREFIX = "module."  # MegatronParallel: the LightningModule's `module` (the Megatron-Core model)
+NEMO_STEP_RE = re.compile(r"(?:^|-)step=(?P<n>\d+)(?:-|$)")
+NEMO_LAST = "-last"
 
 
 def is_megatron_folder(path: Path) -> bool:
@@ -75,9 +87,16 @@ def find_megatron(path: Path, step: int | None = None) -> tuple[Path, Path, str]
     """(iteration folder, save dir, tag) that `path` is or holds; None when it is no Megatron checkpoint."""
     if not path.is_dir():
         return None
+    if is_nemo_weights(path):
+        return path, path.parent.parent, path.parent.name
+    if is_nemo_weights(path / NEMO_WEIGHTS):
+        return path / NEMO_WEIGHTS, path.parent, path.name
     if is_megatron_folder(path):
         saved_in = path.parent if ITER_RE.match(path.name) else path
         return path, saved_in, path.name
+    if nemo := _nemo_checkpoints(path):
+        chosen = _nemo_choice(path, nemo, step)
+        return chosen / NEMO_WEIGHTS, path, chosen.name
     iters = {int(m["n"]): c for c in sorted(path.iterdir()) if (m := ITER_RE.match(c.name)) and is_megatron_folder(c)}
     if not iters:
         return None
@@ -88,6 +107,38 @@ def find_megatron(path: Path, step: int | None = None) -> tuple[Path, Path, str]
             f"{path} has no iteration {step} (iterations: {', '.join(map(str, sorted(iters)))})"
         )
     return iters[step], path, iters[step].name
+
+
+def is_nemo_weights(path: Path) -> bool:
+    """A NeMo 2 checkpoint's `weights/`: a torch_dist folder beside `context/`."""
+    return path.name == NEMO_WEIGHTS and (path.parent / NEMO_CONTEXT).is_dir() and is_megatron_folder(path)
+
+
+def _nemo_checkpoints(path: Path) -> list[Path]:
+    return [c for c in sorted(path.iterdir()) if c.is_dir() and is_nemo_weights(c / NEMO_WEIGHTS)]
+
+
+def nemo_step(name: str) -> int | None:
+    """The `step=N` of a NeMo ModelCheckpoint folder name, None when the name has none."""
+    m = NEMO_STEP_RE.search(name.removesuffix(NEMO_LAST))
+    return int(m["n"]) if m else None
+
+
+def _nemo_choice(path: Path, found: list[Path], step: int | None) -> Path:
+    """`--step`'s checkpoint (its `-last` copy only when no other holds that step), else what NeMo resumes
+    from: the newest `-last`, else the highest step."""
+    steps = {c: nemo_step(c.name) for c in found}
+    if step is not None:
+        matching = sorted((c for c, s in steps.items() if s == step), key=lambda c: c.name.endswith(NEMO_LAST))
+        if not matching:
+            listed = sorted({s for s in steps.values() if s is not None})
+            raise CheckpointNotFoundError(
+                f"{path} has no NeMo checkpoint of step {step} (steps: {', '.join(map(str, listed)) or 'none named'})"
+            )
+        return matching[0]
+    last = [c for c in found if c.name.endswith(NEMO_LAST)]
+    pool = last or found
+    return max(pool, key=lambda c: (steps[c] if steps[c] is not None else -1, c.stat().st_mtime, c.name))
 
 
 def _tracked(path: Path, iters: dict[int, Path]) -> int:
@@ -127,13 +178,20 @@ def read_megatron(folder: Path, saved_in: Path, tag: str) -> Checkpoint:
     model = {fqn: entry for fqn, entry in meta.tensors.items() if is_weight(fqn)}
     if not model:
         raise CorruptCheckpointError(f"{folder} holds no model tensors (only optimizer or extra state)")
+    nemo = is_nemo_weights(folder)
+    strip = nemo and all(fqn.startswith(NEMO_PREFIX) for fqn in model)
     files = ChunkFiles(folder, set(names))
     try:
         files.check_sizes(meta.file_ends)
-        sources = {name: _source(files, name, entry) for name, entry in model.items()}
-        args, common_problem = _common(files, folder, meta)
+        sources = {
+            (name := fqn.removeprefix(NEMO_PREFIX) if strip else fqn): _source(files, name, entry)
+            for fqn, entry in model.items()
+        }
+        args, common_problem = _common(files, folder, meta) if not nemo else (None, "")
     finally:
         files.close()
+    if nemo:
+        return _nemo(folder, saved_in, tag, names, meta, sources)
     source = ""
     if args is None and (folder / RUN_CONFIG).is_file():  # Megatron-Bridge: its run config, not Megatron-LM's args
         source = BRIDGE
@@ -147,6 +205,27 @@ def read_megatron(folder: Path, saved_in: Path, tag: str) -> Checkpoint:
         ckpt.layout.details.update(source=source, args_from=RUN_CONFIG if args else None)
         if step is not None:
             ckpt.layout.details["iteration"] = ckpt.global_steps = step
+    return ckpt
+
+
+def _nemo(
+    folder: Path, saved_in: Path, tag: str, names: Sequence[str], meta: DcpMetadata, sources: dict[str, TensorSource]
+) -> Checkpoint:
+    """A NeMo 2 checkpoint: the config from `context/model.yaml` (its common.pt holds the trainer's state, no
+    config), the step from the folder's name."""
+    context = folder.parent / NEMO_CONTEXT / NEMO_MODEL
+    args, problem = None, f"{context} is missing"
+    if context.is_file():
+        try:
+            args, problem = read_nemo_context(context), ""
+        except CkptError as e:
+            problem = str(e)
+    siblings = [c.name for c in _nemo_checkpoints(saved_in)] or [tag]  # what --step chooses among
+    ckpt = _checkpoint(folder, saved_in, tag, names, meta, sources, args, problem, siblings)
+    step = nemo_step(tag)
+    ckpt.layout.details.update(source=NEMO2, args_from=f"{NEMO_CONTEXT}/{NEMO_MODEL}" if args else None,
+                               iteration=step)  # fmt: skip
+    ckpt.global_steps = step
     return ckpt
 
 
@@ -286,6 +365,7 @@ OPTIMIZER_PREFIX = "optimizer."
 def _checkpoint(
     folder: Path, saved_in: Path, tag: str, names: Sequence[str], meta: DcpMetadata,
     sources: dict[str, TensorSource], args: dict[str, Any] | None, common_problem: str,
+    tags: list[str] | None = None,
 ) -> Checkpoint:  # fmt: skip
     floating = [s.dtype for s in sources.values() if s.dtype.is_floating_point]
     train_dtype = max(set(floating), key=floating.count) if floating else dtypes.FLOAT32
@@ -308,7 +388,8 @@ def _checkpoint(
     }  # fmt: skip
     files = TagFiles({}, {}, "", False, layout=KIND, names=tuple(names))
     side = [n for n in ("config.json",) if (saved_in / n).is_file()]
-    tags = _iterations(saved_in) if saved_in != folder else [tag]  # the iterations --step chooses among
+    if tags is None:  # the iterations --step chooses among
+        tags = _iterations(saved_in) if saved_in != folder else [tag]
     loc = CheckpointLocation(saved_in, tag, folder, files, None, side, tags)
     optimizer = OptimizerState([], {}, {}, saved=bool(optim), stored_keys=_state_keys(meta),
                                stored_bytes=optim_bytes if optim else 0)  # fmt: skip

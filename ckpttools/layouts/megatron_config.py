@@ -1,4 +1,5 @@
-"""The run's model config from Megatron-Bridge's `run_config.yaml`, under Megatron-LM's argument names.
+"""The run's model config from Megatron-Bridge's `run_config.yaml` or NeMo 2's `context/model.yaml`, under
+Megatron-LM's argument names.
 
 Megatron-Bridge saves, beside each `iter_NNNNNNN/` torch_dist folder, the run's whole `ConfigContainer` as YAML
 (`ConfigContainer.to_yaml`: dataclasses as mappings with a `_target_` string naming their class, functions and
@@ -19,6 +20,9 @@ rotary_base, qk_layernorm, moe_*, MLA's q_lora_rank/kv_lora_rank/..., window_siz
 adapters' refusals of what they do not map apply to Bridge runs as they do to Megatron-LM runs. An activation with
 no Megatron-LM argument (a gated GeLU, an ungated SiLU, a function of the run's own) is refused here.
 
+NeMo 2's `context/model.yaml` (fiddle's YAML of the LightningModule, written by `TrainerContext.io_dump`) holds
+the same TransformerConfig fields under `config:`, written the same way (`_target_` strings, `_call_: false`).
+
 The YAML is read with `yaml.safe_load`: `_target_` strings stay data, a `!!python/...` tag is refused, nothing is
 imported or called.
 """
@@ -32,7 +36,7 @@ from typing import Any
 from ckpttools.errors import CorruptCheckpointError, UnsupportedCheckpointError, short
 
 RUN_CONFIG = "run_config.yaml"
-MAX_RUN_CONFIG_BYTES = 16 << 20  # Bridge writes ~30 kB
+MAX_RUN_CONFIG_BYTES = 16 << 20  # Bridge writes ~30 kB, NeMo 2 ~10 kB
 
 # Bridge (TransformerConfig) name -> Megatron-LM argument name, where they differ.
 RENAMED = {"num_moe_experts": "num_experts", "rope_scaling": "use_rope_scaling"}
@@ -48,10 +52,32 @@ ACTIVATIONS: dict[tuple[str, bool], dict[str, bool]] = {
 
 def read_run_config(path: Path) -> dict[str, Any]:
     """The `model:` section of a Bridge run_config.yaml, translated to Megatron-LM's argument names."""
+    data = _load_yaml(path, "Megatron-Bridge's run config")
+    model = data.get("model") if isinstance(data, dict) else None
+    if not isinstance(model, dict):
+        raise CorruptCheckpointError(
+            f"{path} has no `model:` mapping (Megatron-Bridge writes the model provider there)"
+        )
+    return megatron_lm_args(model, str(path))
+
+
+def read_nemo_context(path: Path) -> dict[str, Any]:
+    """The `config:` section of a NeMo 2 checkpoint's `context/model.yaml` (its `io_dump` of the LightningModule:
+    fiddle's YAML, the model's `config` a TransformerConfig subclass such as LlamaConfig), under Megatron-LM's
+    argument names."""
+    data = _load_yaml(path, "NeMo 2's model context")
+    config = data.get("config") if isinstance(data, dict) else None
+    if not isinstance(config, dict):
+        raise CorruptCheckpointError(f"{path} has no `config:` mapping (NeMo 2 writes the model's config there)")
+    return megatron_lm_args(config, str(path))
+
+
+def _load_yaml(path: Path, what: str) -> Any:
+    """yaml.safe_load of a config file ckpt only reads: a `!!python/...` tag is refused, nothing is built."""
     try:
         size = path.stat().st_size
         if size > MAX_RUN_CONFIG_BYTES:
-            raise CorruptCheckpointError(f"{path} is {size} bytes: not Megatron-Bridge's run config")
+            raise CorruptCheckpointError(f"{path} is {size} bytes: not {what}")
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise CorruptCheckpointError(f"{path} is not UTF-8 text ({e.reason})") from e
@@ -60,7 +86,7 @@ def read_run_config(path: Path) -> dict[str, Any]:
     except ImportError as e:  # huggingface_hub requires it; a trimmed environment may not have it
         raise UnsupportedCheckpointError(f"reading {path} needs PyYAML (pip install pyyaml)") from e
     try:
-        data = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as e:
         where = getattr(e, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
@@ -69,13 +95,7 @@ def read_run_config(path: Path) -> dict[str, Any]:
         why = f"the tag !!{short(tag[1], 60)}: ckpt builds no objects from it" if tag else short(problem, 80)
         raise CorruptCheckpointError(f"{path} is not plain YAML{at} ({why})") from e
     except RecursionError as e:
-        raise CorruptCheckpointError(f"{path} nests too deeply to be Megatron-Bridge's run config") from e
-    model = data.get("model") if isinstance(data, dict) else None
-    if not isinstance(model, dict):
-        raise CorruptCheckpointError(
-            f"{path} has no `model:` mapping (Megatron-Bridge writes the model provider there)"
-        )
-    return megatron_lm_args(model, str(path))
+        raise CorruptCheckpointError(f"{path} nests too deeply to be {what}") from e
 
 
 def megatron_lm_args(model: dict[str, Any], where: str) -> dict[str, Any]:
