@@ -262,3 +262,17 @@ def test_a_nemo2_checkpoint_without_its_model_yaml_needs_config(tmp_path: Path) 
     r = ckpt_cli("consolidate", str(run), "--out", str(tmp_path / "o"))
     assert r.returncode != 0 and "--config" in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_a_nemo2_vocabulary_set_by_the_tokenizer_keeps_the_padded_rows(tmp_path: Path) -> None:
+    """NeMo's config leaves vocab_size null when a tokenizer sets it (the real model.yaml, that value changed):
+    the embedding's rows are the padded vocabulary, kept with a note, never guessed smaller."""
+    run = _nemo_copy(tmp_path)
+    path = run / LAST / "context" / "model.yaml"
+    path.write_text(path.read_text().replace("  vocab_size: 64\n", "  vocab_size: null\n", 1))
+    args = open_checkpoint(run).layout.details["args"]
+    assert args["vocab_size"] is None and args["padded_vocab_size"] == 64
+    result = consolidate(run, tmp_path / "hf")
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["vocab_size"] == 64
+    assert any("padded vocabulary" in n for n in result.notes), result.notes
+    assert logits_error(tmp_path / "hf", NEMO2) <= TOLERANCE

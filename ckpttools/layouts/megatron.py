@@ -217,7 +217,7 @@ def _nemo(
     args, problem = None, f"{context} is missing"
     if context.is_file():
         try:
-            args, problem = read_nemo_context(context), ""
+            args, problem = read_nemo_context(context, _embedding_rows(sources)), ""
         except CkptError as e:
             problem = str(e)
     siblings = [c.name for c in _nemo_checkpoints(saved_in)] or [tag]  # what --step chooses among
@@ -227,6 +227,11 @@ def _nemo(
                                iteration=step)  # fmt: skip
     ckpt.global_steps = step
     return ckpt
+
+
+def _embedding_rows(sources: dict[str, TensorSource]) -> int | None:
+    embedding = sources.get("embedding.word_embeddings.weight")
+    return int(embedding.shape[0]) if embedding is not None else None
 
 
 def train_step(path: Path) -> int | None:

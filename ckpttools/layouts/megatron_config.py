@@ -61,15 +61,22 @@ def read_run_config(path: Path) -> dict[str, Any]:
     return megatron_lm_args(model, str(path))
 
 
-def read_nemo_context(path: Path) -> dict[str, Any]:
+def read_nemo_context(path: Path, embedding_rows: int | None) -> dict[str, Any]:
     """The `config:` section of a NeMo 2 checkpoint's `context/model.yaml` (its `io_dump` of the LightningModule:
     fiddle's YAML, the model's `config` a TransformerConfig subclass such as LlamaConfig), under Megatron-LM's
-    argument names."""
+    argument names.
+
+    NeMo's config leaves `vocab_size` null when the tokenizer sets it (GPTConfig.configure_model pads the
+    tokenizer's size); the tokenizer's entry records no size, so the embedding's rows are the padded vocabulary
+    and the tokenizer's size stays unknown, as in a Megatron-LM run with a real tokenizer."""
     data = _load_yaml(path, "NeMo 2's model context")
     config = data.get("config") if isinstance(data, dict) else None
     if not isinstance(config, dict):
         raise CorruptCheckpointError(f"{path} has no `config:` mapping (NeMo 2 writes the model's config there)")
-    return megatron_lm_args(config, str(path))
+    if config.get("vocab_size") is not None or not embedding_rows:
+        return megatron_lm_args(config, str(path))
+    args = megatron_lm_args({**config, "vocab_size": embedding_rows, "should_pad_vocab": False}, str(path))
+    return {**args, "vocab_size": None, "padded_vocab_size": embedding_rows}
 
 
 def _load_yaml(path: Path, what: str) -> Any:
