@@ -7,7 +7,8 @@ The fixtures (fixtures/megatron_bridge_*) were written by Megatron-Bridge 0.6.2'
 train state by `torch.save`, the weights by Megatron-Core's `dist_checkpointing.save`. Neither Bridge nor
 megatron-core is needed here. The damaged run configs below are the real file with one value changed.
 
-fixtures/nemo2_llama was written by NeMo 2.7.3's own code on one CPU rank (fixtures/build/fixture_nemo2.py):
+fixtures/nemo2_llama (TP 1) and nemo2_tp2_llama (TP 2) were written by NeMo 2.7.3's own code on CPU gloo ranks
+(fixtures/build/fixture_nemo2.py):
 `weights/` by its MegatronCheckpointIO.save_checkpoint of `MegatronParallel.sharded_state_dict()` (names under
 `module.`), `context/` by `TrainerContext.io_dump`; two checkpoints (step 4, step 9 and its `-last` copy).
 """
@@ -172,7 +173,7 @@ def test_tensors_equal_megatron_bridges_own_export(tmp_path: Path, name: str) ->
 
 # --- NeMo 2 ------------------------------------------------------------------------------------------------------
 
-NEMO2 = "nemo2_llama"
+NEMO2, NEMO2_TP2 = "nemo2_llama", "nemo2_tp2_llama"
 NEMO_RUN = FIXTURES / NEMO2 / "checkpoints"
 STEP4, STEP9 = "nemo2-llama--step=4-consumed_samples=40.0", "nemo2-llama--step=9-consumed_samples=80.0"
 LAST = STEP9 + "-last"
@@ -222,12 +223,14 @@ def test_inspect_names_nemo2() -> None:
     assert "maps to        megatron-core -> LlamaForCausalLM" in r.stdout, r.stdout
 
 
-@pytest.mark.parametrize("where", [NEMO_RUN, NEMO_RUN / STEP9 / "weights"])
-def test_nemo2_logits_equal_the_models_forward(tmp_path: Path, where: Path) -> None:
-    consolidate(where, tmp_path / "hf")
+@pytest.mark.parametrize(("name", "where"), [(NEMO2, ""), (NEMO2, f"{STEP9}/weights"), (NEMO2_TP2, "")])
+def test_nemo2_logits_equal_the_models_forward(tmp_path: Path, name: str, where: str) -> None:
+    ckpt = open_checkpoint(FIXTURES / name / "checkpoints" / where)
+    assert ckpt.layout.tp == (2 if name == NEMO2_TP2 else 1) and ckpt.layout.details["world_size"] == ckpt.layout.tp
+    consolidate(FIXTURES / name / "checkpoints" / where, tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == 64
-    assert logits_error(tmp_path / "hf", NEMO2) <= TOLERANCE
+    assert logits_error(tmp_path / "hf", name) <= TOLERANCE
 
 
 def test_nemo2_step_4_is_another_model(tmp_path: Path) -> None:
