@@ -40,13 +40,12 @@ from typing import Any
 
 from ckpttools.errors import CheckpointNotFoundError, CkptError, CorruptCheckpointError, short
 from ckpttools.io import dtypes, integrity, torchfile
-from ckpttools.io.dtypes import DType
 from ckpttools.io.source import list_names, open_stream
-from ckpttools.io.torchfile import PickledObject
 from ckpttools.layouts.base import ReadOnlyLayout
 from ckpttools.layouts.dcp.chunks import ZIP_MAGIC, ChunkFiles, WindowedSource, chunk_tensor, tensor_segments
 from ckpttools.layouts.dcp.metadata import DcpMetadata, StoredChunk, TensorEntry
 from ckpttools.layouts.dcp.read import read_metadata
+from ckpttools.layouts.megatron_args import ArgsGlobals, args_of
 from ckpttools.layouts.megatron_config import RUN_CONFIG, read_nemo_context, read_run_config
 from ckpttools.model.checkpoint import Checkpoint, OptimizerState, Param, TensorSource
 from ckpttools.model.origin import CheckpointLocation, TagFiles
@@ -264,61 +263,17 @@ def _source(files: ChunkFiles, name: str, entry: TensorEntry) -> TensorSource:
 # --- The run's arguments --------------------------------------------------------------------------------------
 
 
-class _Enum(PickledObject):
-    """A Megatron enum member or `signal.Signals` as pickled: its value only."""
-
-    def __repr__(self) -> str:
-        return f"{self.qualname}({', '.join(map(repr, self.args))})"
-
-
-def _inert(module: str, name: str) -> type:
-    base = _Enum if name != "Namespace" else PickledObject
-    return type(name, (base,), {"qualname": f"{module}.{name}"})
-
-
-FIXED_GLOBALS = (("argparse", "Namespace"), ("signal", "Signals"))
-
-
-class _ArgsGlobals(dict[tuple[str, str], Any]):
-    """The names the common state may pickle: argparse.Namespace, Megatron's own (enums, config records) and
-    signal.Signals, each as an inert stand-in built here; nothing is imported from those modules."""
-
-    def __init__(self) -> None:
-        super().__init__({key: _inert(*key) for key in FIXED_GLOBALS})  # never empty: readers test it for truth
-
-    def __missing__(self, key: tuple[str, str]) -> Any:
-        module, name = key
-        if module.split(".")[0] == "megatron":
-            self[key] = _inert(module, name)
-            return self[key]
-        raise KeyError(key)
-
-    def __contains__(self, key: object) -> bool:
-        if not isinstance(key, tuple) or len(key) != 2:
-            return False
-        return key in FIXED_GLOBALS or str(key[0]).split(".")[0] == "megatron"
-
-
 def _common(files: ChunkFiles, folder: Path, meta: DcpMetadata) -> tuple[dict[str, Any] | None, str]:
     """The run's args as plain values, and why they could not be read ("" when they were, or were not saved):
     from the `common_state` object (megatron-core >= 0.19), else `common.pt` (older saves)."""
     stored = next((s for fqn, s in sorted(meta.byte_storage.items()) if fqn.startswith(f"{COMMON_STATE}/")), None)
     try:
-        args = _args(_load_common_bytes(files, folder, stored)) if stored is not None else None
+        args = args_of(_load_common_bytes(files, folder, stored)) if stored is not None else None
         if args is None and (folder / COMMON_FILE).is_file():
-            args = _args(torchfile.load_pickle(folder / COMMON_FILE, extra_globals=_ArgsGlobals()))
+            args = args_of(torchfile.load_pickle(folder / COMMON_FILE, extra_globals=ArgsGlobals()))
     except CkptError as e:
         return None, str(e)
     return args, ""
-
-
-def _args(common: Any) -> dict[str, Any] | None:
-    if isinstance(common, list) and len(common) == 1:
-        common = common[0]  # ShardedObject data is saved as [data]
-    args = common.get("args") if isinstance(common, dict) else None
-    if not isinstance(args, PickledObject):
-        return None
-    return {k: plain(v) for k, v in vars(args).items() if k != "args"}
 
 
 def _load_common_bytes(files: ChunkFiles, folder: Path, stored: StoredChunk) -> Any:
@@ -336,30 +291,13 @@ def _load_common_bytes(files: ChunkFiles, folder: Path, stored: StoredChunk) -> 
         raise
     except Exception as e:  # zipfile raises many kinds on damaged input
         raise CorruptCheckpointError(f"{where}: the common state is damaged ({type(e).__name__})") from e
-    unpickler = torchfile._AllowlistUnpickler(data, records, where, extra_globals=_ArgsGlobals())
+    unpickler = torchfile._AllowlistUnpickler(data, records, where, extra_globals=ArgsGlobals())
     try:
         return unpickler.load()
     except CkptError:
         raise
     except Exception as e:
         raise CorruptCheckpointError(f"{where}: cannot read the common state ({type(e).__name__})") from e
-
-
-def plain(value: Any) -> Any:
-    """An args value as JSON: dtypes by name, enum members as `Enum(value)`, records as dicts."""
-    if isinstance(value, DType):
-        return value.name
-    if isinstance(value, _Enum):
-        return repr(value)
-    if isinstance(value, PickledObject):
-        return {k: plain(v) for k, v in vars(value).items() if k != "args"}
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return [plain(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return short(value, 80)
 
 
 # --- The neutral model ----------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from ckpttools.io.torchfile import DEEPSPEED_STUBS, LazyTensor, PickledObject, R
 from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.crosscheck import OpenFiles, first_difference
 from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE, PIPE_LAYER_RE, ZERO3_MODEL_RE
-from ckpttools.layouts.megatron import _args, _ArgsGlobals, _inert
+from ckpttools.layouts.megatron_args import ArgsGlobals, args_of, inert
 from ckpttools.layouts.rankfile import (
     OPTIM_KEYS,
     RankFile,
@@ -69,7 +69,7 @@ STAGES_AGREE = ("ds_config", "ds_version", "dp_world_size", "mp_world_size", "ch
 WRITABLE_STUBS = tuple(v for v in DEEPSPEED_STUBS.values() if isinstance(v, type))  # torchwriter re-creates these
 
 
-class StageGlobals(_ArgsGlobals):
+class StageGlobals(ArgsGlobals):
     """What Megatron-DeepSpeed's client state puts in the stage files besides tensors, as inert records (nothing
     is imported): its `args` (argparse.Namespace with Megatron enums, as layouts.megatron reads Megatron-LM's) and
     its `rng_state` (numpy's generator state pickles numpy arrays and dtypes)."""
@@ -79,7 +79,7 @@ class StageGlobals(_ArgsGlobals):
 
     def __init__(self) -> None:
         super().__init__()
-        self.update({key: _inert(*key) for key in self.NUMPY})
+        self.update({key: inert(*key) for key in self.NUMPY})
 
     def __contains__(self, key: object) -> bool:
         return key in self.NUMPY or super().__contains__(key)
@@ -114,7 +114,7 @@ RUNTIME_ARGS = ("attn_mask", "rotary_pos_emb")
 def run_args(stage: Mapping[str, Any]) -> dict[str, Any] | None:
     """The saving run's Megatron arguments (plain values) from a stage file, or None (a PipelineModule of one's own,
     saved without Megatron-DeepSpeed's client state)."""
-    args = _args(stage)
+    args = args_of(stage)
     return None if args is None else {k: v for k, v in args.items() if k not in RUNTIME_ARGS}
 
 

@@ -28,7 +28,7 @@ from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE
 from ckpttools.layouts.pipeline import PipelineFiles, StageGlobals, read_pipeline, refuse_inert_records, run_args
 from ckpttools.layouts.rankfile import RankFile, check_agree
-from ckpttools.layouts.tp_map import TensorPlan, _matching, _plan, tensor_plans
+from ckpttools.layouts.tp_map import TensorPlan, matching, plan_of, tensor_plans
 from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
 from ckpttools.model.checkpoint import Checkpoint, Param, Replica
 from ckpttools.model.origin import CheckpointLocation
@@ -126,8 +126,8 @@ def _plans(f0: RankFile, ranks: list[Checkpoint]) -> dict[str, TensorPlan]:
     f0 = RankFile(f0.path, {**f0.obj, INFO: {k: v for k, v in info.items() if k != HALVES}}, f0.what)
     plans = tensor_plans([f0], ranks)
     for name, plan in plans.items():
-        if _matching(f0, name, dict.fromkeys(halves)) is not None:
-            plans[name] = _plan(f0, name, _halves_map(plan.shard_shapes), list(plan.shard_shapes), None)
+        if matching(f0, name, dict.fromkeys(halves)) is not None:
+            plans[name] = plan_of(f0, name, _halves_map(plan.shard_shapes), list(plan.shard_shapes), None)
     return plans
 
 
@@ -241,7 +241,7 @@ def _layout(
     halves = {} if info.get("affine_map") else dict.fromkeys(str(p) for p in info.get(HALVES) or [])
     split: dict[str, list[str]] = {}
     for name, plan in plans.items():
-        how = "halves of each rank, joined ([gate; up])" if _matching(models[0], name, halves) else _split_of(plan)
+        how = "halves of each rank, joined ([gate; up])" if matching(models[0], name, halves) else _split_of(plan)
         split.setdefault(how, []).append(name)
     details = {
         "layer_stage": first.layout.details.get("layer_stage", {}),

@@ -81,21 +81,21 @@ def _plans_of(f0: RankFile, local_shapes: Mapping[str, list[tuple[int, ...]]]) -
     original_vocab = info.get("original_vocab_size")
     plans = {}
     for name, local in local_shapes.items():
-        hit = _matching(f0, name, unsupported)
+        hit = matching(f0, name, unsupported)
         if hit is not None:
             raise UnsupportedCheckpointError(
                 f"{f0.path}: AutoTP marks {name} as not convertible ({short(unsupported[hit], 80)}); its TP shards "
                 "cannot be merged"
             )
-        pattern = _matching(f0, name, maps)
+        pattern = matching(f0, name, maps)
         if pattern is None and maps and not _categorized(f0, info, name):
             raise CorruptCheckpointError(
                 f"{f0.path}: {name} is covered neither by universal_checkpoint_info's affine map nor by any of its "
                 "pattern lists, so how its TP shards merge is unknown; the file is damaged or not from this run"
             )
         entry = _category_map(f0, info, name, local) if pattern is None else maps[pattern]
-        keep = original_vocab if _matching(f0, name, dict.fromkeys(vocab)) is not None else None
-        plans[name] = _plan(f0, name, entry, local, keep)
+        keep = original_vocab if matching(f0, name, dict.fromkeys(vocab)) is not None else None
+        plans[name] = plan_of(f0, name, entry, local, keep)
     return plans
 
 
@@ -114,7 +114,7 @@ def _affine_maps(f0: RankFile, info: dict[str, Any]) -> dict[str, Any]:
     return dict(affine["params"])
 
 
-def _matching(f0: RankFile, name: str, patterns: Mapping[str, Any]) -> str | None:
+def matching(f0: RankFile, name: str, patterns: Mapping[str, Any]) -> str | None:
     """The one pattern matching `name` (DeepSpeed's converter matches with re.match), or None."""
     hits = [str(pattern) for pattern in patterns if _compiled(f0, pattern).match(name)]
     if len(hits) > 1:
@@ -130,7 +130,7 @@ CATEGORY_KEYS = ("tp_replicated_parameter_patterns", "parameter_with_row_paralle
 
 def _categorized(f0: RankFile, info: dict[str, Any], name: str) -> bool:
     """Whether a pattern list of universal_checkpoint_info names the parameter (column-parallel ones need none)."""
-    return any(_matching(f0, name, dict.fromkeys(info.get(key) or [])) is not None for key in CATEGORY_KEYS)
+    return any(matching(f0, name, dict.fromkeys(info.get(key) or [])) is not None for key in CATEGORY_KEYS)
 
 
 def _compiled(f0: RankFile, pattern: Any) -> re.Pattern[str]:
@@ -145,21 +145,21 @@ def _category_map(f0: RankFile, info: dict[str, Any], name: str, local: list[tup
     them: replicated ones from TP rank 0, row-parallel ones concatenated on dim 1, all others on dim 0."""
     fused = [p for entry in info.get("parameter_with_sub_params") or [] if isinstance(entry, dict)
               for p in entry.get("patterns") or []]  # fmt: skip
-    if _matching(f0, name, dict.fromkeys(fused)) is not None:
+    if matching(f0, name, dict.fromkeys(fused)) is not None:
         raise UnsupportedCheckpointError(
             f"{f0.path}: {name} is a fused parameter (parameter_with_sub_params) without an affine map; ckpttools "
             "merges fused parameters only through the affine map newer DeepSpeed versions save"
         )
-    if _matching(f0, name, dict.fromkeys(info.get("tp_replicated_parameter_patterns") or [])) is not None:
+    if matching(f0, name, dict.fromkeys(info.get("tp_replicated_parameter_patterns") or [])) is not None:
         return _replicated(local)
     for key in UNMERGED_KEYS:  # averaged or chunk-interleaved: not a concatenation, which is all that is left
-        if _matching(f0, name, dict.fromkeys(info.get(key) or [])) is not None:
+        if matching(f0, name, dict.fromkeys(info.get(key) or [])) is not None:
             raise UnsupportedCheckpointError(
                 f"{f0.path}: {name} matches {key} of universal_checkpoint_info without an affine map; ckpttools "
                 "does not merge such parameters (DeepSpeed's ds_to_universal does)"
             )
     row_parallel = info.get("parameter_with_row_parallelism_patterns") or []
-    return _concatenated(f0, name, local, 1 if _matching(f0, name, dict.fromkeys(row_parallel)) else 0)
+    return _concatenated(f0, name, local, 1 if matching(f0, name, dict.fromkeys(row_parallel)) else 0)
 
 
 def _row_major(shape: Sequence[int]) -> list[int]:
@@ -194,7 +194,7 @@ def _concatenated(f0: RankFile, name: str, local: list[tuple[int, ...]], dim: in
     return {"logical_shape": full, "ranks": ranks}
 
 
-def _plan(f0: RankFile, name: str, entry: Any, local: list[tuple[int, ...]], keep_rows: Any) -> TensorPlan:
+def plan_of(f0: RankFile, name: str, entry: Any, local: list[tuple[int, ...]], keep_rows: Any) -> TensorPlan:
     """Check a map entry against the stored shards and turn it into the runs of the full tensor."""
     where = f"the affine map of {name}"
     if not isinstance(entry, dict):
