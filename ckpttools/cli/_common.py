@@ -490,7 +490,8 @@ INPUTS = (
     "a Trainer checkpoint-N/ or output_dir, an accelerate save_state or Lightning folder, an FSDP2 / torch DCP "
     "folder (`.metadata` + *.distcp, HF safetensors shards, accelerate's per-rank files) or a run folder of its "
     "step-N/ folders (torchtitan's too), a Megatron-Core torch_dist folder (Megatron-LM's or Megatron-Bridge's "
-    "iter_NNNNNNN/ and the folder holding them, a NeMo 2 checkpoint or its checkpoints/ folder), or the URL of any of these (s3://, gs://, az://, hf://)."
+    "iter_NNNNNNN/ and the folder holding them, a NeMo 2 checkpoint or its checkpoints/ folder), or the URL of "
+    "any of these (s3://, gs://, az://, hf://)."
 )
 STEP = click.IntRange(min=0)
 tag_option = click.option(
