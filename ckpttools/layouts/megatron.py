@@ -145,7 +145,7 @@ def _tracked(path: Path, iters: dict[int, Path]) -> int:
     try:
         text = (path / TRACKER).read_text().strip()
     except OSError:
-        step = train_step(path / LATEST_TRAIN_STATE) if (path / LATEST_TRAIN_STATE).is_file() else None
+        step = train_step(path / LATEST_TRAIN_STATE)
         if step is not None and step not in iters:
             raise CheckpointNotFoundError(
                 f"{path / LATEST_TRAIN_STATE} names step {step}, but {path} has no such iter_* folder (it has "
@@ -200,7 +200,7 @@ def read_megatron(folder: Path, saved_in: Path, tag: str) -> Checkpoint:
             common_problem = str(e)
     ckpt = _checkpoint(folder, saved_in, tag, names, meta, sources, args, common_problem)
     if source:
-        step = train_step(folder / TRAIN_STATE) if (folder / TRAIN_STATE).is_file() else None
+        step = train_step(folder / TRAIN_STATE)
         ckpt.layout.details.update(source=source, args_from=RUN_CONFIG if args else None)
         if step is not None:
             ckpt.layout.details["iteration"] = ckpt.global_steps = step
@@ -234,9 +234,11 @@ def _embedding_rows(sources: dict[str, TensorSource]) -> int | None:
 
 
 def train_step(path: Path) -> int | None:
-    """The `step` of a Megatron-Bridge train state (`torch.save` of a dict of 0-dim tensors), None if it has
-    none. Bridge writes `latest_train_state.pt` as a copy of the iteration's `train_state.pt`: the name torch.save
-    records inside is the original's, so that check is off here."""
+    """The `step` of a Megatron-Bridge train state (`torch.save` of a dict of 0-dim tensors), None if there is no
+    such file or it records none. Bridge writes `latest_train_state.pt` as a copy of the iteration's
+    `train_state.pt`: the name torch.save records inside is the original's, so that check is off here."""
+    if not path.is_file():
+        return None
     try:
         state = torchfile.load_pickle(path, check_identity=False)
     except CkptError as e:
@@ -244,14 +246,11 @@ def train_step(path: Path) -> int | None:
     step = state.get("step") if isinstance(state, dict) else None
     if not isinstance(step, torchfile.LazyTensor) or step.numel() != 1 or step.dtype != dtypes.INT64:
         return None
-    reader = torchfile.RecordReader()
     start, length = step.byte_span()
     buf = bytearray(length)
-    try:
+    with torchfile.RecordReader() as reader:
         reader.readinto(step.record, start, memoryview(buf))
-        reader.finish()
-    finally:
-        reader.close()
+        reader.finish()  # the record's CRC-32
     return int.from_bytes(buf, "little", signed=True)
 
 

@@ -28,7 +28,7 @@ from ckpttools.layouts.base import ReshardTarget
 from ckpttools.layouts.locate import MODEL_RE, OPTIM_RE
 from ckpttools.layouts.pipeline import PipelineFiles, StageGlobals, read_pipeline, refuse_inert_records, run_args
 from ckpttools.layouts.rankfile import RankFile, check_agree
-from ckpttools.layouts.tp_map import TensorPlan, matching, plan_of, tensor_plans
+from ckpttools.layouts.tp_map import TensorPlan, halves_map, matching, plan_of, tensor_plans
 from ckpttools.layouts.zero.write import check_sliced_reshard, sliced_tag_files
 from ckpttools.model.checkpoint import Checkpoint, Param, Replica
 from ckpttools.model.origin import CheckpointLocation
@@ -127,35 +127,8 @@ def _plans(f0: RankFile, ranks: list[Checkpoint]) -> dict[str, TensorPlan]:
     plans = tensor_plans([f0], ranks)
     for name, plan in plans.items():
         if matching(f0, name, dict.fromkeys(halves)) is not None:
-            plans[name] = plan_of(f0, name, _halves_map(plan.shard_shapes), list(plan.shard_shapes), None)
+            plans[name] = plan_of(f0, name, halves_map(plan.shard_shapes), list(plan.shard_shapes), None)
     return plans
-
-
-def _halves_map(local: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
-    """The affine map (tp_map's form) of a tensor whose every TP shard is [a slice of part 1; a slice of part 2]."""
-    inner = 1
-    for d in local[0][1:]:
-        inner *= d
-    half = local[0][0] // 2
-    full = [sum(s[0] for s in local), *local[0][1:]]
-    strides = [inner, *_strides(local[0][1:])]
-    ranks = {}
-    for r, shard in enumerate(local):
-        if shard != local[0] or shard[0] % 2:
-            raise CorruptCheckpointError(f"TP shards {[list(s) for s in local]} do not split into two equal halves")
-        pieces = [{"shape": [half, *shard[1:]], "source": [(part * full[0] // 2 + r * half) * inner, strides],
-                   "dest": [part * half * inner, strides], "locations": [r]} for part in (0, 1)]  # fmt: skip
-        ranks[r] = {"shard_shape": list(shard), "pieces": pieces}
-    return {"logical_shape": full, "ranks": ranks}
-
-
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    out: list[int] = []
-    n = 1
-    for d in reversed(shape):
-        out.insert(0, n)
-        n *= d
-    return out
 
 
 def _with_rules(loc: CheckpointLocation, models: list[RankFile], rules: Mapping[str, Any] | None) -> list[RankFile]:

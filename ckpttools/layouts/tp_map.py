@@ -194,6 +194,24 @@ def _concatenated(f0: RankFile, name: str, local: list[tuple[int, ...]], dim: in
     return {"logical_shape": full, "ranks": ranks}
 
 
+def halves_map(local: Sequence[tuple[int, ...]]) -> dict[str, Any]:
+    """The map of a tensor whose every TP shard is [its slice of part 1; its slice of part 2] (Megatron-DeepSpeed's
+    SwiGLU `dense_h_to_4h`, `parameter_with_2_sub_params_cat_dim_0`), merged as ds_to_universal merges it: every
+    rank's first half, then every rank's second half."""
+    half = local[0][0] // 2
+    full = [sum(s[0] for s in local), *local[0][1:]]
+    strides = _row_major(full)
+    row = strides[0]  # elements in one row of dim 0
+    ranks = {}
+    for r, shard in enumerate(local):
+        if shard != local[0] or shard[0] % 2:
+            raise CorruptCheckpointError(f"TP shards {[list(s) for s in local]} do not split into two equal halves")
+        pieces = [{"shape": [half, *shard[1:]], "source": [(part * full[0] // 2 + r * half) * row, strides],
+                   "dest": [part * half * row, strides], "locations": [r]} for part in (0, 1)]  # fmt: skip
+        ranks[r] = {"shard_shape": list(shard), "pieces": pieces}
+    return {"logical_shape": full, "ranks": ranks}
+
+
 def plan_of(f0: RankFile, name: str, entry: Any, local: list[tuple[int, ...]], keep_rows: Any) -> TensorPlan:
     """Check a map entry against the stored shards and turn it into the runs of the full tensor."""
     where = f"the affine map of {name}"
